@@ -1,0 +1,353 @@
+"""Configuration: YAML file -> validated model, checked completely before anything starts.
+
+Lookup order: `--config PATH`, then `$OCRVL_CONFIG`, then `~/.config/ocrvl/config.yaml`, then
+the built-in defaults. `~` and `$VARS` are expanded in paths. Every error names the key, the
+bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, MODELS, VLModel
+
+DEFAULT_CONFIG_PATH = Path("~/.config/ocrvl/config.yaml")
+CONFIG_ENV = "OCRVL_CONFIG"
+AUTO = "auto"
+# vLLM flags ocrvl computes from the GPU unless the user gives a number.
+AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
+
+
+def expand_path(value: str | Path) -> Path:
+    """`~` and `$VARS` expanded; relative paths stay relative to the working directory."""
+    return Path(os.path.expandvars(os.path.expanduser(str(value))))
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class InboxConfig(_Section):
+    """Folders watched for PDFs."""
+
+    paths: list[Path] = Field(
+        default_factory=lambda: [Path("~/ocr-inbox")], min_length=1, validate_default=True
+    )
+    recursive: bool = True
+    stable_seconds: float = Field(2.0, ge=0)
+    polling: bool | Literal["auto"] = "auto"
+    poll_interval: float = Field(1.0, gt=0)
+    rescan_seconds: float = Field(300.0, gt=0)
+    ignore: list[str] = Field(
+        default_factory=lambda: ["*.part", "*.crdownload", "*.tmp", ".*", "~$*"]
+    )
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, (str, Path)) else value
+
+    @field_validator("paths")
+    @classmethod
+    def _expand(cls, value: list[Path]) -> list[Path]:
+        return [expand_path(p) for p in value]
+
+
+class ModelConfig(_Section):
+    """Which PaddleOCR-VL model both the pipeline and the server use."""
+
+    name: str = DEFAULT_MODEL
+    max_new_tokens: int | None = Field(None, ge=16, le=131072)
+    weights: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in MODELS:
+            close = difflib.get_close_matches(value, MODELS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown model; {hint}use one of {', '.join(MODELS)}")
+        return value
+
+    @property
+    def vl_model(self) -> VLModel:
+        """The registry entry for `name`."""
+        return MODELS[self.name]
+
+    @property
+    def effective_max_new_tokens(self) -> int:
+        """What every page request asks for as `max_completion_tokens`."""
+        return self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+
+
+class PipelineConfig(_Section):
+    """PaddleOCR-VL pipeline settings and how pages are fed to it."""
+
+    use_layout_detection: bool = True
+    use_doc_orientation_classify: bool = False
+    use_doc_unwarping: bool = False
+    use_chart_recognition: bool = False
+    device: str | None = None
+    max_concurrency: int = Field(64, ge=1, le=1024)
+    min_concurrency: int = Field(4, ge=1, le=1024)
+    adaptive_concurrency: bool = True
+    render_scale: float = Field(2.0, gt=0, le=8)
+    max_page_pixels: int = Field(25_000_000, ge=100_000)
+    page_retries: int = Field(3, ge=0, le=20)
+    fail_on_page_error: bool = False
+    worker_max_pages: int = Field(2000, ge=1)
+    worker_max_rss_mb: int = Field(6144, ge=256)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PipelineConfig:
+        if self.min_concurrency > self.max_concurrency:
+            raise ValueError(
+                f"min_concurrency ({self.min_concurrency}) is above max_concurrency "
+                f"({self.max_concurrency}); lower min_concurrency"
+            )
+        return self
+
+
+class ServerConfig(_Section):
+    """The model server: started and looked after by ocrvl (`managed`) or someone else's."""
+
+    mode: Literal["managed", "external"] = "managed"
+    launcher: Literal["vllm", "genai_server", "command"] = "vllm"
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8118, ge=1, le=65535)
+    python: Path | None = None
+    command: list[str] | None = None
+    startup_timeout: float = Field(900.0, gt=0)
+    health_interval: float = Field(5.0, gt=0)
+    stall_timeout: float = Field(300.0, gt=0)
+    stop_timeout: float = Field(30.0, gt=0)
+    restart_backoff_max: float = Field(300.0, gt=0)
+    api_key: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    vllm_args: dict[str, Any] = Field(default_factory=lambda: {k: AUTO for k in AUTO_VLLM_ARGS})
+
+    @field_validator("python")
+    @classmethod
+    def _expand_python(cls, value: Path | None) -> Path | None:
+        return expand_path(value) if value is not None else None
+
+    @field_validator("api_key")
+    @classmethod
+    def _expand_key(cls, value: str | None) -> str | None:
+        return os.path.expandvars(value) if value else value
+
+    @field_validator("url")
+    @classmethod
+    def _openai_base(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8118/v1")
+        value = value.rstrip("/")
+        return value if value.endswith("/v1") else value + "/v1"
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("is an empty list; give the server's argv, e.g. [my-server, --port, '{port}']")
+        return value
+
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _flags(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        # `max_model_len` and `--max-model-len` mean the same flag; keep one spelling.
+        merged: dict[str, Any] = {k: AUTO for k in AUTO_VLLM_ARGS}
+        for key, arg in value.items():
+            merged[str(key).lstrip("-").replace("_", "-")] = arg
+        return merged
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _auto_or_number(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in AUTO_VLLM_ARGS:
+            arg = value[key]
+            if arg == AUTO:
+                continue
+            name = f"server.vllm_args.{key}"
+            if isinstance(arg, bool) or not isinstance(arg, (int, float)) or arg <= 0:
+                raise _KeyError(name, arg, "must be 'auto' or a positive number")
+            if key == "gpu-memory-utilization" and not 0 < arg <= 1:
+                raise _KeyError(name, arg, "is a fraction of the GPU's memory: use 'auto' "
+                                "or a value such as 0.8")
+            if key != "gpu-memory-utilization" and int(arg) != arg:
+                raise _KeyError(name, arg, "must be a whole number or 'auto'")
+        return value
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (ending in /v1) the pipeline talks to."""
+        if self.mode == "external" and self.url:
+            return self.url
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def root_url(self) -> str:
+        """The server root, where `/health` and `/metrics` live."""
+        return self.base_url.removesuffix("/v1")
+
+
+class Config(_Section):
+    """The whole ocrvl configuration."""
+
+    inbox: InboxConfig = Field(default_factory=InboxConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand_state(cls, value: Path) -> Path:
+        return expand_path(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        server = self.server
+        if server.mode == "external" and not server.url:
+            raise _KeyError("server.url", None, "server.mode is 'external' but no url is set; "
+                            "set server.url: http://HOST:PORT/v1, or use server.mode: managed")
+        if server.mode == "managed" and server.launcher == "command" and not server.command:
+            raise _KeyError("server.command", None, "server.launcher is 'command' but no command "
+                            "is set; set server.command: [program, --port, '{port}', ...]")
+        max_len = server.vllm_args["max-model-len"]
+        need = self.model.vl_model.request_token_budget(self.model.effective_max_new_tokens)
+        if max_len != AUTO and int(max_len) < need:
+            raise _KeyError(
+                "server.vllm_args.max-model-len",
+                max_len,
+                f"is too small: a page request can need {self.model.effective_max_new_tokens} "
+                f"new tokens (model.max_new_tokens) plus {need - self.model.effective_max_new_tokens}"
+                f" for the image and prompt, {need} in all, and vLLM would reject it; set "
+                f"max-model-len to at least {need}, or lower model.max_new_tokens",
+            )
+        return self
+
+    @property
+    def config_for_server(self) -> dict[str, Any]:
+        """The settings that need a server restart when they change."""
+        return {"model": self.model.model_dump(), "server": self.server.model_dump(mode="json")}
+
+
+class _KeyError(ValueError):
+    """A cross-key problem found after the sections validated; carries the key it is about."""
+
+    def __init__(self, key: str, value: Any, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+        self.message = message
+
+
+def resolve_config_path(explicit: str | Path | None) -> Path | None:
+    """The config file to read, by the lookup order; None means built-in defaults."""
+    if explicit:
+        path = expand_path(explicit)
+        if not path.is_file():
+            raise ConfigError(f"Config file {path} does not exist.",
+                              "pass an existing file to --config, or copy config.example.yaml there")
+        return path
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        path = expand_path(env)
+        if not path.is_file():
+            raise ConfigError(f"${CONFIG_ENV} names {path}, which does not exist.",
+                              f"point ${CONFIG_ENV} at an existing file, or unset it")
+        return path
+    default = expand_path(DEFAULT_CONFIG_PATH)
+    return default if default.is_file() else None
+
+
+def load_config(explicit: str | Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> tuple[Config, Path | None]:
+    """Read, merge `overrides` (dotted keys) and validate; returns the config and its file."""
+    path = resolve_config_path(explicit)
+    data: Any = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"Cannot read config file {path}: {exc}.",
+                              "check the file's permissions and encoding (UTF-8)") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"Config file {path} is not valid YAML: {exc}",
+                              "fix the YAML syntax at the line shown") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file {path} must hold a mapping of keys, not "
+                              f"{type(data).__name__}.", "start from config.example.yaml")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return validate_config(data, path), path
+
+
+def validate_config(data: dict[str, Any], source: Path | None = None) -> Config:
+    """Validate a config mapping, turning the first problem into a ConfigError naming its key."""
+    where = f" in {source}" if source else ""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if isinstance(err.get("ctx", {}).get("error"), _KeyError):
+            key_err: _KeyError = err["ctx"]["error"]
+            raise ConfigError(
+                f"Config key {key_err.key} = {key_err.value!r}{where}: {key_err.message}."
+            ) from None
+        key = ".".join(str(p) for p in err["loc"])
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"Unknown config key {key!r}{where}.", _suggest_key(err["loc"])) from None
+        message = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"Config key {key} = {value!r}{where} is invalid: {message}.",
+                          f"see config.example.yaml for {key}'s allowed values") from None
+
+
+def _suggest_key(loc: tuple[int | str, ...]) -> str:
+    """Name the key the user probably meant (typos are the usual cause)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model = annotation
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    parent = ".".join(str(p) for p in loc[:-1])
+    prefix = f"{parent}." if parent else ""
+    if close:
+        return f"did you mean {prefix}{close[0]}? (known keys here: {', '.join(known)})"
+    return f"remove it; the known keys here are: {', '.join(known)}"

@@ -1,0 +1,95 @@
+"""One exception hierarchy; `cli` maps it to exit codes, nothing else does.
+
+Every message says what went wrong and names the fix, because the user reading it is usually
+looking at `journalctl` with no other context.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes of the `ocrvl` command."""
+
+    OK = 0
+    CONVERSION_FAILED = 1  # at least one document did not convert
+    USAGE = 2  # bad command line (argparse's own code)
+    CONFIG = 3
+    INPUT_FILE = 4
+    SERVER = 5
+    DEPENDENCY = 6
+    PROBLEMS_FOUND = 7  # `ocrvl doctor` found something that blocks conversion
+    INTERRUPTED = 130
+
+
+class OcrvlError(Exception):
+    """Base of every error ocrvl reports to the user.
+
+    `permanent` errors are not retried until the input changes or the user asks;
+    the others are retried with backoff.
+    """
+
+    exit_code: ExitCode = ExitCode.CONVERSION_FAILED
+    permanent: bool = False
+
+    def __init__(self, message: str, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+    def __str__(self) -> str:
+        return f"{self.message} Fix: {self.fix}" if self.fix else self.message
+
+
+class ConfigError(OcrvlError):
+    """The configuration is invalid; nothing was started."""
+
+    exit_code = ExitCode.CONFIG
+    permanent = True
+
+
+class InputFileError(OcrvlError):
+    """The input document cannot be converted as it is (not a PDF, encrypted, empty...)."""
+
+    exit_code = ExitCode.INPUT_FILE
+    permanent = True
+
+
+class InputVanishedError(OcrvlError):
+    """The input document disappeared or changed while it was being read."""
+
+    exit_code = ExitCode.INPUT_FILE
+
+
+class OutputError(OcrvlError):
+    """The Markdown could not be written (disk full, read-only folder...)."""
+
+
+class NotOursError(OutputError):
+    """A Markdown file ocrvl did not write stands where the output would go."""
+
+    permanent = True
+
+
+class ServerError(OcrvlError):
+    """The model server is unreachable, not ready, or failed a request."""
+
+    exit_code = ExitCode.SERVER
+
+
+class ServerConfigError(ServerError):
+    """The server runs but cannot serve this configuration (e.g. another model name)."""
+
+    permanent = True
+
+
+class PageError(OcrvlError):
+    """One page could not be recognised."""
+
+
+class DependencyError(OcrvlError):
+    """A package or program ocrvl needs is missing."""
+
+    exit_code = ExitCode.DEPENDENCY
+    permanent = True

@@ -1,0 +1,41 @@
+"""The PaddleOCR-VL models ocrvl knows, and the token budget of one page request."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# What PaddleX sends as `mm_processor_kwargs.max_pixels` by default; the model's vision
+# encoder turns every 28x28 patch into one token.
+MAX_IMAGE_PIXELS = 1_003_520
+PATCH_SIZE = 28
+IMAGE_TOKEN_BUDGET = math.ceil(MAX_IMAGE_PIXELS / PATCH_SIZE**2)
+# Chat template, the task prompt ("OCR:", "Table Recognition:", ...) and special tokens.
+PROMPT_TOKEN_BUDGET = 64
+# PaddleX's pipeline asks for this many new tokens when none are configured.
+DEFAULT_MAX_NEW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class VLModel:
+    """A PaddleOCR-VL model the pipeline can request from the server."""
+
+    name: str
+    pipeline_version: str
+    hf_repo: str  # what `vllm serve` downloads unless `model.weights` says otherwise
+    min_vllm: str
+
+    def request_token_budget(self, max_new_tokens: int) -> int:
+        """The context length one page request can need (vLLM's `max-model-len` floor)."""
+        return max_new_tokens + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
+
+
+MODELS: dict[str, VLModel] = {
+    m.name: m
+    for m in (
+        VLModel("PaddleOCR-VL-0.9B", "v1", "PaddlePaddle/PaddleOCR-VL", "0.11.1"),
+        VLModel("PaddleOCR-VL-1.5-0.9B", "v1.5", "PaddlePaddle/PaddleOCR-VL-1.5", "0.11.1"),
+        VLModel("PaddleOCR-VL-1.6-0.9B", "v1.6", "PaddlePaddle/PaddleOCR-VL-1.6", "0.11.1"),
+    )
+}
+DEFAULT_MODEL = "PaddleOCR-VL-1.6-0.9B"

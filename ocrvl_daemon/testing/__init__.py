@@ -1,0 +1,1 @@
+"""Test and benchmark helpers: a fake vLLM server and a process harness around it."""
