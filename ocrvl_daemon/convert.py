@@ -1,0 +1,357 @@
+"""Documents from queued job to written Markdown: pages -> engine -> checkpoints -> output.
+
+`Converter.tick()` is called from the owner's loop (the daemon's main loop, or `ocrvl
+convert`'s). It activates queued jobs, sends pages to the engine worker while the server is
+ready, checkpoints every finished page before counting it, and assembles a document once all
+its pages are in. One bad document never stops the others: its failure is recorded in the
+store, the log and a `<stem>.ocrvl-error.txt` next to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ocrvl_daemon import output, pdf
+from ocrvl_daemon.concurrency import ConcurrencyController
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.errors import InputVanishedError, OcrvlError
+from ocrvl_daemon.scheduler import DocumentPages, pick_pages
+from ocrvl_daemon.store import Job, JobState, Store
+
+log = logging.getLogger(__name__)
+
+MAX_ACTIVE_DOCUMENTS = 64
+ACTIVATIONS_PER_TICK = 16
+RETRY_BASE_SECONDS = 30.0
+RETRY_MAX_SECONDS = 3600.0
+WORKER_RESTART_SECONDS = 10.0
+
+
+class ServerHandle(Protocol):
+    """What the converter needs from the server supervisor."""
+
+    def is_ready(self) -> bool:
+        """Whether requests may be sent now."""
+        ...
+
+    def note_progress(self, in_flight: int, completed_total: int) -> None:
+        """Client-side progress, for hang detection."""
+        ...
+
+
+def retry_delay(attempts: int) -> float:
+    """Backoff before a transient failure is retried."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
+
+
+@dataclass
+class Progress:
+    """A snapshot for status lines."""
+
+    current: str | None
+    page_done: int
+    page_total: int
+    pages_per_s: float
+    queued: int
+    done: int
+    failed: int
+    in_flight: int
+
+
+class Converter:
+    """Drives queued jobs of `store` through the engine; `only` limits it to some jobs."""
+
+    def __init__(self, config: Config, store: Store, server: ServerHandle,
+                 only: set[int] | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.server = server
+        self.only = only
+        self.model = config.model.name
+        self.concurrency = ConcurrencyController(config.pipeline.min_concurrency,
+                                                 config.pipeline.max_concurrency,
+                                                 config.pipeline.adaptive_concurrency)
+        self.active: dict[int, DocumentPages] = {}
+        self._jobs: dict[int, Job] = {}
+        self._worker: EngineWorker | None = None
+        self._retiring: list[EngineWorker] = []
+        self._worker_retry_at = 0.0
+        self.worker_failure: str | None = None
+        self.completed_pages = 0
+        self._recent: deque[float] = deque(maxlen=256)
+        self.finished_jobs: list[int] = []
+
+    # --- the tick -----------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """One step: collect results, keep a worker, activate jobs, dispatch pages."""
+        now = time.monotonic() if now is None else now
+        self._collect()
+        self._maintain_workers(now)
+        self._activate()
+        self._dispatch()
+        in_flight = self.in_flight
+        self.server.note_progress(in_flight, self.completed_pages)
+        self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog())
+
+    @property
+    def in_flight(self) -> int:
+        """Pages at the engine right now."""
+        return sum(len(d.in_flight) for d in self.active.values())
+
+    def idle(self) -> bool:
+        """Nothing active and nothing queued that could start now."""
+        return not self.active and not self._runnable_jobs(1)
+
+    def _backlog(self) -> int:
+        return sum(len(d.pending) for d in self.active.values())
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    def _runnable_jobs(self, limit: int) -> list[Job]:
+        wall = time.time()
+        jobs = [j for j in self.store.jobs(JobState.QUEUED)
+                if j.id not in self.active and j.not_before <= wall
+                and (self.only is None or j.id in self.only)]
+        return jobs[:limit]
+
+    def _activate(self) -> None:
+        room = min(ACTIVATIONS_PER_TICK, MAX_ACTIVE_DOCUMENTS - len(self.active))
+        if room <= 0:
+            return
+        for job in self._runnable_jobs(room):
+            try:
+                self._start_job(job)
+            except OcrvlError as exc:
+                self._fail(job, exc)
+
+    def _start_job(self, job: Job) -> None:
+        path = job.path
+        if not path.exists():
+            log.info("%s is gone; dropping it from the queue", path)
+            self.store.forget(job.id)
+            return
+        stat = path.stat()
+        if (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
+            ident = pdf.file_identity(path)
+            job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
+            if job.state is not JobState.QUEUED:
+                return
+        output.check_writable(path)
+        count = pdf.page_count(path)
+        done = self.store.done_pages(job.sha256, self.model)
+        self.store.set_running(job.id, count)
+        self._jobs[job.id] = job
+        pending = [p for p in range(count) if p not in done]
+        self.active[job.id] = DocumentPages(job.id, count, pending, done=count - len(pending))
+        if done:
+            log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
+        else:
+            log.info("%s: %d pages queued", path.name, count, extra=_fields(job))
+
+    def _fail(self, job: Job, exc: OcrvlError) -> None:
+        self.active.pop(job.id, None)
+        self._jobs.pop(job.id, None)
+        if isinstance(exc, InputVanishedError) and not job.path.exists():
+            log.info("%s disappeared; dropping it from the queue", job.path)
+            self.store.forget(job.id)
+            return
+        attempts = job.attempts + 1
+        if exc.permanent:
+            log.error("%s failed: %s", job.path, exc, extra=_fields(job))
+            output.write_error_note(job.path, exc.message, exc.fix)
+            self.store.set_failed(job.id, str(exc), permanent=True)
+        else:
+            delay = retry_delay(attempts)
+            log.warning("%s: %s (attempt %d; retrying in %.0f s)", job.path, exc, attempts, delay,
+                        extra=_fields(job))
+            self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
+        self.finished_jobs.append(job.id)
+
+    # --- the engine worker --------------------------------------------------------------
+
+    def _maintain_workers(self, now: float) -> None:
+        for old in list(self._retiring):
+            if not old.in_flight or not old.alive():
+                self._requeue_lost(old)
+                old.stop()
+                self._retiring.remove(old)
+        worker = self._worker
+        if worker is not None and (not worker.alive() or worker.failure):
+            self.worker_failure = worker.failure or f"engine worker exited ({worker.pid})"
+            log.error("engine worker failed: %s", self.worker_failure)
+            self._requeue_lost(worker, count_attempt=True)
+            worker.stop()
+            self._worker = None
+            self._worker_retry_at = now + WORKER_RESTART_SECONDS
+        if self._worker is None and now >= self._worker_retry_at:
+            self._worker = EngineWorker(self.config, self.config.server.base_url)
+            self._worker.start()
+        elif self._worker is not None and self._worker.ready and self._should_recycle(self._worker):
+            log.info("replacing engine worker %s after %d pages (%.0f MiB)", self._worker.pid,
+                     self._worker.pages_done, self._worker.rss_mb())
+            self._retiring.append(self._worker)
+            self._worker = EngineWorker(self.config, self.config.server.base_url)
+            self._worker.start()
+
+    def _should_recycle(self, worker: EngineWorker) -> bool:
+        p = self.config.pipeline
+        return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
+
+    def _requeue_lost(self, worker: EngineWorker, count_attempt: bool = False) -> None:
+        for job_id, page in list(worker.in_flight):
+            doc = self.active.get(job_id)
+            if doc is not None:
+                doc.give_back(page)
+                if count_attempt:
+                    doc.attempts[page] = doc.attempts.get(page, 0) + 1
+        worker.in_flight.clear()
+
+    # --- pages --------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        worker = self._worker
+        if worker is None or not worker.ready or not self.server.is_ready():
+            return
+        slots = self.concurrency.limit - self.in_flight
+        docs = [self.active[j] for j in sorted(self.active)]
+        for doc, page in pick_pages(docs, slots):
+            job = self._jobs[doc.job_id]
+            worker.submit(PageTask(job.id, str(job.path), page,
+                                   self.config.model.effective_max_new_tokens))
+
+    def _collect(self) -> None:
+        workers = [w for w in (self._worker, *self._retiring) if w is not None]
+        for worker in workers:
+            for result in worker.collect():
+                self._on_result(result)
+        for job_id in [j for j, d in self.active.items() if d.finished]:
+            self._finish(job_id)
+
+    def _on_result(self, result: PageResult) -> None:
+        doc = self.active.get(result.job_id)
+        job = self._jobs.get(result.job_id)
+        if doc is None or job is None or result.page not in doc.in_flight:
+            return  # the job failed or was dropped meanwhile
+        fields = _fields(job, result.page)
+        if result.error is None:
+            self.store.save_page(job.sha256, self.model, result.page, result.markdown,
+                                 result.images)
+            doc.in_flight.discard(result.page)
+            doc.done += 1
+            self.completed_pages += 1
+            self._recent.append(time.monotonic())
+            log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1,
+                      doc.page_count, result.seconds, extra=fields)
+            return
+        if result.error_kind == "server":
+            log.info("%s p.%d: server unavailable (%s); the page will be sent again",
+                     job.path.name, result.page + 1, result.error, extra=fields)
+            doc.give_back(result.page)
+            return
+        if result.error_kind == "input":
+            self._fail(job, InputVanishedError(result.error or "the file changed"))
+            return
+        attempts = doc.attempts.get(result.page, 0) + 1
+        doc.attempts[result.page] = attempts
+        if attempts <= self.config.pipeline.page_retries:
+            log.warning("%s p.%d failed (attempt %d): %s", job.path.name, result.page + 1,
+                        attempts, result.error, extra=fields)
+            doc.give_back(result.page)
+            return
+        note = (f"page {result.page + 1} could not be recognised after {attempts} attempts: "
+                f"{result.error}. Redo it with: ocrvl retry --pages {result.page + 1} {job.path}")
+        if self.config.pipeline.fail_on_page_error:
+            self._fail(job, OcrvlError(note))
+            return
+        log.error("%s: %s", job.path.name, note, extra=fields)
+        self.store.save_page(job.sha256, self.model, result.page, "", {}, note=note, failed=True)
+        doc.in_flight.discard(result.page)
+        doc.done += 1
+
+    def _finish(self, job_id: int) -> None:
+        job = self._jobs[job_id]
+        doc = self.active[job_id]
+        try:
+            output.write_document(job.path, job.sha256, self.model, doc.page_count,
+                                  self._pages(job))
+        except OcrvlError as exc:
+            self._fail(job, exc)
+            return
+        self.active.pop(job_id)
+        self._jobs.pop(job_id)
+        self.store.set_done(job_id)
+        output.remove_error_note(job.path)
+        self.finished_jobs.append(job_id)
+        took = time.time() - (self.store.job(job_id) or job).created
+        log.info("%s: done, %d pages -> %s", job.path.name, doc.page_count,
+                 output.outputs_for(job.path)[0].name, extra=_fields(job))
+        log.debug("%s took %.1f s since it was queued", job.path.name, took)
+
+    def _pages(self, job: Job) -> Iterator[output.Page]:
+        for page in self.store.iter_pages(job.sha256, self.model):
+            yield output.Page(page.page, page.markdown, page.images, page.note)
+
+    # --- status and stop ----------------------------------------------------------------
+
+    def progress(self) -> Progress:
+        """Counts and rate for status lines."""
+        now = time.monotonic()
+        recent = [t for t in self._recent if now - t <= 60.0]
+        rate = len(recent) / max(1.0, min(60.0, now - recent[0])) if len(recent) > 1 else 0.0
+        current = None
+        done = total = 0
+        if self.active:
+            doc = max(self.active.values(), key=lambda d: d.page_count)
+            current, done, total = self._jobs[doc.job_id].path.name, doc.done, doc.page_count
+        counts = {s: 0 for s in JobState}
+        for job in self.store.jobs():
+            counts[job.state] += 1
+        return Progress(current, done, total, rate, counts[JobState.QUEUED], counts[JobState.DONE],
+                        counts[JobState.FAILED], self.in_flight)
+
+    def stop(self, timeout: float) -> None:
+        """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
+        deadline = time.monotonic() + timeout
+        workers = [w for w in (self._worker, *self._retiring) if w is not None]
+        while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
+            for worker in workers:
+                for result in worker.collect(timeout=0.2):
+                    self._on_result(result)
+        if self.in_flight:
+            log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
+        for worker in workers:
+            worker.stop()
+        self._worker = None
+        self._retiring.clear()
+
+
+def _fields(job: Job, page: int | None = None) -> dict[str, object]:
+    """Structured journald fields for a log line about `job` (and `page`)."""
+    fields: dict[str, object] = {"OCRVL_PDF": str(job.path), "OCRVL_JOB": job.id}
+    if page is not None:
+        fields["OCRVL_PAGE"] = page + 1
+    return fields
+
+
+def enqueue_file(store: Store, path: Path, model: str) -> Job:
+    """Identify `path` and queue it, unless this content is already handled.
+
+    A Markdown file that ocrvl wrote from this very content with this model counts as done,
+    even when the store has never seen the file (a new state dir, a moved inbox).
+    """
+    ident = pdf.file_identity(path)
+    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
+    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
+        log.info("%s: Markdown is already up to date", path.name)
+        store.set_done(job.id)
+        output.remove_error_note(path)
+        job = store.job(job.id) or job
+    return job

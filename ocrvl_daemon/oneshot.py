@@ -1,0 +1,124 @@
+"""`ocrvl convert`: the daemon's conversion path, run once over the given files.
+
+It uses its own store (`state_dir/convert.sqlite`), so an interrupted run resumes where it
+stopped when started again, and it never competes with a running daemon for jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from ocrvl_daemon import output
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
+from ocrvl_daemon.server import ServerSupervisor
+from ocrvl_daemon.store import JobState, Store
+
+log = logging.getLogger(__name__)
+
+# An external server that does not answer within this time is reported, not waited for.
+EXTERNAL_PROBE_SECONDS = 10.0
+TICK_SECONDS = 0.05
+# Transient failures (server gone, disk full) are retried this often before giving up.
+MAX_ATTEMPTS = 3
+STOP_TIMEOUT = 30.0
+
+
+def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
+    """Convert each PDF; one line per failure; exit code 0 only if all converted."""
+    store = Store(config.state_dir / "convert.sqlite")
+    failures: dict[Path, str] = {}
+    jobs: dict[int, Path] = {}
+    for given in pdfs:
+        path = given.expanduser().absolute()
+        try:
+            _check_input(path)
+            job = enqueue_file(store, path, config.model.name)
+        except OcrvlError as exc:
+            failures[path] = str(exc)
+            continue
+        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name):
+            log.info("%s is already converted: %s", path.name, output.outputs_for(path)[0].name)
+            continue
+        if job.state is not JobState.QUEUED:
+            store.requeue(job.id)
+        jobs[job.id] = path
+    if jobs:
+        failures.update(_run(config, store, jobs))
+    store.close()
+    for path, reason in failures.items():
+        log.error("%s: %s", path, reason)
+    converted = len(pdfs) - len(failures)
+    log.info("%d of %d converted", converted, len(pdfs))
+    return ExitCode.OK if not failures else ExitCode.CONVERSION_FAILED
+
+
+def _check_input(path: Path) -> None:
+    if not path.exists():
+        raise InputFileError(f"{path} does not exist.", "check the path")
+    if not path.is_file():
+        raise InputFileError(f"{path} is not a file.", "pass a PDF file")
+
+
+def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]:
+    stop_requested: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_requested.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    server = ServerSupervisor(config)
+    converter = Converter(config, store, server, only=set(jobs))
+    try:
+        server.start()
+        if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
+            reason = str(ServerError(
+                f"Cannot reach the model server at {config.server.base_url} "
+                f"({server.status().last_error or 'no answer'}).",
+                "start it (e.g. `vllm serve PaddlePaddle/PaddleOCR-VL-1.6 --served-model-name "
+                f"{config.model.name} --trust-remote-code --port 8118`), or run without "
+                "--server-url so ocrvl starts one itself"))
+            return dict.fromkeys(jobs.values(), reason)
+        while not stop_requested:
+            converter.tick()
+            failed = server.status().fatal_error
+            if failed:
+                return {p: failed for j, p in jobs.items() if not _succeeded(store, j)}
+            if all(_settled(store, j) for j in jobs):
+                break
+            time.sleep(TICK_SECONDS)
+    finally:
+        converter.stop(STOP_TIMEOUT)
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stop_requested:
+        raise KeyboardInterrupt
+    return {path: _reason(store, job_id) for job_id, path in jobs.items()
+            if not _succeeded(store, job_id)}
+
+
+def _succeeded(store: Store, job_id: int) -> bool:
+    job = store.job(job_id)
+    return job is not None and job.state is JobState.DONE
+
+
+def _settled(store: Store, job_id: int) -> bool:
+    job = store.job(job_id)
+    if job is None or job.state in (JobState.DONE, JobState.FAILED):
+        return True
+    return job.state is JobState.QUEUED and job.attempts >= MAX_ATTEMPTS
+
+
+def _reason(store: Store, job_id: int) -> str:
+    job = store.job(job_id)
+    if job is None:
+        return "the file disappeared while it was being converted"
+    if job.state is JobState.DONE and not output.outputs_for(job.path)[0].exists():
+        return "converted, but the Markdown file is missing"
+    return job.last_error or "not converted"

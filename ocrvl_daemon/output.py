@@ -1,0 +1,214 @@
+"""Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
+
+Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
+a Markdown file or image folder that ocrvl did not write is never replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+from ocrvl_daemon.errors import NotOursError, OutputError
+
+TMP_MARK = ".ocrvl-tmp"
+IMAGES_MARKER = ".ocrvl-images"
+ERROR_SUFFIX = ".ocrvl-error.txt"
+_HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
+_FIELD = re.compile(r'(\w+)="([^"]*)"')
+# Room for the Markdown and its images, plus slack for the filesystem.
+MIN_FREE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class Page:
+    """One page's recognised Markdown and the images it links to (relative names)."""
+
+    index: int
+    markdown: str
+    images: dict[str, bytes] = field(default_factory=dict)
+    note: str | None = None  # why the page is a placeholder or flagged
+
+
+def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
+    """The Markdown file, image folder and error note that belong to `pdf`."""
+    return (pdf.with_suffix(".md"), pdf.with_name(pdf.stem + "_images"),
+            pdf.with_name(pdf.stem + ERROR_SUFFIX))
+
+
+def read_header(md: Path) -> dict[str, str] | None:
+    """The fields of ocrvl's header line, or None when the file is not ocrvl's."""
+    try:
+        with md.open("r", encoding="utf-8", errors="replace") as f:
+            first = f.readline(4096)
+    except FileNotFoundError:
+        return None
+    match = _HEADER.match(first)
+    return dict(_FIELD.findall(match["fields"])) if match else None
+
+
+def is_current(pdf: Path, sha256: str, model: str) -> bool:
+    """Whether `<stem>.md` exists, is ocrvl's, and was made from this content by this model."""
+    header = read_header(outputs_for(pdf)[0])
+    return bool(header) and header.get("sha256") == sha256 and header.get("model") == model
+
+
+def check_writable(pdf: Path) -> None:
+    """Refuse early when an output ocrvl must not replace is in the way."""
+    md, images, _ = outputs_for(pdf)
+    if md.exists() and read_header(md) is None:
+        raise NotOursError(
+            f"{md} already exists and was not written by ocrvl; it is left untouched.",
+            f"move or rename it, then run `ocrvl retry {pdf}`",
+        )
+    if images.exists() and not (images / IMAGES_MARKER).exists():
+        raise NotOursError(
+            f"{images} already exists and was not written by ocrvl; it is left untouched.",
+            f"move or rename it, then run `ocrvl retry {pdf}`",
+        )
+
+
+def write_document(pdf: Path, sha256: str, model: str, page_count: int,
+                   pages: Iterable[Page]) -> None:
+    """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
+
+    Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
+    swapped in first and the Markdown renamed last, so the Markdown never links to images
+    that are not there yet.
+    """
+    md, images_dir, _ = outputs_for(pdf)
+    check_writable(pdf)
+    _check_free_space(md.parent, MIN_FREE_BYTES)
+    tmp_md = md.with_name(f".{md.name}{TMP_MARK}-{os.getpid()}")
+    tmp_dir = md.parent / f".{images_dir.name}{TMP_MARK}-{os.getpid()}"
+    link_base = quote(images_dir.name)
+    try:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        with tmp_md.open("w", encoding="utf-8") as out:
+            out.write(f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
+                      f'model="{model}" pages="{page_count}" -->\n')
+            for page in pages:
+                text = page.markdown
+                for name, data in sorted(page.images.items()):
+                    new_name = f"p{page.index + 1:04d}_{Path(name).name}"
+                    _write_image(tmp_dir, new_name, data)
+                    text = text.replace(name, f"{link_base}/{quote(new_name)}")
+                out.write(_page_block(page, text, first=page.index == 0))
+            out.flush()
+            os.fsync(out.fileno())
+        if tmp_dir.exists():
+            _fsync_dir(tmp_dir)
+        if images_dir.exists():
+            old = md.parent / f".{images_dir.name}.ocrvl-old-{os.getpid()}"
+            os.replace(images_dir, old)
+            shutil.rmtree(old, ignore_errors=True)
+        if tmp_dir.exists():
+            os.replace(tmp_dir, images_dir)
+        os.replace(tmp_md, md)
+        _fsync_dir(md.parent)
+    except OSError as exc:
+        raise _output_error(md, exc) from exc
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            tmp_md.unlink()
+
+
+def _page_block(page: Page, text: str, *, first: bool) -> str:
+    """A page's Markdown, preceded by a visible boundary (a rule and a page comment)."""
+    lines = [] if first else ["---"]
+    lines.append(f"<!-- page {page.index + 1} -->")
+    if page.note:
+        lines.append(f"<!-- ocrvl: {_comment(page.note)} -->")
+    if text.strip():
+        lines.append(text.strip())
+    elif page.note:
+        lines.append(f"*[ocrvl: page {page.index + 1}: {_comment(page.note)}]*")
+    return "\n" + "\n\n".join(lines) + "\n"
+
+
+def _attr(text: str) -> str:
+    return text.replace('"', "'").replace("\n", " ").replace("-->", "- ->")
+
+
+def _comment(text: str) -> str:
+    return text.replace("-->", "- ->").replace("\n", " ")
+
+
+def _write_image(tmp_dir: Path, name: str, data: bytes) -> None:
+    if not tmp_dir.exists():
+        tmp_dir.mkdir()
+        (tmp_dir / IMAGES_MARKER).write_text("written by ocrvl; replaced on every conversion\n")
+    with (tmp_dir / name).open("wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a hidden temporary file beside `path`, fsync, then rename over `path`."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_free_space(folder: Path, needed: int) -> None:
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        raise _output_error(folder, exc) from exc
+    if free < needed:
+        raise OutputError(
+            f"Only {free // 2**20} MiB free in {folder}; the result needs about "
+            f"{needed // 2**20} MiB. Output is paused and retried later.",
+            "free some disk space; nothing is lost meanwhile",
+        )
+
+
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputError(f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
+                           f"make {path.parent} writable for this user; ocrvl retries by itself")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"Cannot write {path}: the disk is full.",
+                           "free some disk space; ocrvl retries by itself")
+    return OutputError(f"Cannot write {path}: {exc}.", "check the folder; ocrvl retries by itself")
+
+
+def write_error_note(pdf: Path, message: str, fix: str | None) -> None:
+    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort)."""
+    note = outputs_for(pdf)[2]
+    text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
+    if fix:
+        text += f"What to do: {fix}\n"
+    text += f"\nAfter fixing it, run: ocrvl retry {pdf}\n"
+    with contextlib.suppress(OSError):
+        write_atomic(note, text)
+
+
+def remove_error_note(pdf: Path) -> None:
+    """Remove a stale error note once the document converted."""
+    with contextlib.suppress(OSError):
+        outputs_for(pdf)[2].unlink()

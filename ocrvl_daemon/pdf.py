@@ -1,0 +1,132 @@
+"""Reading input PDFs: identity, sanity checks and page rendering within a pixel budget."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pypdfium2 as pdfium
+
+from ocrvl_daemon.errors import InputFileError, InputVanishedError
+
+# PDFium is not thread-safe; every call into it goes through this lock.
+PDFIUM_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What identifies one version of an input file."""
+
+    sha256: str
+    size: int
+    mtime: float
+
+
+def file_identity(path: Path) -> FileIdentity:
+    """Hash the file's content (streamed) and record its size and mtime."""
+    try:
+        before = path.stat()
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        after = path.stat()
+    except FileNotFoundError as exc:
+        raise InputVanishedError(f"{path} disappeared while it was being read.") from exc
+    except PermissionError as exc:
+        raise InputFileError(f"{path} cannot be read: permission denied.",
+                             f"make it readable for this user: chmod u+r {_quote(path)}") from exc
+    if (before.st_size, before.st_mtime) != (after.st_size, after.st_mtime):
+        raise InputVanishedError(f"{path} changed while it was being read.")
+    return FileIdentity(digest.hexdigest(), after.st_size, after.st_mtime)
+
+
+def _quote(path: Path) -> str:
+    text = str(path)
+    return "'" + text.replace("'", "'\\''") + "'" if any(c in text for c in " '\"\n$") else text
+
+
+def open_pdf(path: Path) -> pdfium.PdfDocument:
+    """Open a PDF, turning PDFium's errors into messages a user can act on.
+
+    The caller must hold PDFIUM_LOCK for as long as the document is used.
+    """
+    if not path.exists():
+        raise InputVanishedError(f"{path} does not exist (any more).")
+    if path.is_dir():
+        raise InputFileError(f"{path} is a directory, not a PDF.", "pass a PDF file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(1024)
+    except PermissionError as exc:
+        raise InputFileError(f"{path} cannot be read: permission denied.",
+                             f"make it readable for this user: chmod u+r {_quote(path)}") from exc
+    if not head:
+        raise InputFileError(f"{path} is empty (0 bytes).",
+                             "copy the PDF again; the transfer may have failed")
+    if b"%PDF-" not in head:
+        kind = "an HTML page" if b"<html" in head.lower() or b"<!doctype" in head.lower() else \
+            "not a PDF"
+        raise InputFileError(f"{path} is {kind} (no %PDF header), though it is named .pdf.",
+                             "save or download the document again as a real PDF")
+    try:
+        return pdfium.PdfDocument(str(path))
+    except pdfium.PdfiumError as exc:
+        text = str(exc)
+        if "password" in text.lower():
+            raise InputFileError(f"{path} is encrypted with a password.",
+                                 "save an unprotected copy (e.g. qpdf --decrypt --password=... "
+                                 "in.pdf out.pdf) and drop that in") from exc
+        raise InputFileError(f"{path} is damaged beyond repair ({text}).",
+                             "re-download or re-scan it; `qpdf --check` shows what is wrong") from exc
+
+
+def page_count(path: Path) -> int:
+    """Number of pages; zero pages is an error, since there is nothing to convert."""
+    with PDFIUM_LOCK:
+        doc = open_pdf(path)
+        try:
+            count = len(doc)
+        finally:
+            doc.close()
+    if count == 0:
+        raise InputFileError(f"{path} has no pages.", "check the file; there is nothing to convert")
+    return count
+
+
+def render_scale(width_pt: float, height_pt: float, scale: float, max_pixels: int) -> float:
+    """The render scale, lowered so the page stays within `max_pixels`.
+
+    Scale 2.0 gives ~4 MP for an A4 page; a poster-sized page must not take gigabytes of RAM,
+    so anything above the budget is rendered smaller instead.
+    """
+    pixels = width_pt * scale * height_pt * scale
+    if pixels <= max_pixels:
+        return scale
+    return scale * math.sqrt(max_pixels / pixels) * 0.999
+
+
+def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.ndarray:
+    """Render one page (0-based) to a BGR array, as PaddleX's own PDF reader does."""
+    with PDFIUM_LOCK:
+        doc = open_pdf(path)
+        try:
+            if index >= len(doc):
+                raise InputVanishedError(f"{path} no longer has a page {index + 1}; "
+                                         "it changed while being converted.")
+            page = doc[index]
+            try:
+                width, height = page.get_size()
+                bitmap = page.render(scale=render_scale(width, height, scale, max_pixels))
+                image = bitmap.to_numpy()
+                if image.shape[2] == 4:  # BGRx: drop the padding channel
+                    image = image[:, :, :3]
+                return np.ascontiguousarray(image)
+            finally:
+                page.close()
+        finally:
+            doc.close()

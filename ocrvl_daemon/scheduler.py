@@ -1,0 +1,55 @@
+"""Which pages go to the engine next.
+
+Pages of all active documents interleave: the next free slot goes to the document with the
+fewest pages in flight, then the fewest pages left, then the oldest. A 2-page letter dropped
+behind a 600-page book therefore gets its pages in at the next free slots and is done in about
+one page's time, while two books share the server evenly. How many pages may be in flight is
+`ConcurrencyController.limit`, which adapts to the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DocumentPages:
+    """The page bookkeeping of one active document."""
+
+    job_id: int
+    page_count: int
+    pending: list[int]  # ascending, not yet sent
+    in_flight: set[int] = field(default_factory=set)
+    done: int = 0
+    attempts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        """All pages are checkpointed."""
+        return not self.pending and not self.in_flight
+
+    def give_back(self, page: int) -> None:
+        """A page returns to the queue (server down, worker replaced...)."""
+        self.in_flight.discard(page)
+        if page not in self.pending:
+            self.pending.append(page)
+            self.pending.sort()
+
+
+def pick_pages(documents: list[DocumentPages], slots: int) -> list[tuple[DocumentPages, int]]:
+    """Choose up to `slots` pages to send now, fairly across `documents` (oldest first in list).
+
+    Marks the chosen pages in flight.
+    """
+    chosen: list[tuple[DocumentPages, int]] = []
+    ready = [d for d in documents if d.pending]
+    order = {id(d): n for n, d in enumerate(documents)}
+    while slots > 0 and ready:
+        doc = min(ready, key=lambda d: (len(d.in_flight), len(d.pending), order[id(d)]))
+        page = doc.pending.pop(0)
+        doc.in_flight.add(page)
+        chosen.append((doc, page))
+        slots -= 1
+        if not doc.pending:
+            ready.remove(doc)
+    return chosen

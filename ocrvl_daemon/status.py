@@ -1,0 +1,149 @@
+"""`ocrvl status` and `ocrvl retry`: read and nudge the daemon's store while it runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.errors import ExitCode, InputFileError
+from ocrvl_daemon.store import Job, JobState, Store
+
+log = logging.getLogger(__name__)
+
+DAEMON_DB = "jobs.sqlite"
+
+
+def open_store(config: Config) -> Store:
+    """The daemon's store."""
+    return Store(config.state_dir / DAEMON_DB)
+
+
+def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
+    done = len(store.done_pages(job.sha256, job.model)) if job.state is not JobState.DONE \
+        else (job.page_count or 0)
+    total = job.page_count
+    view: dict[str, Any] = {
+        "path": str(job.path), "state": job.state.value, "pages_done": done,
+        "pages_total": total, "attempts": job.attempts, "error": job.last_error,
+        "failed_pages": [p + 1 for p in store.failed_pages(job.sha256, job.model)],
+    }
+    if job.state is JobState.RUNNING and total and rate > 0:
+        view["eta_seconds"] = round((total - done) / rate)
+    if job.state is JobState.QUEUED and job.not_before > time.time():
+        view["retry_in_seconds"] = round(job.not_before - time.time())
+    return view
+
+
+def collect_status(config: Config) -> dict[str, Any]:
+    """Everything `ocrvl status` shows, as a dict."""
+    store = open_store(config)
+    try:
+        daemon = store.get_meta("daemon") or {}
+        rate = float(daemon.get("pages_per_s") or 0.0)
+        alive = bool(daemon) and time.time() - float(daemon.get("updated", 0)) < 30
+        jobs = [_job_view(store, j, rate) for j in store.jobs()]
+    finally:
+        store.close()
+    return {
+        "daemon": {"running": alive, **daemon},
+        "server": daemon.get("server", {}),
+        "documents": jobs,
+    }
+
+
+def render_status(config: Config, *, as_json: bool) -> str:
+    """The status as text (one screen) or JSON."""
+    status = collect_status(config)
+    if as_json:
+        return json.dumps(status, indent=2)
+    daemon, server = status["daemon"], status["server"]
+    lines = []
+    if daemon["running"]:
+        lines.append(f"daemon: running (pid {daemon.get('pid')}), "
+                     f"{daemon.get('pages_per_s', 0):.2f} pages/s")
+        state = server.get("state", "unknown")
+        phase = f", {server['phase']}" if server.get("phase") else ""
+        lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
+        if server.get("diagnosis"):
+            lines.append(f"  likely cause: {server['diagnosis']}")
+    else:
+        lines.append("daemon: not running (start it with `systemctl --user start ocrvl`)")
+    docs = status["documents"]
+    if not docs:
+        lines.append("no documents yet")
+    for doc in docs:
+        pages = f"{doc['pages_done']}/{doc['pages_total'] or '?'} pages"
+        extra = ""
+        if "eta_seconds" in doc:
+            extra = f", ETA {format_duration(doc['eta_seconds'])}"
+        if "retry_in_seconds" in doc:
+            extra += f", retry in {format_duration(doc['retry_in_seconds'])}"
+        lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
+        if doc["error"] and doc["state"] != "done":
+            lines.append(f"         reason: {doc['error']}")
+        if doc["failed_pages"]:
+            pages_list = ",".join(map(str, doc["failed_pages"]))
+            lines.append(f"         pages that failed: {pages_list} "
+                         f"(redo: ocrvl retry --pages {pages_list} {doc['path']!r})")
+    return "\n".join(lines)
+
+
+def format_duration(seconds: float) -> str:
+    """2h41m, 5m03s, 12s."""
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def parse_pages(spec: str) -> list[int]:
+    """'3,7-9' -> [2, 6, 7, 8] (0-based)."""
+    pages: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 1 or hi < lo:
+                raise ValueError
+            pages.update(range(lo - 1, hi))
+    except ValueError:
+        raise InputFileError(f"--pages {spec!r} is not a page list.",
+                             "write pages like 3 or 3,7-9 (1 is the first page)") from None
+    return sorted(pages)
+
+
+def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) -> ExitCode:
+    """Queue documents again; with `pages`, drop only those checkpoints."""
+    if not pdfs and not failed:
+        raise InputFileError("Nothing to retry.", "name PDFs, or use --failed")
+    store = open_store(config)
+    try:
+        targets: list[Job] = []
+        if failed:
+            targets += store.jobs(JobState.FAILED)
+            targets += [j for j in store.jobs() if store.failed_pages(j.sha256, j.model)
+                        and j not in targets]
+        for given in pdfs:
+            job = store.job_for_path(given.expanduser().absolute())
+            if job is None:
+                raise InputFileError(f"{given} is not known to ocrvl.",
+                                     "put it in an inbox folder; it is picked up by itself")
+            targets.append(job)
+        for job in targets:
+            redo = parse_pages(pages) if pages else store.failed_pages(job.sha256, job.model)
+            if redo:
+                store.drop_pages(job.sha256, job.model, redo)
+            elif job.state is JobState.DONE:
+                store.drop_pages(job.sha256, job.model)
+            store.requeue(job.id)
+            what = f"pages {','.join(str(p + 1) for p in redo)} of " if redo else ""
+            log.info("queued %s%s again", what, job.path)
+    finally:
+        store.close()
+    return ExitCode.OK

@@ -1,0 +1,297 @@
+"""The durable job queue: SQLite (WAL) with one job per document and per-page checkpoints.
+
+Page checkpoints are keyed by the document's content hash and the model, not by its path: a
+renamed or moved file whose content was already converted reuses them, and a resumed run
+assembles exactly what an uninterrupted run would have. Every page is committed with
+`synchronous=FULL` before it counts as done, so a power cut loses only the pages in flight.
+`ocrvl status` and `ocrvl retry` open the same database while the daemon runs; SQLite's
+locking keeps them from corrupting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY,
+    path TEXT NOT NULL UNIQUE,
+    sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    mtime REAL NOT NULL,
+    model TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    page_count INTEGER,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    not_before REAL NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE TABLE IF NOT EXISTS pages (
+    sha256 TEXT NOT NULL,
+    model TEXT NOT NULL,
+    page INTEGER NOT NULL,
+    markdown TEXT NOT NULL,
+    note TEXT,
+    failed INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    PRIMARY KEY (sha256, model, page)
+);
+CREATE TABLE IF NOT EXISTS page_images (
+    sha256 TEXT NOT NULL,
+    model TEXT NOT NULL,
+    page INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (sha256, model, page, name)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class JobState(str, Enum):
+    """Where a document is in its life."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A row of the jobs table."""
+
+    id: int
+    path: Path
+    sha256: str
+    size: int
+    mtime: float
+    model: str
+    state: JobState
+    attempts: int
+    last_error: str | None
+    page_count: int | None
+    created: float
+    updated: float
+    started: float | None
+    finished: float | None
+    not_before: float
+
+
+@dataclass(frozen=True)
+class StoredPage:
+    """A checkpointed page."""
+
+    page: int
+    markdown: str
+    note: str | None
+    failed: bool
+    images: dict[str, bytes]
+
+
+class Store:
+    """Jobs and page checkpoints in `state_dir/<name>`; private to the user (0700/0600)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path.parent, 0o700)
+        fresh = not path.exists()
+        self.path = path
+        self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
+                                   check_same_thread=False)
+        if fresh:
+            os.chmod(path, 0o600)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    def job(self, job_id: int) -> Job | None:
+        """One job by id."""
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _job(row) if row else None
+
+    def job_for_path(self, path: Path) -> Job | None:
+        """The job of the document at `path`, if any."""
+        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+        return _job(row) if row else None
+
+    def jobs(self, *states: JobState) -> list[Job]:
+        """Jobs in any of `states` (all when none given), oldest first."""
+        if states:
+            marks = ",".join("?" * len(states))
+            rows = self._db.execute(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id",
+                                    [s.value for s in states])
+        else:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY id")
+        return [_job(r) for r in rows]
+
+    def enqueue(self, path: Path, sha256: str, size: int, mtime: float, model: str) -> Job:
+        """Queue the document at `path` unless this exact content is already queued or handled.
+
+        A changed file (new hash) or another model starts over; the same content stays as it is
+        (done stays done, a permanent failure waits for `ocrvl retry`).
+        """
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO jobs (path, sha256, size, mtime, model, state, created, updated)"
+                    " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
+                    (str(path), sha256, size, mtime, model, now, now))
+            elif row["sha256"] != sha256 or row["model"] != model:
+                db.execute(
+                    "UPDATE jobs SET sha256=?, size=?, mtime=?, model=?, state='queued', "
+                    "attempts=0, last_error=NULL, page_count=NULL, updated=?, started=NULL, "
+                    "finished=NULL, not_before=0 WHERE id=?",
+                    (sha256, size, mtime, model, now, row["id"]))
+            else:
+                db.execute("UPDATE jobs SET size=?, mtime=? WHERE id=?", (size, mtime, row["id"]))
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+        return _job(row)
+
+    def requeue(self, job_id: int, *, reset_attempts: bool = True) -> None:
+        """Put a job back in the queue (used by `ocrvl retry`)."""
+        extra = ", attempts=0" if reset_attempts else ""
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET state='queued', last_error=NULL, not_before=0, "
+                       f"finished=NULL, updated=?{extra} WHERE id=?", (time.time(), job_id))
+
+    def set_running(self, job_id: int, page_count: int) -> None:
+        """Mark a job as being converted."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET state='running', page_count=?, "
+                       "started=COALESCE(started, ?), updated=? WHERE id=?",
+                       (page_count, now, now, job_id))
+
+    def set_done(self, job_id: int) -> None:
+        """Mark a job as converted."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? "
+                       "WHERE id=?", (now, now, job_id))
+
+    def set_failed(self, job_id: int, error: str, *, permanent: bool, retry_in: float = 0.0
+                   ) -> None:
+        """Record a failure: permanent ones wait for the user, others retry after `retry_in`."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET state=?, attempts=attempts+1, last_error=?, updated=?, "
+                "not_before=? WHERE id=?",
+                ("failed" if permanent else "queued", error, now, now + retry_in, job_id))
+
+    def forget(self, job_id: int) -> None:
+        """Drop a job whose file is gone (its page checkpoints stay for a renamed copy)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+
+    def recover_running(self) -> int:
+        """After a crash, jobs left `running` are queued again (their checkpoints remain)."""
+        with self._tx() as db:
+            return db.execute("UPDATE jobs SET state='queued' WHERE state='running'").rowcount
+
+    # --- pages --------------------------------------------------------------------------
+
+    def save_page(self, sha256: str, model: str, page: int, markdown: str,
+                  images: dict[str, bytes], *, note: str | None = None, failed: bool = False
+                  ) -> None:
+        """Checkpoint one page durably (Markdown and images in one transaction)."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("DELETE FROM page_images WHERE sha256=? AND model=? AND page=?",
+                       (sha256, model, page))
+            db.execute("INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (sha256, model, page, markdown, note, int(failed), now))
+            db.executemany("INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
+                           [(sha256, model, page, n, d) for n, d in images.items()])
+
+    def done_pages(self, sha256: str, model: str) -> set[int]:
+        """Pages of this content that are checkpointed."""
+        rows = self._db.execute("SELECT page FROM pages WHERE sha256=? AND model=?",
+                                (sha256, model))
+        return {r[0] for r in rows}
+
+    def failed_pages(self, sha256: str, model: str) -> list[int]:
+        """Pages that ended as placeholders."""
+        rows = self._db.execute("SELECT page FROM pages WHERE sha256=? AND model=? AND failed=1 "
+                                "ORDER BY page", (sha256, model))
+        return [r[0] for r in rows]
+
+    def drop_pages(self, sha256: str, model: str, pages: list[int] | None = None) -> None:
+        """Forget checkpoints (all, or the given pages) so they are recognised again."""
+        with self._tx() as db:
+            for table in ("pages", "page_images"):
+                if pages is None:
+                    db.execute(f"DELETE FROM {table} WHERE sha256=? AND model=?", (sha256, model))
+                else:
+                    db.executemany(f"DELETE FROM {table} WHERE sha256=? AND model=? AND page=?",
+                                   [(sha256, model, p) for p in pages])
+
+    def iter_pages(self, sha256: str, model: str) -> Iterator[StoredPage]:
+        """Checkpointed pages in order, one at a time (a 10,000-page book stays small in RAM)."""
+        rows = self._db.execute("SELECT page, markdown, note, failed FROM pages "
+                                "WHERE sha256=? AND model=? ORDER BY page", (sha256, model))
+        for row in rows.fetchall():
+            images = {r[0]: r[1] for r in self._db.execute(
+                "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
+                (sha256, model, row["page"]))}
+            yield StoredPage(row["page"], row["markdown"], row["note"], bool(row["failed"]),
+                             images)
+
+    # --- daemon state, for `ocrvl status` ------------------------------------------------
+
+    def put_meta(self, key: str, value: Any) -> None:
+        """Publish a JSON value (server state, rates) for other processes to read."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str) -> Any:
+        """Read a published value, or None."""
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+
+def _job(row: sqlite3.Row) -> Job:
+    return Job(
+        id=row["id"], path=Path(row["path"]), sha256=row["sha256"], size=row["size"],
+        mtime=row["mtime"], model=row["model"], state=JobState(row["state"]),
+        attempts=row["attempts"], last_error=row["last_error"], page_count=row["page_count"],
+        created=row["created"], updated=row["updated"], started=row["started"],
+        finished=row["finished"], not_before=row["not_before"],
+    )

@@ -1,0 +1,400 @@
+"""The fake vLLM server behaves like vLLM where ocrvl relies on it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from ocrvl_daemon.testing.fake_server import (
+    DEFAULT_MODEL,
+    FakeServerConfig,
+    InProcessFakeServer,
+    OutputLength,
+    image_tokens,
+    parse_args,
+    plan_startup,
+)
+from ocrvl_daemon.testing.harness import (
+    FakeServerProcess,
+    chat_payload,
+    free_port,
+    make_test_jpeg,
+    process_alive,
+    start_fake_server,
+    wait_until,
+)
+
+CHAT = "/v1/chat/completions"
+VLLM_ONLY_ARGS = (
+    "--trust-remote-code",
+    "--limit-mm-per-prompt",
+    '{"image": 1}',
+    "--no-enable-prefix-caching",
+    "--mm-processor-cache-gb",
+    "0",
+)
+
+
+@pytest.fixture(scope="module")
+def request_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fake") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(request_log: Path) -> Iterator[FakeServerProcess]:
+    """One plain server for the read-only tests (started with vLLM-only flags it ignores)."""
+    with start_fake_server(free_port(), *VLLM_ONLY_ARGS, "--request-log", str(request_log)) as srv:
+        yield srv
+
+
+def content(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def pixel_digest(jpeg: bytes) -> str:
+    with Image.open(io.BytesIO(jpeg)) as img:
+        return hashlib.sha256(img.convert("RGB").tobytes()).hexdigest()[:12]
+
+
+def test_ignores_vllm_args_and_lists_model(server: FakeServerProcess) -> None:
+    assert "ignoring unmodelled args: --trust-remote-code" in server.output()
+    models = server.get("/v1/models").json()
+    assert models["object"] == "list"
+    [entry] = models["data"]
+    assert entry["id"] == DEFAULT_MODEL
+    assert entry["owned_by"] == "vllm"
+    assert entry["max_model_len"] == 16384
+
+
+def test_wrong_model_is_404(server: FakeServerProcess) -> None:
+    response = server.post(CHAT, json=chat_payload(make_test_jpeg(1), model="other-model"))
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "The model `other-model` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+
+
+def test_over_max_model_len_is_400(server: FakeServerProcess) -> None:
+    # 1000x1000 -> 36*36 = 1296 image tokens, + "OCR:" (1) + template (20).
+    jpeg = make_test_jpeg(2, (1000, 1000))
+    response = server.post(CHAT, json=chat_payload(jpeg, max_completion_tokens=16000))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["code"] == 400
+    assert error["message"] == (
+        "This model's maximum context length is 16384 tokens. However, you requested 17317 "
+        "tokens (1317 in the messages, 16000 in the completion). Please reduce the length of "
+        "the messages or completion."
+    )
+    ok = server.post(CHAT, json=chat_payload(jpeg, max_completion_tokens=15000))
+    assert ok.json()["usage"]["prompt_tokens"] == 1317
+
+
+def test_max_pixels_scales_image_tokens(server: FakeServerProcess) -> None:
+    jpeg = make_test_jpeg(3, (1000, 1000))
+    body = chat_payload(jpeg, mm_processor_kwargs={"max_pixels": 250000})
+    assert server.post(CHAT, json=body).json()["usage"]["prompt_tokens"] == 18 * 18 + 21
+    assert image_tokens(2000, 1000, 1003520) == 26 * 51  # scaled to 1416x708
+
+
+def test_reply_is_derived_from_image(server: FakeServerProcess) -> None:
+    a, b = make_test_jpeg(10, (300, 400)), make_test_jpeg(11, (300, 400))
+    text_a = content(server.post(CHAT, json=chat_payload(a)))
+    text_b = content(server.post(CHAT, json=chat_payload(b)))
+    assert text_a != text_b
+    assert text_a == content(server.post(CHAT, json=chat_payload(a)))
+    assert text_a.startswith("fake-ocr OCR 300x400 mean=")
+    assert text_a.endswith(f"sha={pixel_digest(a)}")
+    table = content(server.post(CHAT, json=chat_payload(a, prompt="Table Recognition:")))
+    assert table.startswith("fake-ocr Table 300x400")
+
+
+def test_request_log_records_pages(server: FakeServerProcess, request_log: Path) -> None:
+    jpeg = make_test_jpeg(20, (64, 48))
+    server.post(CHAT, json=chat_payload(jpeg, max_completion_tokens=100))
+    digest = pixel_digest(jpeg)
+    records = [json.loads(line) for line in request_log.read_text().splitlines()]
+    [record] = [r for r in records if r["digest"] == digest]
+    assert record["w"] == 64 and record["h"] == 48
+    assert record["prompt"] == "OCR:"
+    assert record["max_tokens"] == 100
+    assert record["status"] == 200
+    assert record["model"] == DEFAULT_MODEL
+    assert server.stats()["requests_by_digest"][digest] == 1
+
+
+def test_metrics_parse_with_vllm_names(server: FakeServerProcess) -> None:
+    server.post(CHAT, json=chat_payload(make_test_jpeg(30)))
+    text = server.get("/metrics").text
+    samples = {
+        (s.name, s.labels.get("finished_reason")): s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+    ):
+        assert samples[(name, None)].labels["model_name"] == DEFAULT_MODEL
+    assert samples[("vllm:request_success_total", "stop")].value >= 1
+    assert server.metric("vllm:generation_tokens_total") >= 16
+
+
+def test_api_key_is_enforced_on_v1_only() -> None:
+    with start_fake_server(free_port(), "--api-key", "sekrit") as srv:
+        body = chat_payload(make_test_jpeg(1))
+        assert srv.post(CHAT, json=body).status_code == 401
+        assert srv.get("/v1/models").status_code == 401
+        assert srv.healthy()
+        auth = {"Authorization": "Bearer sekrit"}
+        assert srv.post(CHAT, json=body, headers=auth).status_code == 200
+
+
+def test_ready_only_after_startup_delay_and_sigterm_in_startup() -> None:
+    port = free_port()
+    started = time.monotonic()
+    with start_fake_server(port, "--startup-delay", "1.0", wait=False) as srv:
+        wait_until(lambda: "Starting to load model" in srv.output(), 10, what="loading phase")
+        assert "Uvicorn running" not in srv.output()
+        with pytest.raises(httpx.ConnectError):
+            srv.get("/health", timeout=1.0)
+        srv.wait_ready()
+        assert time.monotonic() - started >= 1.0
+        out = srv.output()
+        order = [
+            "Starting to load model",
+            "Loading weights took",
+            "Model loading took",
+            "Memory profiling takes",
+            "Available KV cache memory",
+            "GPU KV cache size",
+            "Maximum concurrency for 16384 tokens per request",
+            "Capturing CUDA graphs",
+            "Graph capturing finished",
+            "Started server process",
+            "Application startup complete.",
+            f"Uvicorn running on http://127.0.0.1:{port}",
+        ]
+        positions = [out.index(marker) for marker in order]
+        assert positions == sorted(positions)
+    # A stop during start-up is clean too.
+    with start_fake_server(free_port(), "--startup-delay", "30", wait=False) as slow:
+        wait_until(lambda: "Starting to load model" in slow.output(), 10, what="loading phase")
+        t0 = time.monotonic()
+        assert slow.stop() == 0
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_port_in_use_fails_like_uvicorn() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with start_fake_server(port, wait=False) as srv:
+            assert srv.wait_exit(10) == 1
+            assert (
+                f"ERROR:    [Errno 98] error while attempting to bind on address "
+                f"('127.0.0.1', {port}): address already in use"
+            ) in srv.output()
+
+
+def test_crash_after_kills_engine_then_exits_zero() -> None:
+    with start_fake_server(free_port(), "--crash-after", "2", "--crash-exit-delay", "0.5") as srv:
+        assert srv.post(CHAT, json=chat_payload(make_test_jpeg(1))).status_code == 200
+        crashed = srv.post(CHAT, json=chat_payload(make_test_jpeg(2)))
+        assert crashed.status_code == 500
+        assert crashed.json()["error"]["type"] == "InternalServerError"
+        assert not srv.healthy()
+        assert srv.wait_exit(5) == 0
+        assert "EngineCore encountered a fatal error" in srv.output()
+
+
+def test_hang_keeps_health_and_sigterm_is_prompt() -> None:
+    with start_fake_server(free_port(), "--hang-after", "2") as srv:
+        assert srv.post(CHAT, json=chat_payload(make_test_jpeg(1))).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):
+            srv.post(CHAT, json=chat_payload(make_test_jpeg(2)), timeout=0.5)
+        assert srv.healthy()
+        assert srv.metric("vllm:num_requests_running") == 1
+        stats = srv.stats()
+        assert stats["requests_hung"] == 1
+        assert stats["requests_completed"] == 1
+        t0 = time.monotonic()
+        assert srv.stop() == 0
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_error_500_every_nth() -> None:
+    with start_fake_server(free_port(), "--error-500-every", "2") as srv:
+        codes = [srv.post(CHAT, json=chat_payload(make_test_jpeg(i))).status_code for i in range(4)]
+        assert codes == [200, 500, 200, 500]
+        assert srv.healthy()
+
+
+def test_health_503_after_completions() -> None:
+    with start_fake_server(free_port(), "--health-503-after", "1") as srv:
+        assert srv.post(CHAT, json=chat_payload(make_test_jpeg(1))).status_code == 200
+        assert srv.get("/health").status_code == 503
+        assert srv.post(CHAT, json=chat_payload(make_test_jpeg(2))).status_code == 500
+
+
+@pytest.mark.parametrize(
+    ("kind", "root_cause"),
+    [
+        ("oom-kv", "ValueError: No available memory for the cache blocks."),
+        ("free-memory", "ValueError: Free memory on device (6.5/7.6 GiB) on startup is less"),
+        ("max-len", "the estimated maximum model length is 40336."),
+        ("cuda-oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.20 GiB."),
+    ],
+)
+def test_fail_start(kind: str, root_cause: str) -> None:
+    with start_fake_server(free_port(), "--fail-start", kind, wait=False) as srv:
+        assert srv.wait_exit(10) == 1
+        out = srv.output()
+        assert root_cause in out
+        assert out.index(root_cause) < out.index(
+            "RuntimeError: Engine core initialization failed. See root cause above."
+        )
+        assert "Uvicorn running" not in out
+
+
+VRAM = ("--fake-vram-gib", "8", "--fake-vram-used-gib", "0.5", "--fake-weights-gib", "6")
+
+
+@pytest.mark.parametrize(
+    ("args", "failure"),
+    [
+        (("--gpu-memory-utilization", "0.95"), "free-memory"),
+        (("--max-num-seqs", "256"), "oom-kv"),
+        (("--max-num-seqs", "16", "--max-model-len", "131072"), "max-len"),
+        (("--max-num-seqs", "16", "--max-model-len", "16384"), None),
+    ],
+)
+def test_fake_vram_model_plan(args: tuple[str, ...], failure: str | None) -> None:
+    assert plan_startup(parse_args([*VRAM, *args])).failure == failure
+
+
+def test_fake_vram_model_fails_then_starts() -> None:
+    kv = 0.9 * 8 - 6 - (16 * 0.004 + 0.5)
+    fits = int(kv / 0.0000183)
+    with start_fake_server(
+        free_port(), *VRAM, "--max-num-seqs", "16", "--max-model-len", "131072", wait=False
+    ) as srv:
+        assert srv.wait_exit(10) == 1
+        assert f"the estimated maximum model length is {fits}." in srv.output()
+    with start_fake_server(free_port(), *VRAM, "--max-num-seqs", "16") as srv:
+        assert f"GPU KV cache size: {fits:,} tokens" in srv.output()
+        assert srv.stats()["kv_capacity_tokens"] == fits
+
+
+def test_engine_child_is_orphaned_by_sigkill_and_killed_with_group() -> None:
+    with start_fake_server(free_port(), "--spawn-engine-child") as srv:
+        child = srv.stats()["engine_pid"]
+        assert process_alive(child)
+        assert os.getpgid(child) == srv.pid
+        assert "VLLM::EngineCore" in Path(f"/proc/{child}/cmdline").read_text()
+        os.kill(srv.pid, signal.SIGKILL)  # only the API server, like a careless supervisor
+        srv.proc.wait(5)
+        assert process_alive(child)
+        srv.stop()
+        wait_until(lambda: not process_alive(child), 5, what="engine child to die")
+
+
+def test_output_length_model_in_process() -> None:
+    assert OutputLength.parse("fixed:40").draw("abc") == 40
+    lengths = {OutputLength.parse("uniform:20:40").draw(f"d{i}") for i in range(50)}
+    assert min(lengths) >= 20 and max(lengths) <= 40 and len(lengths) > 5
+    assert OutputLength.parse("lognormal:500:0.5").draw("x") == OutputLength.parse(
+        "lognormal:500:0.5"
+    ).draw("x")
+    with pytest.raises(ValueError):
+        OutputLength.parse("uniform:9")
+
+    cfg = FakeServerConfig(port=0, output_tokens="fixed:50", access_log=False)
+    with InProcessFakeServer(cfg) as srv:
+        jpeg = make_test_jpeg(5, (100, 100))
+        full = httpx.post(srv.url + CHAT, json=chat_payload(jpeg)).json()
+        assert full["choices"][0]["finish_reason"] == "stop"
+        assert full["usage"]["completion_tokens"] == 50
+        # Base line = 16 tokens (5 words), then one word per token.
+        assert len(full["choices"][0]["message"]["content"].split()) == 5 + 34
+        cut = httpx.post(srv.url + CHAT, json=chat_payload(jpeg, max_completion_tokens=20)).json()
+        assert cut["choices"][0]["finish_reason"] == "length"
+        assert cut["usage"]["completion_tokens"] == 20
+        assert (
+            cut["choices"][0]["message"]["content"].split()
+            == (full["choices"][0]["message"]["content"].split()[: 5 + 4])
+        )
+
+
+async def _burst(srv: FakeServerProcess, n: int) -> tuple[list[int], int]:
+    """Send ``n`` requests at once; poll /metrics meanwhile; return statuses, max waiting."""
+    max_waiting = 0
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+
+        async def one(i: int) -> int:
+            response = await client.post(CHAT, json=chat_payload(make_test_jpeg(100 + i, (64, 64))))
+            return response.status_code
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        while not all(t.done() for t in tasks):
+            text = (await client.get("/metrics")).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "vllm:num_requests_waiting":
+                        max_waiting = max(max_waiting, int(sample.value))
+            await asyncio.sleep(0.02)
+        return [t.result() for t in tasks], max_waiting
+
+
+def test_continuous_batching_queues_beyond_max_num_seqs() -> None:
+    args = ("--step-t0-ms", "10", "--step-t1-ms", "1", "--max-num-seqs", "8")
+    with start_fake_server(free_port(), *args) as srv:
+        statuses, max_waiting = asyncio.run(_burst(srv, 16))
+        assert statuses == [200] * 16
+        assert max_waiting > 0
+        stats: dict[str, Any] = srv.stats()
+        assert stats["requests_completed"] == 16
+        assert stats["max_active"] == 8
+        assert stats["max_waiting"] >= max_waiting
+        assert 0.5 < stats["occupancy"] <= 1.0
+        # Two waves of 16 steps of ~18 ms each: well under a second, well over 0.4 s.
+        assert 0.4 < stats["busy_seconds"] < 3.0
+        assert srv.metric("vllm:request_success_total", finished_reason="stop") == 16
+
+
+def test_kv_capacity_preempts() -> None:
+    args = (
+        "--step-t0-ms", "2", "--max-num-seqs", "8",
+        "--kv-capacity-tokens", "120", "--output-tokens", "fixed:30",
+    )  # fmt: skip
+    with start_fake_server(free_port(), *args) as srv:
+        # 64x64 -> 9 image tokens + 21 = 30 prompt tokens; 4 fit, growth forces preemption.
+        statuses, _ = asyncio.run(_burst(srv, 6))
+        assert statuses == [200] * 6
+        assert srv.metric("vllm:num_preemptions_total") > 0
