@@ -299,6 +299,19 @@ class Converter:
         for page in self.store.iter_pages(job.sha256, self.model):
             yield output.Page(page.page, page.markdown, page.images, page.note)
 
+    def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded configuration; the worker is replaced if its settings changed."""
+        old, self.config = self.config, config
+        self.concurrency.minimum = config.pipeline.min_concurrency
+        self.concurrency.maximum = config.pipeline.max_concurrency
+        self.concurrency.limit = min(max(self.concurrency.limit, self.concurrency.minimum),
+                                     self.concurrency.maximum)
+        if (old.pipeline, old.model, old.server) != (config.pipeline, config.model, config.server) \
+                and self._worker is not None:
+            log.info("pipeline settings changed; replacing the engine worker")
+            self._retiring.append(self._worker)
+            self._worker = None
+
     # --- status and stop ----------------------------------------------------------------
 
     def progress(self) -> Progress:

@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlparse
 
 from ocrvl_daemon import output
 from ocrvl_daemon.config import Config
@@ -80,15 +81,15 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
             reason = str(ServerError(
                 f"Cannot reach the model server at {config.server.base_url} "
                 f"({server.status().last_error or 'no answer'}).",
-                "start it (e.g. `vllm serve PaddlePaddle/PaddleOCR-VL-1.6 --served-model-name "
-                f"{config.model.name} --trust-remote-code --port 8118`), or run without "
-                "--server-url so ocrvl starts one itself"))
+                f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} --served-model-name "
+                f"{config.model.name} --trust-remote-code --port "
+                f"{urlparse(config.server.base_url).port or 80}`), or run without --server-url "
+                "so ocrvl starts one itself"))
             return dict.fromkeys(jobs.values(), reason)
         while not stop_requested:
             converter.tick()
-            failed = server.status().fatal_error
-            if failed:
-                return {p: failed for j, p in jobs.items() if not _succeeded(store, j)}
+            if server.error is not None:
+                return {p: str(server.error) for j, p in jobs.items() if not _succeeded(store, j)}
             if all(_settled(store, j) for j in jobs):
                 break
             time.sleep(TICK_SECONDS)

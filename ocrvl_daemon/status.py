@@ -11,6 +11,7 @@ from typing import Any
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
 from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.systemd import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +91,6 @@ def render_status(config: Config, *, as_json: bool) -> str:
             lines.append(f"         pages that failed: {pages_list} "
                          f"(redo: ocrvl retry --pages {pages_list} {doc['path']!r})")
     return "\n".join(lines)
-
-
-def format_duration(seconds: float) -> str:
-    """2h41m, 5m03s, 12s."""
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
 
 
 def parse_pages(spec: str) -> list[int]:

@@ -1,0 +1,184 @@
+"""`ocrvl run`: wires server supervisor, inbox watcher and converter into one main loop.
+
+Signal handlers only record what was asked; the loop acts on it. Every iteration polls the
+watcher, ticks the converter, publishes status (systemd's STATUS= and the store, for `ocrvl
+status`) and pings systemd's watchdog, so a stuck loop stops pinging. Stopping is ordered:
+stop taking files, let pages in flight finish and checkpoint (bounded), stop the workers,
+then stop the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
+from ocrvl_daemon.logs import set_level
+from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
+from ocrvl_daemon.status import open_store
+from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_status
+from ocrvl_daemon.watcher import InboxWatcher
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.1
+# How much more time to ask systemd for, each time, while the model server starts.
+EXTEND_SECONDS = 90.0
+PUBLISH_SECONDS = 2.0
+# Pages in flight get this long to finish and be checkpointed at shutdown.
+DRAIN_SECONDS = 20.0
+
+
+class Daemon:
+    """The foreground daemon; `run()` returns when asked to stop."""
+
+    def __init__(self, config: Config, config_path: Path | None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.notifier = Notifier()
+        self._signals: list[int] = []
+        self._ready_sent = False
+        self._last_publish = 0.0
+        self._last_extend = 0.0
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals.append(signum)
+
+    def run(self) -> ExitCode:
+        """Run until SIGTERM/SIGINT; returns the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        config = self.config
+        log.info("ocrvl starting: model %s, inbox %s, server %s (%s)", config.model.name,
+                 ", ".join(map(str, config.inbox.paths)), config.server.base_url,
+                 config.server.mode)
+        self.store = open_store(config)
+        recovered = self.store.recover_running()
+        if recovered:
+            log.info("resuming %d document(s) interrupted last time", recovered)
+        self.server = ServerSupervisor(config)
+        self.watcher = InboxWatcher(config.inbox)
+        self.converter = Converter(config, self.store, self.server)
+        try:
+            self.server.start()
+            self.watcher.start()
+            return self._loop()
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> ExitCode:
+        while True:
+            while self._signals:
+                signum = self._signals.pop(0)
+                if signum == signal.SIGHUP:
+                    self._reload()
+                else:
+                    log.info("received %s; stopping", signal.Signals(signum).name)
+                    return ExitCode.OK
+            now = time.monotonic()
+            for path in self.watcher.poll(now):
+                self._take(path)
+            self.converter.tick(now)
+            self._report(now)
+            self.notifier.tick(now)
+            time.sleep(TICK_SECONDS)
+
+    def _take(self, path: Path) -> None:
+        try:
+            job = enqueue_file(self.store, path, self.config.model.name)
+        except OcrvlError as exc:
+            log.warning("%s: %s", path, exc)
+            return
+        log.info("%s: %s", path, job.state.value)
+
+    def _report(self, now: float) -> None:
+        server = self.server.status()
+        if not self._ready_sent:
+            if server.state is ServerState.READY:
+                self._ready_sent = True
+                log.info("ready: server up at %s, watching %s", server.url,
+                         ", ".join(map(str, self.config.inbox.paths)))
+                self.notifier.ready()
+            elif now - self._last_extend >= EXTEND_SECONDS / 3:
+                self._last_extend = now
+                self.notifier.extend_timeout(EXTEND_SECONDS)
+        progress = self.converter.progress()
+        snap = StatusSnapshot(
+            server_state=_server_word(server),
+            server_phase=server.phase or None,
+            server_attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
+            server_diagnosis=f"{server.diagnosis.cause}?" if server.diagnosis else None,
+            current_doc=progress.current,
+            page_done=progress.page_done,
+            page_total=progress.page_total or None,
+            pages_per_s=progress.pages_per_s or None,
+            queued=max(0, progress.queued),
+            done=progress.done,
+            failed=progress.failed,
+        )
+        self.notifier.status(format_status(snap), now)
+        if now - self._last_publish >= PUBLISH_SECONDS:
+            self._last_publish = now
+            self._publish(server, progress.pages_per_s)
+
+    def _publish(self, server: ServerStatus, rate: float) -> None:
+        self.store.put_meta("daemon", {
+            "pid": os.getpid(),
+            "updated": time.time(),
+            "pages_per_s": round(rate, 3),
+            "in_flight": self.converter.in_flight,
+            "concurrency": self.converter.concurrency.limit,
+            "server": {
+                "state": server.state.value, "phase": server.phase, "url": server.url,
+                "pid": server.pid, "attempt": server.attempt, "restarts": server.restart_count,
+                "last_error": server.last_error,
+                "diagnosis": server.diagnosis.cause if server.diagnosis else None,
+            },
+        })
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config; apply what can change live; keep the old one if bad."""
+        self.notifier.reloading()
+        try:
+            new, _ = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload rejected, the running configuration stays in force: %s", exc)
+            self.notifier.ready()
+            return
+        old = self.config
+        if new.state_dir != old.state_dir:
+            log.warning("state_dir changed; that takes effect at the next restart")
+            new = new.model_copy(update={"state_dir": old.state_dir})
+        self.config = new
+        set_level(new.log_level)
+        self.watcher.reconfigure(new.inbox)
+        if new.config_for_server != old.config_for_server:
+            log.info("server settings changed; restarting the server")
+            self.server.stop()
+            self.server = ServerSupervisor(new)
+            self.converter.server = self.server
+            self.server.start()
+        self.converter.reconfigure(new)
+        log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
+        self.notifier.ready()
+
+    def _shutdown(self) -> None:
+        self.notifier.stopping()
+        log.info("stopping: finishing pages in flight (up to %.0f s)", DRAIN_SECONDS)
+        self.watcher.stop()
+        self.converter.stop(DRAIN_SECONDS)
+        self.server.stop()
+        self.store.close()
+        log.info("stopped")
+
+
+def _server_word(server: ServerStatus) -> str:
+    if server.state is ServerState.READY:
+        return "ready"
+    return server.state.value.lower()
