@@ -15,8 +15,9 @@ from ocrvl_daemon.errors import ExitCode, OcrvlError
 
 log = logging.getLogger("ocrvl_daemon")
 
-CONFIG_HELP = ("config file (default: $OCRVL_CONFIG, then ~/.config/ocrvl/config.yaml, "
-               "then built-in defaults)")
+CONFIG_HELP = (
+    "config file (default: $OCRVL_CONFIG, then ~/.config/ocrvl/config.yaml, then built-in defaults)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,61 +25,96 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ocrvl",
         description="Turn scanned PDFs into Markdown with PaddleOCR-VL on a vLLM server that "
-                    "ocrvl starts and looks after.",
+        "ocrvl starts and looks after.",
     )
     parser.add_argument("--version", action="version", version=f"ocrvl {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("run", parents=[common], help="run the daemon in the foreground",
-                   description="Watch the inbox folders and convert every PDF that lands there; "
-                               "start and supervise the model server. This is what the systemd "
-                               "unit runs.")
+    sub.add_parser(
+        "run",
+        parents=[common],
+        help="run the daemon in the foreground",
+        description="Watch the inbox folders and convert every PDF that lands there; "
+        "start and supervise the model server. This is what the systemd "
+        "unit runs.",
+    )
     convert = sub.add_parser(
-        "convert", parents=[common], help="convert PDFs once and exit",
+        "convert",
+        parents=[common],
+        help="convert PDFs once and exit",
         description="Write <stem>.md (and <stem>_images/) next to each PDF. Starts and stops a "
-                    "managed model server unless --server-url is given. Exit code 0 only if "
-                    "every file converted.")
+        "managed model server unless --server-url is given. Exit code 0 only if "
+        "every file converted.",
+    )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
-    convert.add_argument("--server-url", metavar="URL",
-                         help="use this OpenAI-compatible server (e.g. http://127.0.0.1:8118/v1) "
-                              "instead of starting one")
+    convert.add_argument(
+        "--server-url",
+        metavar="URL",
+        help="use this OpenAI-compatible server (e.g. http://127.0.0.1:8118/v1) "
+        "instead of starting one",
+    )
 
-    status = sub.add_parser("status", parents=[common], help="show the server and the queue",
-                            description="Server state, each document's state, pages done/total, "
-                                        "rate, ETA and failures. Safe while the daemon runs.")
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="show the server and the queue",
+        description="Server state, each document's state, pages done/total, "
+        "rate, ETA and failures. Safe while the daemon runs.",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    retry = sub.add_parser("retry", parents=[common], help="queue failed documents again",
-                           description="Queue documents again: the given PDFs, or every failed "
-                                       "one with --failed. With --pages, redo only those pages.")
+    retry = sub.add_parser(
+        "retry",
+        parents=[common],
+        help="queue failed documents again",
+        description="Queue documents again: the given PDFs, or every failed "
+        "one with --failed. With --pages, redo only those pages.",
+    )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")
-    retry.add_argument("--pages", metavar="LIST",
-                       help="only these pages, e.g. 3,7-9 (default: the pages that failed, or "
-                            "the whole document if none did)")
+    retry.add_argument(
+        "--pages",
+        metavar="LIST",
+        help="only these pages, e.g. 3,7-9 (default: the pages that failed, or "
+        "the whole document if none did)",
+    )
 
-    doctor = sub.add_parser("doctor", parents=[common], help="check GPU, packages and settings",
-                            description="One screen of what works and what to fix. Exit code "
-                                        "non-zero when something blocks conversion.")
+    doctor = sub.add_parser(
+        "doctor",
+        parents=[common],
+        help="check GPU, packages and settings",
+        description="One screen of what works and what to fix. Exit code "
+        "non-zero when something blocks conversion.",
+    )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
-    install = sub.add_parser("install-service", parents=[common],
-                             help="install and enable the systemd user unit",
-                             description="Write ~/.config/systemd/user/ocrvl.service running "
-                                         "this ocrvl, then daemon-reload and enable it.")
+    install = sub.add_parser(
+        "install-service",
+        parents=[common],
+        help="install and enable the systemd user unit",
+        description="Write ~/.config/systemd/user/ocrvl.service running "
+        "this ocrvl, then daemon-reload and enable it.",
+    )
     install.add_argument("--dry-run", action="store_true", help="print, change nothing")
     install.add_argument("--force", action="store_true", help="replace a unit you edited")
 
-    setup = sub.add_parser("setup-server", parents=[common],
-                           help="create the vLLM server environment",
-                           description="Create a separate virtual environment with vLLM (and "
-                                       "flash-attn for the genai_server launcher), then set "
-                                       "server.python in the config file.")
-    setup.add_argument("--venv", metavar="PATH", type=Path,
-                       default=Path("~/.local/share/ocrvl/server-venv"),
-                       help="where to create it (default: %(default)s)")
+    setup = sub.add_parser(
+        "setup-server",
+        parents=[common],
+        help="create the vLLM server environment",
+        description="Create a separate virtual environment with vLLM (and "
+        "flash-attn for the genai_server launcher), then set "
+        "server.python in the config file.",
+    )
+    setup.add_argument(
+        "--venv",
+        metavar="PATH",
+        type=Path,
+        default=Path("~/.local/share/ocrvl/server-venv"),
+        help="where to create it (default: %(default)s)",
+    )
     setup.add_argument("--dry-run", action="store_true", help="print the exact plan only")
     return parser
 
@@ -102,8 +138,9 @@ def _setup_fallback_logging() -> None:
         logging.basicConfig(level=logging.INFO, format="ocrvl: %(message)s")
 
 
-def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None
-          ) -> tuple[Config, Path | None]:
+def _load(
+    args: argparse.Namespace, overrides: dict[str, Any] | None = None
+) -> tuple[Config, Path | None]:
     return load_config(args.config, overrides)
 
 
@@ -126,8 +163,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """`ocrvl convert`."""
     from ocrvl_daemon.oneshot import convert_files
 
-    overrides = ({"server.mode": "external", "server.url": args.server_url}
-                 if args.server_url else None)
+    overrides = (
+        {"server.mode": "external", "server.url": args.server_url} if args.server_url else None
+    )
     config, _ = _load(args, overrides)
     _logging(config)
     return int(convert_files(config, args.pdfs))

@@ -166,7 +166,9 @@ class ServerConfig(_Section):
     @classmethod
     def _argv(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and not value:
-            raise ValueError("is an empty list; give the server's argv, e.g. [my-server, --port, '{port}']")
+            raise ValueError(
+                "is an empty list; give the server's argv, e.g. [my-server, --port, '{port}']"
+            )
         return value
 
     @field_validator("vllm_args", mode="before")
@@ -191,8 +193,11 @@ class ServerConfig(_Section):
             if isinstance(arg, bool) or not isinstance(arg, (int, float)) or arg <= 0:
                 raise _KeyError(name, arg, "must be 'auto' or a positive number")
             if key == "gpu-memory-utilization" and not 0 < arg <= 1:
-                raise _KeyError(name, arg, "is a fraction of the GPU's memory: use 'auto' "
-                                "or a value such as 0.8")
+                raise _KeyError(
+                    name,
+                    arg,
+                    "is a fraction of the GPU's memory: use 'auto' or a value such as 0.8",
+                )
             if key != "gpu-memory-utilization" and int(arg) != arg:
                 raise _KeyError(name, arg, "must be a whole number or 'auto'")
         return value
@@ -235,19 +240,28 @@ class Config(_Section):
     def _consistent(self) -> Config:
         server = self.server
         if server.mode == "external" and not server.url:
-            raise _KeyError("server.url", None, "server.mode is 'external' but no url is set; "
-                            "set server.url: http://HOST:PORT/v1, or use server.mode: managed")
+            raise _KeyError(
+                "server.url",
+                None,
+                "server.mode is 'external' but no url is set; "
+                "set server.url: http://HOST:PORT/v1, or use server.mode: managed",
+            )
         if server.mode == "managed" and server.launcher == "command" and not server.command:
-            raise _KeyError("server.command", None, "server.launcher is 'command' but no command "
-                            "is set; set server.command: [program, --port, '{port}', ...]")
+            raise _KeyError(
+                "server.command",
+                None,
+                "server.launcher is 'command' but no command "
+                "is set; set server.command: [program, --port, '{port}', ...]",
+            )
         max_len = server.vllm_args["max-model-len"]
-        need = self.model.vl_model.request_token_budget(self.model.effective_max_new_tokens)
+        new_tokens = self.model.effective_max_new_tokens
+        need = self.model.vl_model.request_token_budget(new_tokens)
         if max_len != AUTO and int(max_len) < need:
             raise _KeyError(
                 "server.vllm_args.max-model-len",
                 max_len,
-                f"is too small: a page request can need {self.model.effective_max_new_tokens} "
-                f"new tokens (model.max_new_tokens) plus {need - self.model.effective_max_new_tokens}"
+                f"is too small: a page request can need {new_tokens} "
+                f"new tokens (model.max_new_tokens) plus {need - new_tokens}"
                 f" for the image and prompt, {need} in all, and vLLM would reject it; set "
                 f"max-model-len to at least {need}, or lower model.max_new_tokens",
             )
@@ -274,22 +288,27 @@ def resolve_config_path(explicit: str | Path | None) -> Path | None:
     if explicit:
         path = expand_path(explicit)
         if not path.is_file():
-            raise ConfigError(f"Config file {path} does not exist.",
-                              "pass an existing file to --config, or copy config.example.yaml there")
+            raise ConfigError(
+                f"Config file {path} does not exist.",
+                "pass an existing file to --config, or copy config.example.yaml there",
+            )
         return path
     env = os.environ.get(CONFIG_ENV)
     if env:
         path = expand_path(env)
         if not path.is_file():
-            raise ConfigError(f"${CONFIG_ENV} names {path}, which does not exist.",
-                              f"point ${CONFIG_ENV} at an existing file, or unset it")
+            raise ConfigError(
+                f"${CONFIG_ENV} names {path}, which does not exist.",
+                f"point ${CONFIG_ENV} at an existing file, or unset it",
+            )
         return path
     default = expand_path(DEFAULT_CONFIG_PATH)
     return default if default.is_file() else None
 
 
-def load_config(explicit: str | Path | None = None, overrides: dict[str, Any] | None = None
-                ) -> tuple[Config, Path | None]:
+def load_config(
+    explicit: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> tuple[Config, Path | None]:
     """Read, merge `overrides` (dotted keys) and validate; returns the config and its file."""
     path = resolve_config_path(explicit)
     data: Any = {}
@@ -297,14 +316,20 @@ def load_config(explicit: str | Path | None = None, overrides: dict[str, Any] | 
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"Cannot read config file {path}: {exc}.",
-                              "check the file's permissions and encoding (UTF-8)") from exc
+            raise ConfigError(
+                f"Cannot read config file {path}: {exc}.",
+                "check the file's permissions and encoding (UTF-8)",
+            ) from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"Config file {path} is not valid YAML: {exc}",
-                              "fix the YAML syntax at the line shown") from exc
+            raise ConfigError(
+                f"Config file {path} is not valid YAML: {exc}",
+                "fix the YAML syntax at the line shown",
+            ) from exc
         if not isinstance(data, dict):
-            raise ConfigError(f"Config file {path} must hold a mapping of keys, not "
-                              f"{type(data).__name__}.", "start from config.example.yaml")
+            raise ConfigError(
+                f"Config file {path} must hold a mapping of keys, not {type(data).__name__}.",
+                "start from config.example.yaml",
+            )
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -329,10 +354,14 @@ def validate_config(data: dict[str, Any], source: Path | None = None) -> Config:
         key = ".".join(str(p) for p in err["loc"])
         value = err.get("input")
         if err["type"] == "extra_forbidden":
-            raise ConfigError(f"Unknown config key {key!r}{where}.", _suggest_key(err["loc"])) from None
+            raise ConfigError(
+                f"Unknown config key {key!r}{where}.", _suggest_key(err["loc"])
+            ) from None
         message = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"Config key {key} = {value!r}{where} is invalid: {message}.",
-                          f"see config.example.yaml for {key}'s allowed values") from None
+        raise ConfigError(
+            f"Config key {key} = {value!r}{where} is invalid: {message}.",
+            f"see config.example.yaml for {key}'s allowed values",
+        ) from None
 
 
 def _suggest_key(loc: tuple[int | str, ...]) -> str:

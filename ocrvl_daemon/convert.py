@@ -68,16 +68,19 @@ class Progress:
 class Converter:
     """Drives queued jobs of `store` through the engine; `only` limits it to some jobs."""
 
-    def __init__(self, config: Config, store: Store, server: ServerHandle,
-                 only: set[int] | None = None) -> None:
+    def __init__(
+        self, config: Config, store: Store, server: ServerHandle, only: set[int] | None = None
+    ) -> None:
         self.config = config
         self.store = store
         self.server = server
         self.only = only
         self.model = config.model.name
-        self.concurrency = ConcurrencyController(config.pipeline.min_concurrency,
-                                                 config.pipeline.max_concurrency,
-                                                 config.pipeline.adaptive_concurrency)
+        self.concurrency = ConcurrencyController(
+            config.pipeline.min_concurrency,
+            config.pipeline.max_concurrency,
+            config.pipeline.adaptive_concurrency,
+        )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._worker: EngineWorker | None = None
@@ -117,9 +120,13 @@ class Converter:
 
     def _runnable_jobs(self, limit: int) -> list[Job]:
         wall = time.time()
-        jobs = [j for j in self.store.jobs(JobState.QUEUED)
-                if j.id not in self.active and j.not_before <= wall
-                and (self.only is None or j.id in self.only)]
+        jobs = [
+            j
+            for j in self.store.jobs(JobState.QUEUED)
+            if j.id not in self.active
+            and j.not_before <= wall
+            and (self.only is None or j.id in self.only)
+        ]
         return jobs[:limit]
 
     def _activate(self) -> None:
@@ -170,8 +177,14 @@ class Converter:
             self.store.set_failed(job.id, str(exc), permanent=True)
         else:
             delay = retry_delay(attempts)
-            log.warning("%s: %s (attempt %d; retrying in %.0f s)", job.path, exc, attempts, delay,
-                        extra=_fields(job))
+            log.warning(
+                "%s: %s (attempt %d; retrying in %.0f s)",
+                job.path,
+                exc,
+                attempts,
+                delay,
+                extra=_fields(job),
+            )
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
         self.finished_jobs.append(job.id)
 
@@ -195,8 +208,12 @@ class Converter:
             self._worker = EngineWorker(self.config, self.config.server.base_url)
             self._worker.start()
         elif self._worker is not None and self._worker.ready and self._should_recycle(self._worker):
-            log.info("replacing engine worker %s after %d pages (%.0f MiB)", self._worker.pid,
-                     self._worker.pages_done, self._worker.rss_mb())
+            log.info(
+                "replacing engine worker %s after %d pages (%.0f MiB)",
+                self._worker.pid,
+                self._worker.pages_done,
+                self._worker.rss_mb(),
+            )
             self._retiring.append(self._worker)
             self._worker = EngineWorker(self.config, self.config.server.base_url)
             self._worker.start()
@@ -224,8 +241,9 @@ class Converter:
         docs = [self.active[j] for j in sorted(self.active)]
         for doc, page in pick_pages(docs, slots):
             job = self._jobs[doc.job_id]
-            worker.submit(PageTask(job.id, str(job.path), page,
-                                   self.config.model.effective_max_new_tokens))
+            worker.submit(
+                PageTask(job.id, str(job.path), page, self.config.model.effective_max_new_tokens)
+            )
 
     def _collect(self) -> None:
         workers = [w for w in (self._worker, *self._retiring) if w is not None]
@@ -242,18 +260,30 @@ class Converter:
             return  # the job failed or was dropped meanwhile
         fields = _fields(job, result.page)
         if result.error is None:
-            self.store.save_page(job.sha256, self.model, result.page, result.markdown,
-                                 result.images)
+            self.store.save_page(
+                job.sha256, self.model, result.page, result.markdown, result.images
+            )
             doc.in_flight.discard(result.page)
             doc.done += 1
             self.completed_pages += 1
             self._recent.append(time.monotonic())
-            log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1,
-                      doc.page_count, result.seconds, extra=fields)
+            log.debug(
+                "%s p.%d/%d done in %.1f s",
+                job.path.name,
+                result.page + 1,
+                doc.page_count,
+                result.seconds,
+                extra=fields,
+            )
             return
         if result.error_kind == "server":
-            log.info("%s p.%d: server unavailable (%s); the page will be sent again",
-                     job.path.name, result.page + 1, result.error, extra=fields)
+            log.info(
+                "%s p.%d: server unavailable (%s); the page will be sent again",
+                job.path.name,
+                result.page + 1,
+                result.error,
+                extra=fields,
+            )
             doc.give_back(result.page)
             return
         if result.error_kind == "input":
@@ -262,12 +292,20 @@ class Converter:
         attempts = doc.attempts.get(result.page, 0) + 1
         doc.attempts[result.page] = attempts
         if attempts <= self.config.pipeline.page_retries:
-            log.warning("%s p.%d failed (attempt %d): %s", job.path.name, result.page + 1,
-                        attempts, result.error, extra=fields)
+            log.warning(
+                "%s p.%d failed (attempt %d): %s",
+                job.path.name,
+                result.page + 1,
+                attempts,
+                result.error,
+                extra=fields,
+            )
             doc.give_back(result.page)
             return
-        note = (f"page {result.page + 1} could not be recognised after {attempts} attempts: "
-                f"{result.error}. Redo it with: ocrvl retry --pages {result.page + 1} {job.path}")
+        note = (
+            f"page {result.page + 1} could not be recognised after {attempts} attempts: "
+            f"{result.error}. Redo it with: ocrvl retry --pages {result.page + 1} {job.path}"
+        )
         if self.config.pipeline.fail_on_page_error:
             self._fail(job, OcrvlError(note))
             return
@@ -280,8 +318,9 @@ class Converter:
         job = self._jobs[job_id]
         doc = self.active[job_id]
         try:
-            output.write_document(job.path, job.sha256, self.model, doc.page_count,
-                                  self._pages(job))
+            output.write_document(
+                job.path, job.sha256, self.model, doc.page_count, self._pages(job)
+            )
         except OcrvlError as exc:
             self._fail(job, exc)
             return
@@ -291,8 +330,13 @@ class Converter:
         output.remove_error_note(job.path)
         self.finished_jobs.append(job_id)
         took = time.time() - (self.store.job(job_id) or job).created
-        log.info("%s: done, %d pages -> %s", job.path.name, doc.page_count,
-                 output.outputs_for(job.path)[0].name, extra=_fields(job))
+        log.info(
+            "%s: done, %d pages -> %s",
+            job.path.name,
+            doc.page_count,
+            output.outputs_for(job.path)[0].name,
+            extra=_fields(job),
+        )
         log.debug("%s took %.1f s since it was queued", job.path.name, took)
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
@@ -304,10 +348,14 @@ class Converter:
         old, self.config = self.config, config
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
-        self.concurrency.limit = min(max(self.concurrency.limit, self.concurrency.minimum),
-                                     self.concurrency.maximum)
-        if (old.pipeline, old.model, old.server) != (config.pipeline, config.model, config.server) \
-                and self._worker is not None:
+        self.concurrency.limit = min(
+            max(self.concurrency.limit, self.concurrency.minimum), self.concurrency.maximum
+        )
+        if (old.pipeline, old.model, old.server) != (
+            config.pipeline,
+            config.model,
+            config.server,
+        ) and self._worker is not None:
             log.info("pipeline settings changed; replacing the engine worker")
             self._retiring.append(self._worker)
             self._worker = None
@@ -327,8 +375,16 @@ class Converter:
         counts = {s: 0 for s in JobState}
         for job in self.store.jobs():
             counts[job.state] += 1
-        return Progress(current, done, total, rate, counts[JobState.QUEUED], counts[JobState.DONE],
-                        counts[JobState.FAILED], self.in_flight)
+        return Progress(
+            current,
+            done,
+            total,
+            rate,
+            counts[JobState.QUEUED],
+            counts[JobState.DONE],
+            counts[JobState.FAILED],
+            self.in_flight,
+        )
 
     def stop(self, timeout: float) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""

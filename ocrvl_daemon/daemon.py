@@ -55,9 +55,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         config = self.config
-        log.info("ocrvl starting: model %s, inbox %s, server %s (%s)", config.model.name,
-                 ", ".join(map(str, config.inbox.paths)), config.server.base_url,
-                 config.server.mode)
+        log.info(
+            "ocrvl starting: model %s, inbox %s, server %s (%s)",
+            config.model.name,
+            ", ".join(map(str, config.inbox.paths)),
+            config.server.base_url,
+            config.server.mode,
+        )
         self.store = open_store(config)
         recovered = self.store.recover_running()
         if recovered:
@@ -102,8 +106,11 @@ class Daemon:
         if not self._ready_sent:
             if server.state is ServerState.READY:
                 self._ready_sent = True
-                log.info("ready: server up at %s, watching %s", server.url,
-                         ", ".join(map(str, self.config.inbox.paths)))
+                log.info(
+                    "ready: server up at %s, watching %s",
+                    server.url,
+                    ", ".join(map(str, self.config.inbox.paths)),
+                )
                 self.notifier.ready()
             elif now - self._last_extend >= EXTEND_SECONDS / 3:
                 self._last_extend = now
@@ -128,19 +135,26 @@ class Daemon:
             self._publish(server, progress.pages_per_s)
 
     def _publish(self, server: ServerStatus, rate: float) -> None:
-        self.store.put_meta("daemon", {
-            "pid": os.getpid(),
-            "updated": time.time(),
-            "pages_per_s": round(rate, 3),
-            "in_flight": self.converter.in_flight,
-            "concurrency": self.converter.concurrency.limit,
-            "server": {
-                "state": server.state.value, "phase": server.phase, "url": server.url,
-                "pid": server.pid, "attempt": server.attempt, "restarts": server.restart_count,
-                "last_error": server.last_error,
-                "diagnosis": server.diagnosis.cause if server.diagnosis else None,
+        self.store.put_meta(
+            "daemon",
+            {
+                "pid": os.getpid(),
+                "updated": time.time(),
+                "pages_per_s": round(rate, 3),
+                "in_flight": self.converter.in_flight,
+                "concurrency": self.converter.concurrency.limit,
+                "server": {
+                    "state": server.state.value,
+                    "phase": server.phase,
+                    "url": server.url,
+                    "pid": server.pid,
+                    "attempt": server.attempt,
+                    "restarts": server.restart_count,
+                    "last_error": server.last_error,
+                    "diagnosis": server.diagnosis.cause if server.diagnosis else None,
+                },
             },
-        })
+        )
 
     def _reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep the old one if bad."""

@@ -34,8 +34,14 @@ log = logging.getLogger(__name__)
 # Errors from the OpenAI client that mean "the server is not there right now", by class name
 # (the parent never imports openai).
 SERVER_DOWN_ERRORS = {
-    "APIConnectionError", "APITimeoutError", "InternalServerError", "ConnectError",
-    "ConnectionError", "ReadTimeout", "RemoteProtocolError", "ServiceUnavailableError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "InternalServerError",
+    "ConnectError",
+    "ConnectionError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "ServiceUnavailableError",
 }
 WORKER_START_TIMEOUT = 300.0
 
@@ -143,8 +149,9 @@ def _run_page(pipeline: Any, config: Config, task: PageTask, results: mp.Queue) 
     started = time.monotonic()
     result = PageResult(task.job_id, task.page)
     try:
-        image = render_page(Path(task.pdf), task.page, config.pipeline.render_scale,
-                            config.pipeline.max_page_pixels)
+        image = render_page(
+            Path(task.pdf), task.page, config.pipeline.render_scale, config.pipeline.max_page_pixels
+        )
         (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens)
         del image
         md = res.markdown
@@ -229,8 +236,9 @@ class EngineWorker:
             block = False
             if kind == "ready":
                 self.ready = True
-                log.info("engine worker %s ready in %.1f s", payload,
-                         time.monotonic() - self.started_at)
+                log.info(
+                    "engine worker %s ready in %.1f s", payload, time.monotonic() - self.started_at
+                )
             elif kind == "failed":
                 self.failure = payload
             else:

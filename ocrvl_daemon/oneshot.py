@@ -78,13 +78,16 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
-            reason = str(ServerError(
-                f"Cannot reach the model server at {config.server.base_url} "
-                f"({server.status().last_error or 'no answer'}).",
-                f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} --served-model-name "
-                f"{config.model.name} --trust-remote-code --port "
-                f"{urlparse(config.server.base_url).port or 80}`), or run without --server-url "
-                "so ocrvl starts one itself"))
+            reason = str(
+                ServerError(
+                    f"Cannot reach the model server at {config.server.base_url} "
+                    f"({server.status().last_error or 'no answer'}).",
+                    f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} "
+                    f"--served-model-name {config.model.name} --trust-remote-code --port "
+                    f"{urlparse(config.server.base_url).port or 80}`), or run without "
+                    "--server-url so ocrvl starts one itself",
+                )
+            )
             return dict.fromkeys(jobs.values(), reason)
         while not stop_requested:
             converter.tick()
@@ -100,8 +103,11 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
             signal.signal(sig, handler)
     if stop_requested:
         raise KeyboardInterrupt
-    return {path: _reason(store, job_id) for job_id, path in jobs.items()
-            if not _succeeded(store, job_id)}
+    return {
+        path: _reason(store, job_id)
+        for job_id, path in jobs.items()
+        if not _succeeded(store, job_id)
+    }
 
 
 def _succeeded(store: Store, job_id: int) -> bool:

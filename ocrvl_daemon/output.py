@@ -39,8 +39,11 @@ class Page:
 
 def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
     """The Markdown file, image folder and error note that belong to `pdf`."""
-    return (pdf.with_suffix(".md"), pdf.with_name(pdf.stem + "_images"),
-            pdf.with_name(pdf.stem + ERROR_SUFFIX))
+    return (
+        pdf.with_suffix(".md"),
+        pdf.with_name(pdf.stem + "_images"),
+        pdf.with_name(pdf.stem + ERROR_SUFFIX),
+    )
 
 
 def read_header(md: Path) -> dict[str, str] | None:
@@ -75,8 +78,9 @@ def check_writable(pdf: Path) -> None:
         )
 
 
-def write_document(pdf: Path, sha256: str, model: str, page_count: int,
-                   pages: Iterable[Page]) -> None:
+def write_document(
+    pdf: Path, sha256: str, model: str, page_count: int, pages: Iterable[Page]
+) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
@@ -92,8 +96,10 @@ def write_document(pdf: Path, sha256: str, model: str, page_count: int,
     try:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         with tmp_md.open("w", encoding="utf-8") as out:
-            out.write(f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
-                      f'model="{model}" pages="{page_count}" -->\n')
+            out.write(
+                f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
+                f'model="{model}" pages="{page_count}" -->\n'
+            )
             for page in pages:
                 text = page.markdown
                 for name, data in sorted(page.images.items()):
@@ -189,11 +195,15 @@ def _check_free_space(folder: Path, needed: int) -> None:
 
 def _output_error(path: Path, exc: OSError) -> OutputError:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return OutputError(f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
-                           f"make {path.parent} writable for this user; ocrvl retries by itself")
+        return OutputError(
+            f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
+            f"make {path.parent} writable for this user; ocrvl retries by itself",
+        )
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return OutputError(f"Cannot write {path}: the disk is full.",
-                           "free some disk space; ocrvl retries by itself")
+        return OutputError(
+            f"Cannot write {path}: the disk is full.",
+            "free some disk space; ocrvl retries by itself",
+        )
     return OutputError(f"Cannot write {path}: {exc}.", "check the folder; ocrvl retries by itself")
 
 

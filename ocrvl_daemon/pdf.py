@@ -38,8 +38,10 @@ def file_identity(path: Path) -> FileIdentity:
     except FileNotFoundError as exc:
         raise InputVanishedError(f"{path} disappeared while it was being read.") from exc
     except PermissionError as exc:
-        raise InputFileError(f"{path} cannot be read: permission denied.",
-                             f"make it readable for this user: chmod u+r {_quote(path)}") from exc
+        raise InputFileError(
+            f"{path} cannot be read: permission denied.",
+            f"make it readable for this user: chmod u+r {_quote(path)}",
+        ) from exc
     if (before.st_size, before.st_mtime) != (after.st_size, after.st_mtime):
         raise InputVanishedError(f"{path} changed while it was being read.")
     return FileIdentity(digest.hexdigest(), after.st_size, after.st_mtime)
@@ -63,26 +65,48 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
         with path.open("rb") as f:
             head = f.read(1024)
     except PermissionError as exc:
-        raise InputFileError(f"{path} cannot be read: permission denied.",
-                             f"make it readable for this user: chmod u+r {_quote(path)}") from exc
+        raise InputFileError(
+            f"{path} cannot be read: permission denied.",
+            f"make it readable for this user: chmod u+r {_quote(path)}",
+        ) from exc
     if not head:
-        raise InputFileError(f"{path} is empty (0 bytes).",
-                             "copy the PDF again; the transfer may have failed")
+        raise InputFileError(
+            f"{path} is empty (0 bytes).", "copy the PDF again; the transfer may have failed"
+        )
     if b"%PDF-" not in head:
-        kind = "an HTML page" if b"<html" in head.lower() or b"<!doctype" in head.lower() else \
-            "not a PDF"
-        raise InputFileError(f"{path} is {kind} (no %PDF header), though it is named .pdf.",
-                             "save or download the document again as a real PDF")
+        kind = (
+            "an HTML page"
+            if b"<html" in head.lower() or b"<!doctype" in head.lower()
+            else "not a PDF"
+        )
+        raise InputFileError(
+            f"{path} is {kind} (no %PDF header), though it is named .pdf.",
+            "save or download the document again as a real PDF",
+        )
     try:
         return pdfium.PdfDocument(str(path))
     except pdfium.PdfiumError as exc:
-        text = str(exc)
-        if "password" in text.lower():
-            raise InputFileError(f"{path} is encrypted with a password.",
-                                 "save an unprotected copy (e.g. qpdf --decrypt --password=... "
-                                 "in.pdf out.pdf) and drop that in") from exc
-        raise InputFileError(f"{path} is damaged beyond repair ({text}).",
-                             "re-download or re-scan it; `qpdf --check` shows what is wrong") from exc
+        # PDFium's error code is process-global and can be stale, so look for the
+        # encryption dictionary ourselves.
+        if _declares_encryption(path):
+            raise InputFileError(
+                f"{path} is encrypted with a password.",
+                "save an unprotected copy (e.g. qpdf --decrypt --password=... "
+                "in.pdf out.pdf) and drop that in",
+            ) from exc
+        raise InputFileError(
+            f"{path} is damaged beyond repair or has no pages.",
+            "re-download or re-scan it; `qpdf --check` shows what is wrong",
+        ) from exc
+
+
+def _declares_encryption(path: Path) -> bool:
+    """Whether the trailer (at the end, or the start of a linearised file) has /Encrypt."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        tail = f.read()
+    return b"/Encrypt" in head or b"/Encrypt" in tail
 
 
 def page_count(path: Path) -> int:
@@ -116,8 +140,9 @@ def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.nda
         doc = open_pdf(path)
         try:
             if index >= len(doc):
-                raise InputVanishedError(f"{path} no longer has a page {index + 1}; "
-                                         "it changed while being converted.")
+                raise InputVanishedError(
+                    f"{path} no longer has a page {index + 1}; it changed while being converted."
+                )
             page = doc[index]
             try:
                 width, height = page.get_size()

@@ -24,12 +24,19 @@ def open_store(config: Config) -> Store:
 
 
 def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
-    done = len(store.done_pages(job.sha256, job.model)) if job.state is not JobState.DONE \
+    done = (
+        len(store.done_pages(job.sha256, job.model))
+        if job.state is not JobState.DONE
         else (job.page_count or 0)
+    )
     total = job.page_count
     view: dict[str, Any] = {
-        "path": str(job.path), "state": job.state.value, "pages_done": done,
-        "pages_total": total, "attempts": job.attempts, "error": job.last_error,
+        "path": str(job.path),
+        "state": job.state.value,
+        "pages_done": done,
+        "pages_total": total,
+        "attempts": job.attempts,
+        "error": job.last_error,
         "failed_pages": [p + 1 for p in store.failed_pages(job.sha256, job.model)],
     }
     if job.state is JobState.RUNNING and total and rate > 0:
@@ -64,8 +71,9 @@ def render_status(config: Config, *, as_json: bool) -> str:
     daemon, server = status["daemon"], status["server"]
     lines = []
     if daemon["running"]:
-        lines.append(f"daemon: running (pid {daemon.get('pid')}), "
-                     f"{daemon.get('pages_per_s', 0):.2f} pages/s")
+        lines.append(
+            f"daemon: running (pid {daemon.get('pid')}), {daemon.get('pages_per_s', 0):.2f} pages/s"
+        )
         state = server.get("state", "unknown")
         phase = f", {server['phase']}" if server.get("phase") else ""
         lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
@@ -88,8 +96,10 @@ def render_status(config: Config, *, as_json: bool) -> str:
             lines.append(f"         reason: {doc['error']}")
         if doc["failed_pages"]:
             pages_list = ",".join(map(str, doc["failed_pages"]))
-            lines.append(f"         pages that failed: {pages_list} "
-                         f"(redo: ocrvl retry --pages {pages_list} {doc['path']!r})")
+            lines.append(
+                f"         pages that failed: {pages_list} "
+                f"(redo: ocrvl retry --pages {pages_list} {doc['path']!r})"
+            )
     return "\n".join(lines)
 
 
@@ -104,8 +114,10 @@ def parse_pages(spec: str) -> list[int]:
                 raise ValueError
             pages.update(range(lo - 1, hi))
     except ValueError:
-        raise InputFileError(f"--pages {spec!r} is not a page list.",
-                             "write pages like 3 or 3,7-9 (1 is the first page)") from None
+        raise InputFileError(
+            f"--pages {spec!r} is not a page list.",
+            "write pages like 3 or 3,7-9 (1 is the first page)",
+        ) from None
     return sorted(pages)
 
 
@@ -118,13 +130,18 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
         targets: list[Job] = []
         if failed:
             targets += store.jobs(JobState.FAILED)
-            targets += [j for j in store.jobs() if store.failed_pages(j.sha256, j.model)
-                        and j not in targets]
+            targets += [
+                j
+                for j in store.jobs()
+                if store.failed_pages(j.sha256, j.model) and j not in targets
+            ]
         for given in pdfs:
             job = store.job_for_path(given.expanduser().absolute())
             if job is None:
-                raise InputFileError(f"{given} is not known to ocrvl.",
-                                     "put it in an inbox folder; it is picked up by itself")
+                raise InputFileError(
+                    f"{given} is not known to ocrvl.",
+                    "put it in an inbox folder; it is picked up by itself",
+                )
             targets.append(job)
         for job in targets:
             redo = parse_pages(pages) if pages else store.failed_pages(job.sha256, job.model)

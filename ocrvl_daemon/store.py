@@ -112,8 +112,9 @@ class Store:
         os.chmod(path.parent, 0o700)
         fresh = not path.exists()
         self.path = path
-        self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
-                                   check_same_thread=False)
+        self._db = sqlite3.connect(
+            path, timeout=30.0, isolation_level=None, check_same_thread=False
+        )
         if fresh:
             os.chmod(path, 0o600)
         self._db.row_factory = sqlite3.Row
@@ -153,8 +154,10 @@ class Store:
         """Jobs in any of `states` (all when none given), oldest first."""
         if states:
             marks = ",".join("?" * len(states))
-            rows = self._db.execute(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id",
-                                    [s.value for s in states])
+            rows = self._db.execute(
+                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id",
+                [s.value for s in states],
+            )
         else:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY id")
         return [_job(r) for r in rows]
@@ -172,13 +175,15 @@ class Store:
                 db.execute(
                     "INSERT INTO jobs (path, sha256, size, mtime, model, state, created, updated)"
                     " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
-                    (str(path), sha256, size, mtime, model, now, now))
+                    (str(path), sha256, size, mtime, model, now, now),
+                )
             elif row["sha256"] != sha256 or row["model"] != model:
                 db.execute(
                     "UPDATE jobs SET sha256=?, size=?, mtime=?, model=?, state='queued', "
                     "attempts=0, last_error=NULL, page_count=NULL, updated=?, started=NULL, "
                     "finished=NULL, not_before=0 WHERE id=?",
-                    (sha256, size, mtime, model, now, row["id"]))
+                    (sha256, size, mtime, model, now, row["id"]),
+                )
             else:
                 db.execute("UPDATE jobs SET size=?, mtime=? WHERE id=?", (size, mtime, row["id"]))
             row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
@@ -188,33 +193,42 @@ class Store:
         """Put a job back in the queue (used by `ocrvl retry`)."""
         extra = ", attempts=0" if reset_attempts else ""
         with self._tx() as db:
-            db.execute(f"UPDATE jobs SET state='queued', last_error=NULL, not_before=0, "
-                       f"finished=NULL, updated=?{extra} WHERE id=?", (time.time(), job_id))
+            db.execute(
+                f"UPDATE jobs SET state='queued', last_error=NULL, not_before=0, "
+                f"finished=NULL, updated=?{extra} WHERE id=?",
+                (time.time(), job_id),
+            )
 
     def set_running(self, job_id: int, page_count: int) -> None:
         """Mark a job as being converted."""
         now = time.time()
         with self._tx() as db:
-            db.execute("UPDATE jobs SET state='running', page_count=?, "
-                       "started=COALESCE(started, ?), updated=? WHERE id=?",
-                       (page_count, now, now, job_id))
+            db.execute(
+                "UPDATE jobs SET state='running', page_count=?, "
+                "started=COALESCE(started, ?), updated=? WHERE id=?",
+                (page_count, now, now, job_id),
+            )
 
     def set_done(self, job_id: int) -> None:
         """Mark a job as converted."""
         now = time.time()
         with self._tx() as db:
-            db.execute("UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? "
-                       "WHERE id=?", (now, now, job_id))
+            db.execute(
+                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? WHERE id=?",
+                (now, now, job_id),
+            )
 
-    def set_failed(self, job_id: int, error: str, *, permanent: bool, retry_in: float = 0.0
-                   ) -> None:
+    def set_failed(
+        self, job_id: int, error: str, *, permanent: bool, retry_in: float = 0.0
+    ) -> None:
         """Record a failure: permanent ones wait for the user, others retry after `retry_in`."""
         now = time.time()
         with self._tx() as db:
             db.execute(
                 "UPDATE jobs SET state=?, attempts=attempts+1, last_error=?, updated=?, "
                 "not_before=? WHERE id=?",
-                ("failed" if permanent else "queued", error, now, now + retry_in, job_id))
+                ("failed" if permanent else "queued", error, now, now + retry_in, job_id),
+            )
 
     def forget(self, job_id: int) -> None:
         """Drop a job whose file is gone (its page checkpoints stay for a renamed copy)."""
@@ -228,29 +242,46 @@ class Store:
 
     # --- pages --------------------------------------------------------------------------
 
-    def save_page(self, sha256: str, model: str, page: int, markdown: str,
-                  images: dict[str, bytes], *, note: str | None = None, failed: bool = False
-                  ) -> None:
+    def save_page(
+        self,
+        sha256: str,
+        model: str,
+        page: int,
+        markdown: str,
+        images: dict[str, bytes],
+        *,
+        note: str | None = None,
+        failed: bool = False,
+    ) -> None:
         """Checkpoint one page durably (Markdown and images in one transaction)."""
         now = time.time()
         with self._tx() as db:
-            db.execute("DELETE FROM page_images WHERE sha256=? AND model=? AND page=?",
-                       (sha256, model, page))
-            db.execute("INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (sha256, model, page, markdown, note, int(failed), now))
-            db.executemany("INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
-                           [(sha256, model, page, n, d) for n, d in images.items()])
+            db.execute(
+                "DELETE FROM page_images WHERE sha256=? AND model=? AND page=?",
+                (sha256, model, page),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (sha256, model, page, markdown, note, int(failed), now),
+            )
+            db.executemany(
+                "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
+                [(sha256, model, page, n, d) for n, d in images.items()],
+            )
 
     def done_pages(self, sha256: str, model: str) -> set[int]:
         """Pages of this content that are checkpointed."""
-        rows = self._db.execute("SELECT page FROM pages WHERE sha256=? AND model=?",
-                                (sha256, model))
+        rows = self._db.execute(
+            "SELECT page FROM pages WHERE sha256=? AND model=?", (sha256, model)
+        )
         return {r[0] for r in rows}
 
     def failed_pages(self, sha256: str, model: str) -> list[int]:
         """Pages that ended as placeholders."""
-        rows = self._db.execute("SELECT page FROM pages WHERE sha256=? AND model=? AND failed=1 "
-                                "ORDER BY page", (sha256, model))
+        rows = self._db.execute(
+            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=1 ORDER BY page",
+            (sha256, model),
+        )
         return [r[0] for r in rows]
 
     def drop_pages(self, sha256: str, model: str, pages: list[int] | None = None) -> None:
@@ -260,19 +291,27 @@ class Store:
                 if pages is None:
                     db.execute(f"DELETE FROM {table} WHERE sha256=? AND model=?", (sha256, model))
                 else:
-                    db.executemany(f"DELETE FROM {table} WHERE sha256=? AND model=? AND page=?",
-                                   [(sha256, model, p) for p in pages])
+                    db.executemany(
+                        f"DELETE FROM {table} WHERE sha256=? AND model=? AND page=?",
+                        [(sha256, model, p) for p in pages],
+                    )
 
     def iter_pages(self, sha256: str, model: str) -> Iterator[StoredPage]:
         """Checkpointed pages in order, one at a time (a 10,000-page book stays small in RAM)."""
-        rows = self._db.execute("SELECT page, markdown, note, failed FROM pages "
-                                "WHERE sha256=? AND model=? ORDER BY page", (sha256, model))
+        rows = self._db.execute(
+            "SELECT page, markdown, note, failed FROM pages "
+            "WHERE sha256=? AND model=? ORDER BY page",
+            (sha256, model),
+        )
         for row in rows.fetchall():
-            images = {r[0]: r[1] for r in self._db.execute(
-                "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
-                (sha256, model, row["page"]))}
-            yield StoredPage(row["page"], row["markdown"], row["note"], bool(row["failed"]),
-                             images)
+            images = {
+                r[0]: r[1]
+                for r in self._db.execute(
+                    "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
+                    (sha256, model, row["page"]),
+                )
+            }
+            yield StoredPage(row["page"], row["markdown"], row["note"], bool(row["failed"]), images)
 
     # --- daemon state, for `ocrvl status` ------------------------------------------------
 
@@ -289,9 +328,19 @@ class Store:
 
 def _job(row: sqlite3.Row) -> Job:
     return Job(
-        id=row["id"], path=Path(row["path"]), sha256=row["sha256"], size=row["size"],
-        mtime=row["mtime"], model=row["model"], state=JobState(row["state"]),
-        attempts=row["attempts"], last_error=row["last_error"], page_count=row["page_count"],
-        created=row["created"], updated=row["updated"], started=row["started"],
-        finished=row["finished"], not_before=row["not_before"],
+        id=row["id"],
+        path=Path(row["path"]),
+        sha256=row["sha256"],
+        size=row["size"],
+        mtime=row["mtime"],
+        model=row["model"],
+        state=JobState(row["state"]),
+        attempts=row["attempts"],
+        last_error=row["last_error"],
+        page_count=row["page_count"],
+        created=row["created"],
+        updated=row["updated"],
+        started=row["started"],
+        finished=row["finished"],
+        not_before=row["not_before"],
     )

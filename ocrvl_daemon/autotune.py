@@ -1,0 +1,334 @@
+"""`auto` vLLM settings from the GPU's memory, and stepping them down after an out-of-memory start.
+
+Pure functions apart from the small JSON file that remembers what an out-of-memory recovery
+settled on. Memory model for the 0.9B PaddleOCR-VL models (sizes in MiB):
+
+    budget (utilization × total) = weights + start-up spike + KV cache
+
+vLLM refuses to start when free memory < utilization × total, so utilization is planned from
+what other programs leave free, minus a safety margin.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.gpu import GpuReading
+from ocrvl_daemon.models import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+
+log = logging.getLogger(__name__)
+
+UTILIZATION = "gpu-memory-utilization"
+MAX_MODEL_LEN = "max-model-len"
+MAX_NUM_SEQS = "max-num-seqs"
+BATCHED_TOKENS = "max-num-batched-tokens"
+# What ocrvl may choose and lower. max-num-batched-tokens is not an `auto` config key: it is
+# ocrvl's to set whenever the config does not mention it.
+TUNED_KEYS = (UTILIZATION, MAX_MODEL_LEN, MAX_NUM_SEQS, BATCHED_TOKENS)
+
+# bf16 weights of the 0.9B model (NaViT vision encoder + ERNIE-4.5-0.3B language model).
+WEIGHTS_MIB = 1.9 * 1024
+# vLLM profiles activations at max-num-batched-tokens (16384 here) and the worker's CUDA
+# context takes ~0.5 GiB: together about 1 GiB on top of the weights while starting.
+STARTUP_SPIKE_MIB = 1.0 * 1024
+PLANNED_BATCHED_TOKENS = 16384
+# KV cache per token of ERNIE-4.5-0.3B: 2 (K and V) x 18 layers x 2 KV heads x 128 head dim
+# x 2 bytes (bf16) = 18 KiB.
+KV_BYTES_PER_TOKEN = 2 * 18 * 2 * 128 * 2
+# A typical page request: a full-size image, the prompt and ~1000 generated tokens.
+TYPICAL_OUTPUT_TOKENS = 1000
+TYPICAL_SEQUENCE_TOKENS = IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET + TYPICAL_OUTPUT_TOKENS
+MIN_UTILIZATION, MAX_UTILIZATION = 0.5, 0.95
+# Kept free besides other programs' memory: covers their growth and the CUDA context vLLM's
+# worker creates before it compares free memory with utilization x total.
+MIN_MARGIN_MIB, MARGIN_FRACTION = 512, 0.05
+MIN_NUM_SEQS, MAX_NUM_SEQS_CAP, NUM_SEQS_STEP = 8, 256, 8
+LENGTH_STEP = 256
+UTILIZATION_STEP = 0.05
+FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next attempt
+# Without a GPU reading: values that start on an 8 GB card with a desktop running.
+FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
+TUNING_FILE = "server-tuning.json"
+
+OOM_MARKERS = (
+    "No available memory for the cache blocks",
+    "Free memory on device",
+    "CUDA out of memory",
+    "torch.OutOfMemoryError",
+    "estimated maximum model length is",
+)
+_FREE_RE = re.compile(r"Free memory on device[^(]*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)")
+_ESTIMATED_RE = re.compile(r"estimated maximum model length is (\d+)")
+
+
+@dataclass
+class TunedArgs:
+    """vLLM flags to launch with (every configured flag, `auto` ones resolved) and why."""
+
+    values: dict[str, Any]
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the server will probably not start
+
+
+def model_budget(config: Config) -> int:
+    """Tokens one page request can need: max-model-len may never be below this."""
+    return config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
+
+
+def tunable_keys(config: Config) -> tuple[str, ...]:
+    """The flags ocrvl may choose: `auto` in the config, or (batched tokens) not set at all."""
+    args = config.server.vllm_args
+    return tuple(k for k in TUNED_KEYS if args.get(k, AUTO) == AUTO)
+
+
+def plan_vllm_args(config: Config, gpu: GpuReading | None,
+                   remembered: dict[str, Any] | None = None) -> TunedArgs:
+    """Resolve the `auto` flags for `gpu`; explicit numbers are kept as they are."""
+    tunable = tunable_keys(config)
+    budget = model_budget(config)
+    tuned = TunedArgs(values=dict(config.server.vllm_args))
+    values, reasons = tuned.values, tuned.reasons
+    for key in TUNED_KEYS:
+        if key not in tunable and values.get(key) is not None:
+            reasons.append(f"{key} {values[key]}: set in the config")
+    if MAX_MODEL_LEN in tunable:
+        values[MAX_MODEL_LEN] = _round_up(budget, LENGTH_STEP)
+        reasons.append(
+            f"{MAX_MODEL_LEN} {values[MAX_MODEL_LEN]}: a page request can need {budget} tokens "
+            f"({config.model.effective_max_new_tokens} new + image and prompt), rounded up "
+            f"to {LENGTH_STEP}")
+    if BATCHED_TOKENS in tunable:
+        values[BATCHED_TOKENS] = PLANNED_BATCHED_TOKENS
+        reasons.append(f"{BATCHED_TOKENS} {PLANNED_BATCHED_TOKENS}: several page images "
+                       "per step; the start-up memory estimate assumes it")
+    if gpu is None:
+        _plan_without_gpu(tuned, tunable)
+    else:
+        _plan_for_gpu(tuned, tunable, gpu)
+    if remembered:
+        _apply_remembered(tuned, tunable, remembered, budget)
+    return tuned
+
+
+def _plan_without_gpu(tuned: TunedArgs, tunable: tuple[str, ...]) -> None:
+    if UTILIZATION in tunable:
+        tuned.values[UTILIZATION] = FALLBACK_UTILIZATION
+    if MAX_NUM_SEQS in tunable:
+        tuned.values[MAX_NUM_SEQS] = FALLBACK_NUM_SEQS
+    if {UTILIZATION, MAX_NUM_SEQS} & set(tunable):
+        tuned.reasons.append(
+            f"no GPU was found (NVML and nvidia-smi gave nothing): safe fixed values "
+            f"{UTILIZATION} {tuned.values[UTILIZATION]}, {MAX_NUM_SEQS} "
+            f"{tuned.values[MAX_NUM_SEQS]}")
+
+
+def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading) -> None:
+    values, reasons, warnings = tuned.values, tuned.reasons, tuned.warnings
+    total = gpu.total_mib
+    free_share = _floor2(gpu.free_mib / total)
+    if UTILIZATION in tunable:
+        margin = max(MIN_MARGIN_MIB, MARGIN_FRACTION * total)
+        # Other programs' memory as the driver counts it, or as free memory shows it,
+        # whichever is worse (WSL2 can report less free than total - used).
+        available = min(total - gpu.used_mib, gpu.free_mib)
+        share = _floor2((available - margin) / total)
+        values[UTILIZATION] = min(MAX_UTILIZATION, max(MIN_UTILIZATION, share))
+        reasons.append(
+            f"{UTILIZATION} {values[UTILIZATION]:.2f}: {gpu.name} has {_gib(total)}, "
+            f"{_gib(total - available)} in use by other programs, {_gib(margin)} kept free")
+    utilization = float(values[UTILIZATION])
+    if utilization > free_share:
+        warnings.append(
+            f"{UTILIZATION} {utilization:.2f} is more than the free share of {gpu.name} "
+            f"({_gib(gpu.free_mib)} of {_gib(total)} = {free_share:.2f}): vLLM will refuse to "
+            "start; close the programs using the GPU (see nvidia-smi)")
+    kv_mib = utilization * total - WEIGHTS_MIB - STARTUP_SPIKE_MIB
+    kv_tokens = max(0, int(kv_mib * 1024 * 1024 // KV_BYTES_PER_TOKEN))
+    if kv_tokens < int(values[MAX_MODEL_LEN]):
+        warnings.append(
+            f"the KV cache (~{_gib(kv_mib)}, {kv_tokens} tokens) cannot hold one request of "
+            f"{values[MAX_MODEL_LEN]} tokens: vLLM will refuse to start; free GPU memory or "
+            "lower model.max_new_tokens")
+    if MAX_NUM_SEQS in tunable:
+        fits = kv_tokens // TYPICAL_SEQUENCE_TOKENS // NUM_SEQS_STEP * NUM_SEQS_STEP
+        values[MAX_NUM_SEQS] = min(MAX_NUM_SEQS_CAP, max(MIN_NUM_SEQS, fits))
+        reasons.append(
+            f"{MAX_NUM_SEQS} {values[MAX_NUM_SEQS]}: ~{_gib(max(kv_mib, 0))} KV cache holds "
+            f"~{kv_tokens} tokens, ~{kv_tokens // TYPICAL_SEQUENCE_TOKENS} pages of "
+            f"~{TYPICAL_SEQUENCE_TOKENS} tokens at once")
+
+
+def _apply_remembered(tuned: TunedArgs, tunable: tuple[str, ...], remembered: dict[str, Any],
+                      budget: int) -> None:
+    # An earlier start ran out of memory above these values. If memory is tighter now than
+    # then, the fresh plan is lower still, so the lower of the two stands.
+    for key in tunable:
+        old = remembered.get(key)
+        if not isinstance(old, (int, float)) or isinstance(old, bool) or old <= 0:
+            continue
+        if key in (MAX_MODEL_LEN, BATCHED_TOKENS):
+            old = max(int(old), budget)
+        if old < tuned.values[key]:
+            tuned.values[key] = old
+            tuned.reasons.append(f"{key} {old}: lowered after an earlier out-of-memory start "
+                                 f"(remembered in {TUNING_FILE})")
+
+
+def is_oom(text: str) -> bool:
+    """Whether a server's output shows it failed for lack of GPU memory."""
+    return any(marker in text for marker in OOM_MARKERS)
+
+
+def oom_cause(text: str) -> str | None:
+    """The output line that names the out-of-memory cause, for logs and messages."""
+    for line in text.splitlines():
+        if any(marker in line for marker in OOM_MARKERS):
+            return line.strip()[:1000]
+    return None
+
+
+def next_after_oom(current: dict[str, Any], config: Config, failure_text: str
+                   ) -> dict[str, Any] | None:
+    """The next, smaller `auto` flags to try after an out-of-memory start; None when spent."""
+    return _lower(current, tunable_keys(config), model_budget(config), failure_text)
+
+
+def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> str:
+    """What the user should change when the flags that would help are explicit numbers."""
+    tunable = tunable_keys(config)
+    # `null` (leave it to vLLM) is not a number to lower.
+    explicit = [k for k in TUNED_KEYS
+                if k not in tunable and config.server.vllm_args.get(k) is not None]
+    cause = oom_cause(failure_text) or "out of GPU memory"
+    lowered = _lower(current, explicit, model_budget(config), failure_text)
+    head = f"The model server ran out of GPU memory while starting ({cause})."
+    if lowered is None:
+        return (f"{head} Nothing ocrvl may change is left to lower: close other programs "
+                "using the GPU (see nvidia-smi), lower model.max_new_tokens, or use a GPU "
+                "with more memory.")
+    changed = [k for k in explicit if lowered[k] != current.get(k)]
+    them = "them" if len(changed) > 1 else "it"
+    return (f"{head} The config sets {', '.join(changed)} explicitly, so ocrvl leaves {them} "
+            f"alone; try {', '.join(f'{k}: {lowered[k]}' for k in changed)} in "
+            f"server.vllm_args, or set {them} to auto.")
+
+
+def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budget: int,
+           text: str) -> dict[str, Any] | None:
+    new = dict(current)
+    utilization = float(_get(current, UTILIZATION, FALLBACK_UTILIZATION))
+    free = _FREE_RE.search(text)
+    if free:
+        # Only a lower utilization passes vLLM's free-memory check at start-up.
+        if UTILIZATION not in lowerable or utilization <= MIN_UTILIZATION:
+            return None
+        target = _floor2(float(free.group(1)) / float(free.group(2)) - FREE_MEMORY_HEADROOM)
+        if target >= utilization:
+            target = _floor2(utilization - UTILIZATION_STEP)
+        new[UTILIZATION] = max(MIN_UTILIZATION, target)
+        return new
+    length = int(_get(current, MAX_MODEL_LEN, _round_up(budget, LENGTH_STEP)))
+    estimated = _ESTIMATED_RE.search(text)
+    if estimated and MAX_MODEL_LEN in lowerable and int(estimated.group(1)) >= budget:
+        fits = max(budget, int(estimated.group(1)) // LENGTH_STEP * LENGTH_STEP)
+        if fits < length:
+            new[MAX_MODEL_LEN] = fits
+            return new
+    changed = False
+    seqs = int(_get(current, MAX_NUM_SEQS, FALLBACK_NUM_SEQS))
+    if MAX_NUM_SEQS in lowerable and seqs > MIN_NUM_SEQS:
+        new[MAX_NUM_SEQS] = max(MIN_NUM_SEQS, seqs // 2)
+        changed = True
+    batched = int(_get(current, BATCHED_TOKENS, PLANNED_BATCHED_TOKENS))
+    # vLLM must fit a whole image (and, to be safe, a whole request) in one step.
+    floor = max(budget, length)
+    if BATCHED_TOKENS in lowerable and batched > floor:
+        new[BATCHED_TOKENS] = max(floor, batched // 2)
+        changed = True
+    if changed:
+        return new
+    if MAX_MODEL_LEN in lowerable and length > budget:
+        new[MAX_MODEL_LEN] = budget
+        return new
+    # When the KV cache is what is too small, a smaller share of the GPU only shrinks it.
+    kv_too_small = "No available memory for the cache blocks" in text or estimated is not None
+    if UTILIZATION in lowerable and utilization > MIN_UTILIZATION and not kv_too_small:
+        new[UTILIZATION] = max(MIN_UTILIZATION, _floor2(utilization - UTILIZATION_STEP))
+        return new
+    return None
+
+
+def _get(values: dict[str, Any], key: str, default: float) -> float:
+    # Missing or `null` means vLLM's own default; ocrvl's planned value stands in for it.
+    value = values.get(key)
+    return default if value is None else float(value)
+
+
+def _remember_key(gpu: GpuReading | None, model_name: str) -> str:
+    return f"{gpu.uuid if gpu else 'unknown-gpu'}|{model_name}"
+
+
+def load_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str
+                    ) -> dict[str, Any] | None:
+    """The flags an earlier out-of-memory recovery settled on for this GPU and model."""
+    path = state_dir / TUNING_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entry = data[_remember_key(gpu, model_name)]["values"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(exc, KeyError):
+            log.warning("ignoring %s: %s", path, exc)
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def save_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
+                    values: dict[str, Any]) -> None:
+    """Remember the flags that got past an out-of-memory start (written atomically)."""
+    path = state_dir / TUNING_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[_remember_key(gpu, model_name)] = {
+        "values": {k: values[k] for k in TUNED_KEYS if k in values},
+        "gpu": gpu.name if gpu else None,
+        "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=f".{TUNING_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _floor2(value: float) -> float:
+    # The epsilon keeps 0.81 from flooring to 0.80 through binary rounding.
+    return math.floor(value * 100 + 1e-9) / 100
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB"

@@ -1,0 +1,431 @@
+"""`ocrvl doctor`: check the GPU, both Python environments, the config, the inboxes, the server
+and systemd, and say how to fix each problem.
+
+Nothing here raises for a problem in the environment: every finding becomes a `Check`, and
+`DoctorReport.blocking` tells the CLI whether conversion can work at all.
+"""
+
+from __future__ import annotations
+
+import configparser
+import getpass
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from packaging.version import InvalidVersion, Version
+
+from ocrvl_daemon import autotune, gpu
+from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.errors import ConfigError
+
+Status = Literal["ok", "warn", "fail", "info"]
+MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
+WSL_CONF = Path("/etc/wsl.conf")
+SERVER_PROBE_TIMEOUT = 120.0  # importing vllm (torch, CUDA libraries) is slow on a cold disk
+SYSTEMD_TIMEOUT = 5.0
+HTTP_TIMEOUT = 3.0
+MIN_COMPUTE_CAPABILITY = (8, 0)
+SETUP_FIX = "run `ocrvl setup-server` (creates the server environment and sets server.python)"
+# Run by server.python: import each module, print one JSON line of versions or errors.
+_PROBE_SCRIPT = """\
+import importlib, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        found[name] = getattr(importlib.import_module(name), "__version__", "unknown")
+    except Exception as exc:
+        found[name] = "!" + type(exc).__name__ + ": " + str(exc)[:300]
+print(json.dumps(found))
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding; `fix` says what to do when it is not ok."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str | None = None
+
+
+@dataclass
+class DoctorReport:
+    """Every check, in the order they ran."""
+
+    checks: list[Check] = field(default_factory=list)
+    config_path: str | None = None
+
+    @property
+    def blocking(self) -> bool:
+        """True when a check failed: conversion cannot work until it is fixed."""
+        return any(c.status == "fail" for c in self.checks)
+
+
+def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> DoctorReport:
+    """Run every check; `osrelease` stands in for /proc/sys/kernel/osrelease (tests)."""
+    report = DoctorReport()
+    config, path, config_check = _config(config_path)
+    report.config_path = str(path) if path else None
+    report.checks.append(config_check)
+    sections: list[tuple[str, Callable[[], list[Check]]]] = [
+        ("GPU", lambda: _gpu_checks(config, gpu.probe_gpu())),
+        ("WSL2", lambda: _wsl_checks(osrelease)),
+        ("client packages", lambda: _client_checks(config)),
+        ("server environment", lambda: _server_env_checks(config)),
+        ("inbox", lambda: _inbox_checks(config)),
+        ("server", lambda: [_server_check(config)]),
+        ("systemd", _systemd_checks),
+    ]
+    for name, run in sections:
+        try:
+            report.checks.extend(run())
+        except Exception as exc:  # a bug or an odd system must not hide the other checks
+            report.checks.append(Check(name, "warn", f"could not be checked: {exc!r}"))
+    return report
+
+
+def render_text(report: DoctorReport) -> str:
+    """One screen: a mark, the check and its detail, then `→ fix` under each problem."""
+    width = max((len(c.name) for c in report.checks), default=0)
+    lines = [f"ocrvl doctor (config: {report.config_path or 'built-in defaults'})"]
+    for check in report.checks:
+        lines.append(f"{MARKS[check.status]} {check.name:<{width}}  {check.detail}")
+        if check.fix:
+            lines.append(f"  {'':<{width}}  → {check.fix}")
+    failed = sum(c.status == "fail" for c in report.checks)
+    warned = sum(c.status == "warn" for c in report.checks)
+    if failed:
+        lines.append(f"{failed} problem(s) block conversion, {warned} warning(s).")
+    else:
+        lines.append(f"Nothing blocks conversion; {warned} warning(s).")
+    return "\n".join(lines)
+
+
+def render_json(report: DoctorReport) -> str:
+    """The report for scripts: config path, blocking verdict and every check."""
+    return json.dumps(
+        {"config": report.config_path, "blocking": report.blocking,
+         "checks": [asdict(c) for c in report.checks]},
+        indent=2, ensure_ascii=False,
+    )
+
+
+def _config(config_path: str | None) -> tuple[Config, Path | None, Check]:
+    try:
+        config, path = load_config(config_path)
+    except ConfigError as exc:
+        # Carry on with the defaults so the other checks still say something useful.
+        return Config.model_validate({}), None, Check("config", "fail", exc.message, exc.fix)
+    where = str(path) if path else "no config file, built-in defaults"
+    return config, path, Check("config", "ok", f"valid ({where})")
+
+
+def _managed_model_server(config: Config) -> bool:
+    return config.server.mode == "managed" and config.server.launcher != "command"
+
+
+def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
+    reading = probe.reading
+    if reading is None:
+        if _managed_model_server(config):
+            status: Status = "fail"
+        elif config.server.mode == "managed":
+            status = "warn"
+        else:
+            status = "info"
+        why = "; ".join(probe.problems) or "nothing found"
+        return [Check("GPU", status, f"no NVIDIA GPU found ({why})",
+                      "install the NVIDIA driver (on WSL2: the Windows driver) until "
+                      "`nvidia-smi` lists the GPU; CUDA_VISIBLE_DEVICES must name it")]
+    cc = reading.compute_capability
+    checks = [
+        Check("GPU", "ok", f"{reading.name} (#{reading.index}, {reading.uuid}), driver "
+              f"{reading.driver}, read by {reading.source}"),
+        Check("GPU memory", "ok", f"{_gib(reading.total_mib)} total, "
+              f"{_gib(reading.used_mib)} used, {_gib(reading.free_mib)} free"),
+    ]
+    if cc >= MIN_COMPUTE_CAPABILITY:
+        checks.append(Check("compute capability", "ok", f"{cc[0]}.{cc[1]}"))
+    elif config.server.launcher == "genai_server" and config.server.mode == "managed":
+        checks.append(Check("compute capability", "fail",
+                            f"{cc[0]}.{cc[1]}: flash-attn, which genai_server requires, needs 8.0",
+                            "set server.launcher: vllm"))
+    else:
+        checks.append(Check(
+            "compute capability", "warn",
+            f"{cc[0]}.{cc[1]} is below 8.0 (T4 7.5, V100 7.0): vLLM is known to time out and "
+            "run out of memory while starting on such GPUs",
+            "expect slow starts; if it fails, set server.startup_timeout higher and "
+            "server.vllm_args.max-num-seqs lower"))
+    if _managed_model_server(config):
+        checks.append(_settings_check(config, reading))
+    return checks
+
+
+def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
+    remembered = autotune.load_remembered(config.state_dir, reading, config.model.name)
+    tuned = autotune.plan_vllm_args(config, reading, remembered)
+    shown = ", ".join(f"{k} {tuned.values[k]}" for k in autotune.TUNED_KEYS
+                      if k in tuned.values)
+    if tuned.warnings:
+        return Check("server settings", "warn", shown, "; ".join(tuned.warnings))
+    return Check("server settings", "info", f"{shown} (auto: computed from this GPU)")
+
+
+def _wsl_checks(osrelease: str | None) -> list[Check]:
+    if not gpu.is_wsl(osrelease):
+        return []
+    checks = [Check(
+        "WSL2", "warn", "running under WSL2: Windows shuts idle WSL VMs down, and inboxes on "
+        "/mnt/c get no file change events",
+        r"add vmIdleTimeout=-1 to the [wsl2] section of %UserProfile%\.wslconfig; keep inboxes "
+        "in the Linux filesystem or set inbox.polling: true")]
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(WSL_CONF, encoding="utf-8")
+        enabled = parser.getboolean("boot", "systemd", fallback=False)
+    except (configparser.Error, ValueError, OSError):
+        enabled = False
+    if enabled:
+        checks.append(Check("WSL2 systemd", "ok", f"enabled in {WSL_CONF}"))
+    else:
+        checks.append(Check("WSL2 systemd", "warn", f"not enabled in {WSL_CONF}: the ocrvl "
+                            "service cannot run", f"add `[boot]` and `systemd=true` to {WSL_CONF}, "
+                            "then run `wsl --shutdown` in Windows and reopen the terminal"))
+    return checks
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _client_checks(config: Config) -> list[Check]:
+    checks = []
+    found = {d: _version(d) for d in ("paddleocr", "paddlex")}
+    missing = [d for d, v in found.items() if v is None]
+    if missing:
+        checks.append(Check("paddleocr", "fail", f"{', '.join(missing)} not installed",
+                            "reinstall ocrvl: pip install ocrvl-daemon"))
+    else:
+        checks.append(Check("paddleocr", "ok", ", ".join(f"{d} {v}" for d, v in found.items())))
+    cpu, gpu_build = _version("paddlepaddle"), _version("paddlepaddle-gpu")
+    layout = config.pipeline.use_layout_detection
+    wants_gpu = (config.pipeline.device or "").startswith("gpu")
+    if cpu and gpu_build:
+        checks.append(Check("PaddlePaddle", "warn", f"both paddlepaddle {cpu} and "
+                            f"paddlepaddle-gpu {gpu_build} are installed; they overwrite each "
+                            "other", "pip uninstall the one you do not want"))
+    elif gpu_build:
+        checks.append(Check("PaddlePaddle", "ok", f"paddlepaddle-gpu {gpu_build} (GPU build)"))
+    elif cpu:
+        status: Status = "warn" if wants_gpu and layout else "ok"
+        checks.append(Check(
+            "PaddlePaddle", status, f"paddlepaddle {cpu} (CPU build: the layout model runs on "
+            "the CPU)", "install paddlepaddle-gpu from PaddlePaddle's index for "
+            "pipeline.device: gpu" if status == "warn" else None))
+    elif layout:
+        checks.append(Check("PaddlePaddle", "fail", "not installed; the layout model "
+                            "(pipeline.use_layout_detection: true) needs it",
+                            "pip install 'ocrvl-daemon[cpu]' (or paddlepaddle-gpu from "
+                            "PaddlePaddle's index)"))
+    else:
+        checks.append(Check("PaddlePaddle", "info", "not installed; not needed with "
+                            "pipeline.use_layout_detection: false"))
+    return checks
+
+
+def _server_env_checks(config: Config) -> list[Check]:
+    server = config.server
+    if server.mode == "external":
+        return []
+    if server.launcher == "command":
+        assert server.command  # the config guarantees it in this mode
+        program = server.command[0]
+        if shutil.which(program) or Path(program).is_file():
+            return [Check("server command", "ok", program)]
+        return [Check("server command", "fail", f"{program} (server.command[0]) not found",
+                      "install it or correct server.command")]
+    if server.python is None and server.launcher == "vllm":
+        return [_vllm_on_path(config)]
+    python = server.python or Path(sys.executable)
+    if not python.is_file():
+        return [Check("server python", "fail", f"{python} (server.python) does not exist",
+                      SETUP_FIX)]
+    modules = ["vllm"]
+    if server.launcher == "genai_server":
+        modules += ["flash_attn", "xformers", "paddleocr"]
+    try:
+        done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules], capture_output=True,
+                              text=True, timeout=SERVER_PROBE_TIMEOUT, check=False)
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return [Check("server python", "fail", f"{python} took over {SERVER_PROBE_TIMEOUT:.0f} s "
+                      "to import vllm", SETUP_FIX)]
+    except (OSError, ValueError, IndexError) as exc:
+        return [Check("server python", "fail", f"{python} did not run: {exc}", SETUP_FIX)]
+    checks = [Check("server python", "ok", str(python))]
+    for module in modules:
+        version = str(found.get(module, "!not reported"))
+        if version.startswith("!"):
+            checks.append(Check(module, "fail", f"cannot be imported by {python}: {version[1:]}",
+                                SETUP_FIX))
+        elif module == "vllm":
+            checks.append(_vllm_version_check(config, version, str(python)))
+        else:
+            checks.append(Check(module, "ok", version))
+    return checks
+
+
+def _vllm_on_path(config: Config) -> Check:
+    vllm = shutil.which("vllm")
+    if vllm is None:
+        return Check("vllm", "fail", "server.python is not set and no `vllm` is on PATH",
+                     SETUP_FIX)
+    try:
+        done = subprocess.run([vllm, "--version"], capture_output=True, text=True,
+                              timeout=SERVER_PROBE_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("vllm", "fail", f"{vllm} --version failed: {exc}", SETUP_FIX)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return Check("vllm", "fail", f"{vllm} --version exited with status {done.returncode}",
+                     SETUP_FIX)
+    return _vllm_version_check(config, lines[-1].strip(), vllm)
+
+
+def _vllm_version_check(config: Config, version: str, where: str) -> Check:
+    need = config.model.vl_model.min_vllm
+    try:
+        new_enough = Version(version) >= Version(need)
+    except InvalidVersion:
+        return Check("vllm", "warn", f"{version} in {where}: cannot tell whether it is >= {need}")
+    if not new_enough:
+        return Check("vllm", "fail", f"{version} in {where}; {config.model.name} needs "
+                     f">= {need}", SETUP_FIX)
+    return Check("vllm", "ok", f"{version} ({where})")
+
+
+def _inbox_checks(config: Config) -> list[Check]:
+    checks = []
+    for path in config.inbox.paths:
+        if not path.exists():
+            checks.append(Check("inbox", "warn", f"{path} does not exist", f"mkdir -p {path}"))
+        elif not path.is_dir():
+            checks.append(Check("inbox", "fail", f"{path} is not a folder",
+                                "point inbox.paths at a folder"))
+        elif not os.access(path, os.W_OK | os.X_OK):
+            checks.append(Check("inbox", "fail", f"{path} is not writable: the Markdown is "
+                                "written next to each PDF", f"chmod u+rwx {path}"))
+        else:
+            checks.append(Check("inbox", "ok", f"{path} exists and is writable"))
+        fs_check = _filesystem_check(config, path)
+        if fs_check:
+            checks.append(fs_check)
+    return checks
+
+
+def _filesystem_check(config: Config, path: Path) -> Check | None:
+    try:
+        from ocrvl_daemon import filesystems  # written alongside; absent in older trees
+    except ImportError:
+        return None
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    fstype = filesystems.filesystem_type(existing)
+    polling = config.inbox.polling
+    if not filesystems.needs_polling(fstype):
+        return Check("inbox filesystem", "ok", f"{path}: {fstype}, change events work")
+    if polling is False:
+        return Check("inbox filesystem", "warn", f"{path}: {fstype} sends no change events "
+                     "and inbox.polling is false: new PDFs are only seen by the periodic rescan",
+                     "set inbox.polling: true (or auto)")
+    return Check("inbox filesystem", "info", f"{path}: {fstype} sends no change events; "
+                 "polling is used")
+
+
+def _server_check(config: Config) -> Check:
+    server = config.server
+    root = server.root_url
+    external = server.mode == "external"
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    try:
+        health = httpx.get(f"{root}/health", timeout=HTTP_TIMEOUT, headers=headers)
+        models = httpx.get(f"{server.base_url}/models", timeout=HTTP_TIMEOUT, headers=headers)
+    except httpx.HTTPError as exc:
+        if external:
+            return Check("server", "fail", f"{root} does not answer ({type(exc).__name__})",
+                         "start the server, or correct server.url")
+        return Check("server", "info", f"not running at {root} (ocrvl starts it when needed)")
+    if health.status_code != 200:
+        return Check("server", "fail" if external else "warn",
+                     f"{root}/health answers {health.status_code}: the engine is not serving",
+                     "restart the server" if external else "ocrvl restarts it; see its log")
+    try:
+        served = [m["id"] for m in models.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        served = []
+    if config.model.name not in served:
+        fix = (f"serve it with --served-model-name {config.model.name}, or set model.name"
+               if external else f"another server holds port {server.port}: stop it or change "
+               "server.port")
+        return Check("server", "fail", f"{root} serves {served or 'no models'}, not "
+                     f"{config.model.name}", fix)
+    return Check("server", "ok", f"{root} is up and serves {config.model.name}")
+
+
+def _systemd_checks() -> list[Check]:
+    if shutil.which("systemctl") is None:
+        return [Check("systemd", "info", "no systemctl: run `ocrvl run` yourself")]
+    state = _run_quiet(["systemctl", "--user", "is-system-running"])
+    if state == "running":
+        checks = [Check("systemd", "ok", "user manager running")]
+    elif state == "degraded":
+        checks = [Check("systemd", "warn", "user manager running, some user units failed",
+                        "see systemctl --user --failed")]
+    elif state in ("initializing", "starting"):
+        checks = [Check("systemd", "info", f"user manager {state}")]
+    else:
+        said = state or "no answer"
+        if not os.environ.get("XDG_RUNTIME_DIR"):
+            said += ", XDG_RUNTIME_DIR is not set"
+        return [Check("systemd", "warn", f"no systemd user manager reachable ({said}): "
+                      "`systemctl --user start ocrvl` will not work",
+                      "log in through a systemd session (on WSL2 enable systemd), or run "
+                      "`ocrvl run` yourself")]
+    user = os.environ.get("USER") or getpass.getuser()
+    linger = _run_quiet(["loginctl", "show-user", user, "-p", "Linger"])
+    if linger == "Linger=yes":
+        checks.append(Check("linger", "ok", f"enabled for {user}: ocrvl runs without a login"))
+    elif linger == "Linger=no":
+        checks.append(Check("linger", "warn", f"off for {user}: the service stops at logout "
+                            "and does not start at boot", f"loginctl enable-linger {user}"))
+    else:
+        checks.append(Check("linger", "info", "unknown (loginctl gave no answer)"))
+    return checks
+
+
+def _run_quiet(argv: list[str]) -> str:
+    """First line of a small command's output, "" when it cannot run."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=SYSTEMD_TIMEOUT,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB"

@@ -1,0 +1,287 @@
+"""How to start the model server: argv and environment per `server.launcher`.
+
+* `vllm`: `vllm serve <weights> --served-model-name <model.name> ...` (the default).
+* `genai_server`: `paddleocr genai_server ... --backend_config <yaml>`; needs flash-attn
+  and xformers in the server environment.
+* `command`: the user's `server.command` with `{host}`, `{port}`, `{model}`, `{weights}`
+  filled in and a `{vllm_args}` element expanded to the vLLM flags.
+
+`server.python` selects a separate virtual environment: its `vllm`/`paddleocr` script runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.errors import ServerConfigError
+
+log = logging.getLogger(__name__)
+
+# PaddleOCR-VL's vLLM recipe, for a small card: one image per prompt, no prefix or
+# multimodal-processor caches (every page is new), and a modest profiling batch (the size
+# of the VRAM spike at start-up). `server.vllm_args` overrides any of them; `null` drops one.
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "limit-mm-per-prompt": {"image": 1},
+    "enable-prefix-caching": False,
+    "mm-processor-cache-gb": 0,
+    "max-num-batched-tokens": 16384,
+}
+# What `auto` means until the GPU-aware autotuner replaces `resolve_vllm_args`.
+FALLBACK_GPU_MEMORY_UTILIZATION = 0.80
+FALLBACK_MAX_NUM_SEQS = 32
+MAX_MODEL_LEN_STEP = 256
+# vLLM boolean flags whose `false` must be spelled `--no-<flag>` (their default is on).
+NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill"})
+# Flags ocrvl derives from other keys; giving them in vllm_args would contradict those.
+RESERVED_FLAGS = {
+    "host": "server.host",
+    "port": "server.port",
+    "served-model-name": "model.name",
+    "api-key": "server.api_key",
+    "model": "model.weights",
+}
+# systemd's per-service protocol variables: a child that inherits them could notify or
+# feed the watchdog in ocrvl's name.
+SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
+               "LISTEN_FDNAMES")
+BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
+SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
+_DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to start the server process."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def resolve_vllm_args(config: Config) -> dict[str, Any]:
+    """The vLLM flags to launch with: recipe defaults, then the user's, `auto` resolved.
+
+    The single seam the GPU-aware autotuner replaces; until then `auto` means a fixed
+    fallback that is safe on an 8 GB card.
+    """
+    args: dict[str, Any] = {**RECIPE_DEFAULTS, **config.server.vllm_args}
+    budget = config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
+    fallback = {
+        "gpu-memory-utilization": FALLBACK_GPU_MEMORY_UTILIZATION,
+        "max-model-len": math.ceil(budget / MAX_MODEL_LEN_STEP) * MAX_MODEL_LEN_STEP,
+        "max-num-seqs": FALLBACK_MAX_NUM_SEQS,
+    }
+    for key, value in fallback.items():
+        if args.get(key) == AUTO:
+            args[key] = value
+    return args
+
+
+def _flag_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def vllm_flags(args: Mapping[str, Any]) -> list[str]:
+    """`{"max-num-seqs": 8, "enforce-eager": True}` -> `["--max-num-seqs", "8", "--enforce-eager"]`.
+
+    `true` is a bare flag, `false` is omitted (or `--no-<flag>` for flags that default on),
+    `null` is omitted, mappings and lists are JSON.
+    """
+    flags: list[str] = []
+    for key, value in args.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                flags.append(f"--{key}")
+            elif key in NEGATABLE_FLAGS:
+                flags.append(f"--no-{key}")
+            continue
+        flags += [f"--{key}", _flag_value(value)]
+    return flags
+
+
+def backend_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM flags as a PaddleX `--backend_config` mapping.
+
+    PaddleX turns every boolean key into a bare flag (even `false`) and other values into
+    `str(value)`, so `false` becomes `no-<flag>: true` or is left out, and mappings are
+    written as JSON text rather than Python's repr.
+    """
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                out[key] = True
+            elif key in NEGATABLE_FLAGS:
+                out[f"no-{key}"] = True
+            continue
+        out[key] = _flag_value(value) if isinstance(value, (dict, list)) else value
+    return out
+
+
+def model_source(config: Config) -> str:
+    """What the server loads: `model.weights`, else the model's Hugging Face repo."""
+    return config.model.weights or config.model.vl_model.hf_repo
+
+
+def server_env(config: Config) -> dict[str, str]:
+    """ocrvl's environment without systemd's protocol variables, plus `server.env`."""
+    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
+    python = config.server.python
+    if python is not None:
+        # As if the server's virtual environment were activated: its tools (ninja for
+        # torch.compile, nvcc wrappers) come first.
+        env["PATH"] = os.pathsep.join(p for p in (str(python.parent), env.get("PATH")) if p)
+        env["VIRTUAL_ENV"] = str(python.parent.parent)
+    if config.server.api_key:
+        # vLLM reads VLLM_API_KEY like --api-key, and the environment keeps the key out of
+        # the process list (`ps` shows argv to every user).
+        env["VLLM_API_KEY"] = config.server.api_key
+    env.update(config.server.env)
+    return env
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _find_script(config: Config, name: str) -> Path | None:
+    """`name` next to `server.python`; else on PATH or next to ocrvl's own Python."""
+    if config.server.python is not None:
+        script = config.server.python.parent / name
+        return script if _executable(script) else None
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    sibling = Path(sys.executable).parent / name
+    return sibling if _executable(sibling) else None
+
+
+def _require_python(config: Config) -> Path:
+    python = config.server.python
+    assert python is not None
+    if not _executable(python):
+        raise ServerConfigError(f"server.python = {python} is not an executable Python.",
+                                f"point server.python at the server environment's python, or "
+                                f"{SETUP_FIX}")
+    return python
+
+
+def _vllm_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
+    server = config.server
+    script = _find_script(config, "vllm")
+    if script is not None:
+        prefix = [str(script), "serve"]
+    elif server.python is not None:
+        # An environment with vLLM but without its console script (e.g. installed --no-deps).
+        prefix = [str(_require_python(config)), "-m", "vllm.entrypoints.cli.main", "serve"]
+    else:
+        raise ServerConfigError("The `vllm` command was not found (vLLM is not installed).",
+                                f"{SETUP_FIX}, or set server.python to the python of a virtual "
+                                "environment that has vLLM")
+    return [*prefix, model_source(config), "--served-model-name", config.model.name,
+            "--trust-remote-code", "--host", server.host, "--port", str(server.port),
+            *vllm_flags(args)]
+
+
+def _genai_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
+    server = config.server
+    script = _find_script(config, "paddleocr")
+    if script is None:
+        where = f"next to server.python ({server.python})" if server.python else "on PATH"
+        raise ServerConfigError(f"The `paddleocr` command was not found {where}.",
+                                f"{SETUP_FIX}, or use server.launcher: vllm")
+    path = config.state_dir / BACKEND_CONFIG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(backend_config(args), sort_keys=False), encoding="utf-8")
+    argv = [str(script), "genai_server", "--model_name", config.model.name, "--backend", "vllm",
+            "--host", server.host, "--port", str(server.port), "--backend_config", str(path)]
+    if config.model.weights:
+        argv += ["--model_dir", config.model.weights]
+    return argv
+
+
+def _command_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
+    server = config.server
+    assert server.command is not None  # config validation guarantees it
+    values = {"{host}": server.host, "{port}": str(server.port), "{model}": config.model.name,
+              "{weights}": model_source(config)}
+    argv: list[str] = []
+    for element in server.command:
+        if element == "{vllm_args}":
+            argv += vllm_flags(args)
+            continue
+        for placeholder, value in values.items():
+            element = element.replace(placeholder, value)
+        argv.append(element)
+    program = argv[0]
+    found = _executable(Path(program)) if os.sep in program else shutil.which(program)
+    if not found:
+        raise ServerConfigError(f"server.command's program {program!r} was not found or is not "
+                                "executable.", "give its full path or fix PATH in the service")
+    return argv
+
+
+def prepare_launch(config: Config) -> LaunchSpec:
+    """argv and environment for `server.launcher` (writes genai_server's backend config).
+
+    Raises ServerConfigError when the launcher's program is missing or vllm_args repeats
+    a flag ocrvl sets from another key.
+    """
+    args = resolve_vllm_args(config)
+    for flag, key in RESERVED_FLAGS.items():
+        if flag in args:
+            raise ServerConfigError(f"server.vllm_args.{flag} is set, but ocrvl sets --{flag} "
+                                    f"from {key}.", f"remove it from server.vllm_args; set {key}")
+    build = {"vllm": _vllm_argv, "genai_server": _genai_argv, "command": _command_argv}
+    return LaunchSpec(build[config.server.launcher](config, args), server_env(config))
+
+
+def server_python(config: Config) -> Path:
+    """The interpreter of the server environment."""
+    if config.server.python is not None:
+        return _require_python(config)
+    script = _find_script(config, "paddleocr")
+    sibling = script.parent / "python" if script is not None else None
+    return sibling if sibling is not None and _executable(sibling) else Path(sys.executable)
+
+
+def check_launcher(config: Config) -> None:
+    """Fail early, with the fix, on what would make every start fail.
+
+    genai_server refuses to start without flash-attn and xformers; say so before launching.
+    """
+    if config.server.launcher != "genai_server":
+        return
+    python = server_python(config)
+    log.info("checking flash-attn and xformers in %s (paddleocr genai_server needs them)", python)
+    try:
+        result = subprocess.run([str(python), "-c", "import flash_attn, xformers"],
+                                capture_output=True, text=True, env=server_env(config),
+                                timeout=_DEPENDENCY_CHECK_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerConfigError(f"Could not run the server's Python {python}: {exc}.",
+                                SETUP_FIX) from exc
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        detail = lines[-1] if lines else f"exit status {result.returncode}"
+        raise ServerConfigError(
+            f"server.launcher is genai_server, which needs flash-attn and xformers, but "
+            f"{python} cannot import them ({detail}).",
+            f"{SETUP_FIX} (it builds flash-attn), or use server.launcher: vllm, which needs "
+            "neither")

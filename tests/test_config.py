@@ -1,0 +1,128 @@
+"""Configuration: every mistake is caught before anything starts, naming key, value and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ocrvl_daemon.config import load_config, validate_config
+from ocrvl_daemon.errors import ConfigError, ExitCode
+from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.testing.runner import run_ocrvl, write_config
+
+MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
+
+BAD_CONFIGS = [
+    pytest.param(
+        {"inbox": {"stabel_seconds": 1}},
+        ["inbox.stabel_seconds", "did you mean inbox.stable_seconds"],
+        id="typo in a key",
+    ),
+    pytest.param({"modle": {}}, ["'modle'", "did you mean model"], id="typo in a section"),
+    pytest.param(
+        {"model": {"name": "PaddleOCR-VL-2"}},
+        ["model.name", "'PaddleOCR-VL-2'", "PaddleOCR-VL-1.6-0.9B"],
+        id="unknown model",
+    ),
+    pytest.param(
+        {"server": {"vllm_args": {"max-model-len": 4110}}},
+        ["server.vllm_args.max-model-len", "4110", f"at least {MIN_LEN}"],
+        id="max-model-len too small for the requests",
+    ),
+    pytest.param(
+        {"model": {"max_new_tokens": 8192}, "server": {"vllm_args": {"max_model_len": 8192}}},
+        ["max-model-len", f"at least {8192 + MIN_LEN - DEFAULT_MAX_NEW_TOKENS}"],
+        id="max-model-len too small for max_new_tokens",
+    ),
+    pytest.param({"server": {"port": 70000}}, ["server.port", "70000", "65535"], id="bad port"),
+    pytest.param({"server": {"port": "http"}}, ["server.port", "'http'"], id="port not a number"),
+    pytest.param(
+        {"server": {"launcher": "command"}},
+        ["server.command", "launcher is 'command'"],
+        id="command launcher without command",
+    ),
+    pytest.param(
+        {"server": {"mode": "external"}},
+        ["server.url", "mode is 'external'"],
+        id="external mode without url",
+    ),
+    pytest.param({"server": {"url": "localhost:8000"}}, ["server.url", "http://"], id="url scheme"),
+    pytest.param(
+        {"server": {"vllm_args": {"gpu-memory-utilization": 1.5}}},
+        ["gpu-memory-utilization", "1.5", "fraction"],
+        id="utilization above 1",
+    ),
+    pytest.param(
+        {"pipeline": {"max_concurrency": 0}},
+        ["pipeline.max_concurrency", "0"],
+        id="zero concurrency",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), BAD_CONFIGS)
+def test_config_error_names_key_value_and_fix(data, expected):
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data)
+    message = str(caught.value)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+
+
+def test_defaults_are_the_documented_contract():
+    config = validate_config({})
+    assert config.inbox.paths == [Path("~/ocr-inbox").expanduser()]
+    assert config.inbox.stable_seconds == 2 and config.inbox.polling == "auto"
+    assert config.model.name == "PaddleOCR-VL-1.6-0.9B"
+    assert config.model.vl_model.pipeline_version == "v1.6"
+    assert config.server.mode == "managed" and config.server.launcher == "vllm"
+    assert config.server.port == 8118 and config.server.host == "127.0.0.1"
+    assert config.server.vllm_args == {
+        "gpu-memory-utilization": "auto",
+        "max-model-len": "auto",
+        "max-num-seqs": "auto",
+    }
+    assert config.state_dir == Path("~/.local/state/ocrvl").expanduser()
+
+
+def test_model_name_decides_the_pipeline_version():
+    for name, version in [("PaddleOCR-VL-0.9B", "v1"), ("PaddleOCR-VL-1.5-0.9B", "v1.5")]:
+        assert validate_config({"model": {"name": name}}).model.vl_model.pipeline_version == version
+
+
+def test_home_and_env_vars_are_expanded_in_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("BOOKS", str(tmp_path))
+    config = validate_config({"inbox": {"paths": ["$BOOKS/in", "~/x"]}, "state_dir": "$BOOKS/s"})
+    assert config.inbox.paths == [tmp_path / "in", Path.home() / "x"]
+    assert config.state_dir == tmp_path / "s"
+
+
+def test_lookup_order_flag_then_env_then_home_then_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("OCRVL_CONFIG", raising=False)
+    assert load_config(None)[1] is None
+    (tmp_path / ".config/ocrvl").mkdir(parents=True)
+    home = write_config(tmp_path / ".config/ocrvl/config.yaml", log_level="DEBUG")
+    assert load_config(None)[1] == home
+    env = write_config(tmp_path / "env.yaml", log_level="WARNING")
+    monkeypatch.setenv("OCRVL_CONFIG", str(env))
+    assert load_config(None)[0].log_level == "WARNING"
+    flag = write_config(tmp_path / "flag.yaml", log_level="ERROR")
+    assert load_config(flag)[0].log_level == "ERROR"
+
+
+def test_cli_refuses_a_bad_config_before_starting_anything(tmp_path):
+    config = write_config(tmp_path / "config.yaml", server={"launcher": "command"})
+    pdf = tmp_path / "book.pdf"
+    pdf.write_bytes(b"%PDF-1.4")
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=60)
+    assert result.returncode == ExitCode.CONFIG
+    assert "server.command" in result.stderr
+    assert not (tmp_path / "state").exists(), "something started despite the bad config"
+
+
+def test_missing_config_file_is_an_error(tmp_path):
+    result = run_ocrvl("status", "--config", tmp_path / "nope.yaml", timeout=60)
+    assert result.returncode == ExitCode.CONFIG
+    assert "nope.yaml does not exist" in result.stderr

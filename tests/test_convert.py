@@ -1,0 +1,120 @@
+"""`ocrvl convert`: the real PaddleOCR-VL pipeline (layout off) against the fake server."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ocrvl_daemon.output import read_header
+from ocrvl_daemon.testing.documents import (
+    make_empty_pdf,
+    make_encrypted_pdf,
+    make_pdf,
+    page_width,
+)
+from ocrvl_daemon.testing.harness import FakeServerProcess
+from ocrvl_daemon.testing.runner import run_ocrvl, write_config
+
+SCALE = 2  # ocrvl renders PDF pages at scale 2.0, like PaddleOCR
+
+
+def page_widths(markdown: str) -> list[int]:
+    """The image widths the fake server saw, in the order the pages appear."""
+    return [int(w) for w in re.findall(r"fake-ocr OCR (\d+)x\d+", markdown)]
+
+
+def convert(tmp_path: Path, server: FakeServerProcess, *pdfs: Path):
+    config = write_config(tmp_path / "config.yaml")
+    return run_ocrvl("convert", "--config", config, "--server-url", server.api_url, *pdfs)
+
+
+def test_multi_page_book_comes_out_with_every_page_in_order(tmp_path, fake_server):
+    book = make_pdf(tmp_path / "book.pdf", 7)
+    result = convert(tmp_path, fake_server, book)
+    assert result.returncode == 0, result.stderr
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    assert page_widths(markdown) == [page_width(i) * SCALE for i in range(7)], (
+        "pages are missing or out of order"
+    )
+    assert [int(n) for n in re.findall(r"<!-- page (\d+) -->", markdown)] == list(range(1, 8))
+    assert markdown.count("\n---\n") == 6, "page boundaries are not visible"
+    assert read_header(tmp_path / "book.md")["model"] == "PaddleOCR-VL-1.6-0.9B"
+    leftovers = [p.name for p in tmp_path.iterdir() if "ocrvl-tmp" in p.name]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+
+
+NAMES = ["my book.pdf", "Ünïcödé ßuch – 日本語.pdf", 'it\'s "quoted".pdf']
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_file_names_with_spaces_quotes_and_non_ascii(tmp_path, fake_server, name):
+    pdf = make_pdf(tmp_path / name, 2)
+    result = convert(tmp_path, fake_server, pdf)
+    assert result.returncode == 0, result.stderr
+    assert len(page_widths(pdf.with_suffix(".md").read_text(encoding="utf-8"))) == 2
+
+
+def test_markdown_not_written_by_ocrvl_is_never_overwritten(tmp_path, fake_server):
+    pdf = make_pdf(tmp_path / "notes.pdf", 1)
+    mine = tmp_path / "notes.md"
+    mine.write_text("my own notes\n", encoding="utf-8")
+    result = convert(tmp_path, fake_server, pdf)
+    assert result.returncode == 1
+    assert mine.read_text(encoding="utf-8") == "my own notes\n", "the user's file was replaced"
+    assert "was not written by ocrvl" in result.stderr and "notes.md" in result.stderr
+
+
+def test_our_own_markdown_is_replaced_when_the_pdf_changes(tmp_path, fake_server):
+    pdf = make_pdf(tmp_path / "doc.pdf", 2)
+    assert convert(tmp_path, fake_server, pdf).returncode == 0
+    make_pdf(pdf, 3, seed=1)
+    result = convert(tmp_path, fake_server, pdf)
+    assert result.returncode == 0, result.stderr
+    assert len(page_widths(pdf.with_suffix(".md").read_text(encoding="utf-8"))) == 3
+
+
+def test_each_bad_file_gets_one_clear_line_and_the_good_one_still_converts(tmp_path, fake_server):
+    good = make_pdf(tmp_path / "good.pdf", 1)
+    not_pdf = tmp_path / "junk.pdf"
+    not_pdf.write_bytes(b"\x00\x01 random bytes")
+    encrypted = make_encrypted_pdf(tmp_path / "locked.pdf")
+    empty = make_empty_pdf(tmp_path / "empty.pdf")
+    missing = tmp_path / "missing.pdf"
+    result = convert(tmp_path, fake_server, good, not_pdf, encrypted, empty, missing)
+    assert result.returncode == 1
+    assert (tmp_path / "good.md").exists(), "one bad file stopped the good one"
+    errors = [
+        line
+        for line in result.stderr.splitlines()
+        if " ERROR " in line and "ocrvl_daemon.oneshot" in line
+    ]
+    assert len(errors) == 4, result.stderr
+    text = "\n".join(errors)
+    assert "junk.pdf is not a PDF" in text
+    assert "locked.pdf is encrypted with a password" in text
+    assert "empty.pdf is damaged beyond repair or has no pages" in text
+    assert "missing.pdf does not exist" in text
+    for bad in (not_pdf, encrypted, empty):
+        assert not bad.with_suffix(".md").exists()
+
+
+def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    url = "http://127.0.0.1:9/v1"
+    result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf)
+    assert result.returncode == 1
+    assert f"Cannot reach the model server at {url}" in result.stderr
+    assert "vllm serve" in result.stderr
+    assert not (tmp_path / "book.md").exists()
+
+
+def test_server_serving_another_model_is_reported(tmp_path, fake_server):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", model={"name": "PaddleOCR-VL-0.9B"})
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf)
+    assert result.returncode == 1
+    assert "PaddleOCR-VL-0.9B" in result.stderr
+    assert not (tmp_path / "book.md").exists()

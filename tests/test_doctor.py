@@ -1,0 +1,269 @@
+"""`ocrvl doctor` against fake GPUs, fake server environments and a fake vLLM server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ocrvl_daemon import doctor, gpu
+from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
+from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
+MODEL = "PaddleOCR-VL-1.6-0.9B"
+NOT_WSL = "6.1.0-28-amd64"
+
+
+@pytest.fixture
+def gpu_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point ocrvl at a fake nvidia-smi (no NVML); returns a function taking the fixture name."""
+    monkeypatch.setenv(gpu.NO_NVML_ENV, "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("OCRVL_CONFIG", raising=False)
+
+    def use(name: str) -> None:
+        target = tmp_path / f"nvidia-smi-{name}"
+        shutil.copyfile(FIXTURES / f"{name}.sh", target)
+        target.chmod(0o755)
+        monkeypatch.setenv(gpu.NVIDIA_SMI_ENV, str(target))
+
+    return use
+
+
+def fake_python(tmp_path: Path, versions: dict[str, str]) -> Path:
+    """A stand-in for server.python that prints what doctor's import probe prints."""
+    script = tmp_path / "server-venv" / "bin" / "python"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text("#!/bin/sh\necho 'INFO vllm logs to stdout'\n"
+                      f"echo '{json.dumps(versions)}'\n")
+    script.chmod(0o755)
+    return script
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(tmp_path: Path, **sections: Any) -> str:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir(exist_ok=True)
+    data: dict[str, Any] = {"inbox": {"paths": [str(inbox)]}, "state_dir": str(tmp_path / "state"),
+                            "server": {"port": free_port()}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def managed(tmp_path: Path, **server: Any) -> str:
+    python = fake_python(tmp_path, {"vllm": "0.11.2"})
+    return write_config(tmp_path, server={"python": str(python), **server})
+
+
+def by_name(report: DoctorReport, name: str) -> Check:
+    return next(c for c in report.checks if c.name == name)
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[InProcessFakeServer]:
+    with InProcessFakeServer(FakeServerConfig(port=0, served_model_names=(MODEL,))) as server:
+        yield server
+
+
+def test_rtx4060_managed_is_ready(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    assert not report.blocking, render_text(report)
+    assert by_name(report, "GPU").status == "ok"
+    assert "RTX 4060" in by_name(report, "GPU").detail
+    assert by_name(report, "compute capability").detail == "8.9"
+    assert "8.0 GiB total, 1.0 GiB used, 7.0 GiB free" in by_name(report, "GPU memory").detail
+    settings = by_name(report, "server settings")
+    assert settings.status == "info"
+    assert "gpu-memory-utilization 0.81" in settings.detail
+    assert "max-model-len 5632" in settings.detail
+    assert by_name(report, "vllm").status == "ok"
+    assert by_name(report, "server").status == "info"  # not running yet: ocrvl starts it
+    assert not any(c.name.startswith("WSL2") for c in report.checks)
+
+
+def test_t4_warns_about_compute_capability(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("t4")
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    check = by_name(report, "compute capability")
+    assert check.status == "warn"
+    assert "7.5" in check.detail and "time out" in check.detail
+    assert not report.blocking
+
+
+def test_t4_cannot_use_genai_server(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("t4")
+    python = fake_python(tmp_path, {"vllm": "0.11.2", "flash_attn": "2.8.3",
+                                    "xformers": "0.0.32", "paddleocr": "3.7.0"})
+    config = write_config(tmp_path, server={"python": str(python), "launcher": "genai_server"})
+    report = run_doctor(config, osrelease=NOT_WSL)
+    assert by_name(report, "compute capability").status == "fail"
+    assert report.blocking
+
+
+@pytest.mark.parametrize("fixture", ["nogpu", "missing"])
+def test_no_gpu_blocks_managed_mode(tmp_path: Path, gpu_env: Any, fixture: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if fixture == "missing":
+        monkeypatch.setenv(gpu.NVIDIA_SMI_ENV, str(tmp_path / "no-such-nvidia-smi"))
+    else:
+        gpu_env(fixture)
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    check = by_name(report, "GPU")
+    assert check.status == "fail" and check.fix
+    assert report.blocking
+    if fixture == "nogpu":
+        assert "NVIDIA-SMI has failed" in check.detail
+
+
+def test_no_gpu_is_info_for_an_external_server(tmp_path: Path, gpu_env: Any,
+                                               fake_vllm: InProcessFakeServer) -> None:
+    gpu_env("nogpu")
+    config = write_config(tmp_path, server={"mode": "external", "url": fake_vllm.url + "/v1"})
+    report = run_doctor(config, osrelease=NOT_WSL)
+    assert by_name(report, "GPU").status == "info"
+    server = by_name(report, "server")
+    assert server.status == "ok" and MODEL in server.detail
+    assert not report.blocking, render_text(report)
+
+
+def test_unreachable_external_server_blocks(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    report = run_doctor(write_config(tmp_path, server={"mode": "external", "url": url}),
+                        osrelease=NOT_WSL)
+    assert by_name(report, "server").status == "fail"
+    assert report.blocking
+
+
+def test_server_serving_another_model_blocks(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    other = FakeServerConfig(port=0, served_model_names=("other-model",))
+    with InProcessFakeServer(other) as srv:
+        config = write_config(tmp_path, server={"mode": "external", "url": srv.url})
+        report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "server")
+    assert check.status == "fail" and "other-model" in check.detail
+    assert check.fix and "--served-model-name" in check.fix
+
+
+def test_invalid_config_fails_but_the_rest_still_runs(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    path = tmp_path / "config.yaml"
+    path.write_text("server:\n  vllm_args:\n    max-model-len: 1024\n")
+    report = run_doctor(str(path), osrelease=NOT_WSL)
+    check = by_name(report, "config")
+    assert check.status == "fail" and "max-model-len" in check.detail
+    assert report.blocking
+    assert by_name(report, "GPU").status == "ok"
+
+
+def test_missing_server_python_points_at_setup_server(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    config = write_config(tmp_path, server={"python": str(tmp_path / "nope" / "python")})
+    report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "server python")
+    assert check.status == "fail" and check.fix and "ocrvl setup-server" in check.fix
+
+
+def test_no_server_python_and_no_vllm_on_path(tmp_path: Path, gpu_env: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("rtx4060")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    report = run_doctor(write_config(tmp_path), osrelease=NOT_WSL)
+    check = by_name(report, "vllm")
+    assert check.status == "fail" and "PATH" in check.detail
+
+
+def test_old_vllm_blocks(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    python = fake_python(tmp_path, {"vllm": "0.10.2"})
+    report = run_doctor(write_config(tmp_path, server={"python": str(python)}),
+                        osrelease=NOT_WSL)
+    check = by_name(report, "vllm")
+    assert check.status == "fail" and ">= 0.11.1" in check.detail
+
+
+def test_genai_server_needs_flash_attn(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    python = fake_python(tmp_path, {"vllm": "0.11.2", "xformers": "0.0.32",
+                                    "flash_attn": "!ModuleNotFoundError: No module named "
+                                                  "'flash_attn'", "paddleocr": "3.7.0"})
+    config = write_config(tmp_path, server={"python": str(python), "launcher": "genai_server"})
+    report = run_doctor(config, osrelease=NOT_WSL)
+    assert by_name(report, "flash_attn").status == "fail"
+    assert by_name(report, "xformers").status == "ok"
+    assert report.blocking
+
+
+def test_wsl2_warnings(tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("rtx4060")
+    wsl_conf = tmp_path / "wsl.conf"
+    monkeypatch.setattr(doctor, "WSL_CONF", wsl_conf)
+    report = run_doctor(managed(tmp_path), osrelease="5.15.167.4-microsoft-standard-WSL2")
+    wsl = by_name(report, "WSL2")
+    assert wsl.status == "warn"
+    assert wsl.fix and "vmIdleTimeout=-1" in wsl.fix and "inbox.polling: true" in wsl.fix
+    assert by_name(report, "WSL2 systemd").status == "warn"
+    wsl_conf.write_text("[boot]\nsystemd=true\n")
+    report = run_doctor(managed(tmp_path), osrelease="5.15.167.4-microsoft-standard-WSL2")
+    assert by_name(report, "WSL2 systemd").status == "ok"
+    assert not report.blocking
+
+
+def test_missing_inbox_is_a_warning_with_mkdir(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    config = managed(tmp_path)
+    data = yaml.safe_load(Path(config).read_text())
+    data["inbox"]["paths"] = [str(tmp_path / "later")]
+    Path(config).write_text(yaml.safe_dump(data))
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "inbox")
+    assert check.status == "warn" and check.fix == f"mkdir -p {tmp_path / 'later'}"
+
+
+def test_a_crashing_check_does_not_stop_the_others(tmp_path: Path, gpu_env: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("rtx4060")
+
+    def broken(_: Any) -> list[Check]:
+        raise RuntimeError("odd system")
+
+    monkeypatch.setattr(doctor, "_client_checks", broken)
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    check = by_name(report, "client packages")
+    assert check.status == "warn" and "odd system" in check.detail
+    assert by_name(report, "server").status == "info"
+
+
+def test_renderers(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("nogpu")
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    text = render_text(report)
+    lines = text.splitlines()
+    gpu_line = next(i for i, line in enumerate(lines) if line.startswith("✗ GPU"))
+    assert lines[gpu_line + 1].lstrip().startswith("→ ")
+    assert lines[-1].startswith("1 problem(s) block conversion")
+    assert any(line.startswith("✓ config") for line in lines)
+    # Details start in one column.
+    check_lines = [line for line in lines[1:-1] if line[:1] in "✓!✗·"]
+    assert len(check_lines) == len(report.checks)
+    pairs = zip(check_lines, report.checks, strict=True)
+    assert len({line.index(check.detail) for line, check in pairs}) == 1
+    data = json.loads(render_json(report))
+    assert data["blocking"] is True
+    assert {"name", "status", "detail", "fix"} <= set(data["checks"][0])
