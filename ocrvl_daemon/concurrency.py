@@ -1,16 +1,351 @@
-"""How many pages may be in flight at the server."""
+"""How many pages may be in flight at the server: a search for the most work per second.
+
+More is not better. On real vLLM serving PaddleOCR-VL, whole-page requests peaked at 64 in
+flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded out decoding.
+`ConcurrencyController` therefore searches for the limit that maximises throughput:
+
+* Throughput is measured over windows, and only while demand exceeds the limit (pages are
+  waiting and `in_flight >= limit`): with too little work, the limit says nothing. After a
+  change the controller lets the server settle before it starts a window. With the server's
+  `/metrics` the score is generated tokens per second between two scrapes (it reacts at once
+  to a change of batch size); without, it is pages completed per second over at least
+  `limit` completions (one turnover of the work in flight).
+* The search is a one-dimensional pattern search in log space: from the current best limit
+  try `best * f` (then `best / f`); a probe that beats the best by more than `IMPROVEMENT`
+  becomes the best and the search goes on in that direction; when neither direction helps,
+  `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best.
+* Holding, it keeps measuring; when throughput at the same limit shifts by more than
+  `SHIFT` (two windows in a row) the workload changed and the search starts again.
+* Safety first, throughput second: any new preemption or a KV cache above `KV_FULL`
+  multiplies the limit by `BACKOFF` at once (and the search may not go above it again until
+  the next re-search); while the server keeps requests waiting (`num_requests_waiting > 0`
+  in consecutive scrapes), its running count is its cap, and the limit may not exceed that
+  cap by more than a small feed margin (more would only queue at the server).
+* The limit never leaves [minimum, maximum]; with `adaptive` off it is `maximum`, fixed.
+
+The object is pure and deterministic: time and metrics come in through `observe`, so tests
+drive it with a synthetic server.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
+
+from ocrvl_daemon.server_metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+# Where the search starts: the peak measured on real vLLM for whole pages. The throughput
+# curve is steep below its peak and gentle above it, so starting high costs little.
+INITIAL_LIMIT = 64
+START_FACTOR = 1.5
+MIN_FACTOR = 1.15
+IMPROVEMENT = 0.05  # a probe must beat the best by this fraction to be taken
+SHIFT = 0.25  # throughput at the held limit moving by this much means a new workload
+SHIFT_WINDOWS = 2
+BACKOFF = 0.75
+KV_FULL = 0.95
+WAITING_SAMPLES = 2  # consecutive scrapes with requests waiting before the cap counts
+SETTLE_SECONDS = 2.0
+WINDOW_SECONDS = 4.0
+MIN_WINDOW_PAGES = 16  # completions-based windows (no metrics) count at least this many
+
+
+def feed_margin(cap: int) -> int:
+    """How far above the server's running cap the limit may go (pages ready to be admitted)."""
+    return max(2, cap // 8)
+
+
+@dataclass
+class _Window:
+    started: float
+    completed: int
+    token_at: float | None = None
+    tokens: float | None = None
+
 
 class ConcurrencyController:
-    """The in-flight bound; fixed at `maximum` until the adaptive search lands."""
+    """The in-flight bound; see the module docstring for how it moves."""
 
-    def __init__(self, minimum: int, maximum: int, adaptive: bool) -> None:
+    def __init__(
+        self,
+        minimum: int,
+        maximum: int,
+        adaptive: bool,
+        *,
+        initial: int | None = None,
+        settle_seconds: float = SETTLE_SECONDS,
+        window_seconds: float = WINDOW_SECONDS,
+    ) -> None:
         self.minimum = minimum
         self.maximum = maximum
         self.adaptive = adaptive
-        self.limit = maximum
+        self.settle_seconds = settle_seconds
+        self.window_seconds = window_seconds
+        start = INITIAL_LIMIT if initial is None else initial
+        self.limit = self._clamp(start) if adaptive else maximum
+        self.phase = "search"  # or "hold"
+        self.rate: float | None = None  # last measured pages/s
+        self.server_cap: int | None = None
+        self._ceiling = maximum  # lowered by back-offs until the next re-search
+        self._best_limit = self.limit
+        self._best_score: float | None = None
+        self._best_rate: float | None = None
+        self._factor = START_FACTOR
+        self._direction = 1
+        self._moved = False
+        self._tried_other = False
+        self._changed_at: float | None = None
+        self._window: _Window | None = None
+        self._saturated = False
+        self._sample_at: float | None = None
+        self._preemptions: float | None = None
+        self._waiting_streak = 0
+        self._waiting_running = 0.0
+        self._backoff_at = -math.inf
+        self._shifts = 0
+        self._pages_per_token: float | None = None
 
-    def observe(self, now: float, completed: int, in_flight: int, backlog: int) -> None:
-        """Feed one tick's completions; may move `limit`."""
+    # --- public -------------------------------------------------------------------------
+
+    def observe(
+        self,
+        now: float,
+        completed: int,
+        in_flight: int,
+        backlog: int,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        """Feed one tick: total pages completed so far, pages in flight, pages waiting to be
+        sent, and the newest server metrics (the same sample may come many times)."""
+        if not self.adaptive:
+            self.limit = self.maximum
+            return
+        self.limit = self._clamp(self.limit)
+        saturated = backlog > 0 and in_flight >= self.limit
+        if saturated and not self._saturated:
+            self._changed_at = now  # the batch ramps up again: settle first
+            self._window = None
+        self._saturated = saturated
+        fresh = metrics is not None and metrics.taken_at != self._sample_at
+        if fresh and metrics is not None:
+            self._sample_at = metrics.taken_at
+            if self._on_metrics(now, metrics, saturated):
+                return
+        if not saturated:
+            self._window = None
+            return
+        self._measure(now, completed, metrics if fresh else None)
+
+    def describe(self) -> str:
+        """A short status line."""
+        rate = f", {self.rate:.2f} pages/s" if self.rate is not None else ""
+        cap = f", server cap {self.server_cap}" if self.server_cap is not None else ""
+        return f"concurrency {self.limit} ({self.phase}{rate}{cap})"
+
+    # --- safety -------------------------------------------------------------------------
+
+    def _on_metrics(self, now: float, m: ServerMetrics, saturated: bool) -> bool:
+        """Back off or cap on what the server says; True if the limit moved."""
+        preempted = (
+            m.preemptions_total is not None
+            and self._preemptions is not None
+            and m.preemptions_total > self._preemptions
+        )
+        if m.preemptions_total is not None:
+            self._preemptions = m.preemptions_total
+        kv_full = m.kv_cache_usage is not None and m.kv_cache_usage > KV_FULL
+        if (preempted or kv_full) and now - self._backoff_at >= self.settle_seconds:
+            self._backoff_at = now
+            old, new = self.limit, self._clamp(math.floor(self.limit * BACKOFF))
+            self._ceiling = new
+            if new == old:
+                return False  # already at the minimum
+            why = "preemptions" if preempted else f"KV cache {m.kv_cache_usage:.0%} full"
+            self._restart_search(new, now, direction=-1, factor=math.sqrt(START_FACTOR))
+            log.info("concurrency %d -> %d: backing off (%s)", old, new, why)
+            return True
+        if m.waiting is not None and m.waiting > 0 and saturated:
+            self._waiting_streak += 1
+            self._waiting_running = max(self._waiting_running, m.running or 0.0)
+            if self._waiting_streak >= WAITING_SAMPLES and self._waiting_running >= 1:
+                cap = int(self._waiting_running)
+                if cap != self.server_cap:
+                    self.server_cap = cap
+                    log.info("the server runs at most %d requests at once", cap)
+                top = self._upper()
+                if self.limit > top:
+                    old = self.limit
+                    self._restart_search(top, now, direction=-1, factor=math.sqrt(START_FACTOR))
+                    log.info(
+                        "concurrency %d -> %d: the server keeps requests waiting beyond %d running",
+                        old,
+                        self.limit,
+                        cap,
+                    )
+                    return True
+        elif m.waiting is not None:
+            self._waiting_streak = 0
+            self._waiting_running = 0.0
+        return False
+
+    # --- measuring ----------------------------------------------------------------------
+
+    def _measure(self, now: float, completed: int, sample: ServerMetrics | None) -> None:
+        if self._changed_at is None:
+            self._changed_at = now
+        if now - self._changed_at < self.settle_seconds:
+            return
+        win = self._window
+        if win is None:
+            win = self._window = _Window(now, completed)
+            return  # the sample that arrived now may predate the window
+        if sample is not None and sample.generation_tokens_total is not None:
+            if win.token_at is None:
+                win.token_at, win.tokens = sample.taken_at, sample.generation_tokens_total
+                return
+            span = sample.taken_at - win.token_at
+            if span < self.window_seconds:
+                return
+            pages = completed - win.completed
+            tokens = sample.generation_tokens_total - (win.tokens or 0.0)
+            if pages > 0 and tokens > 0:
+                ppt = pages / tokens
+                self._pages_per_token = (
+                    ppt
+                    if self._pages_per_token is None
+                    else 0.7 * self._pages_per_token + 0.3 * ppt
+                )
+            score = tokens / span
+            rate = score * (self._pages_per_token or 0.0)
+            if not rate:
+                rate = pages / max(now - win.started, 1e-9)
+            self._judge(now, score, rate)
+            return
+        if win.token_at is not None:
+            if now - win.started > 4 * self.window_seconds:
+                self._window = None  # the scrapes stopped coming: start over
+            return  # a token window waits for its closing scrape
+        pages = completed - win.completed
+        span = now - win.started
+        if span >= self.window_seconds and pages >= max(MIN_WINDOW_PAGES, self.limit):
+            self._judge(now, pages / span, pages / span)
+
+    # --- searching ----------------------------------------------------------------------
+
+    def _judge(self, now: float, score: float, rate: float) -> None:
+        self.rate = rate
+        self._window = None
+        if self.phase == "hold":
+            self._hold(now, score, rate)
+            return
+        if self._best_score is None or self.limit == self._best_limit:
+            self._best_limit, self._best_score, self._best_rate = self.limit, score, rate
+        elif score > self._best_score * (1 + IMPROVEMENT):
+            log.info(
+                "concurrency %d -> %d: %.2f -> %.2f pages/s",
+                self._best_limit,
+                self.limit,
+                self._best_rate or 0.0,
+                rate,
+            )
+            self._best_limit, self._best_score, self._best_rate = self.limit, score, rate
+            self._moved = True
+        else:
+            log.debug(
+                "concurrency %d: %.2f pages/s, no better than %.2f at %d",
+                self.limit,
+                rate,
+                self._best_rate or 0.0,
+                self._best_limit,
+            )
+            if self._moved or self._tried_other:
+                self._shrink()
+            else:
+                self._direction, self._tried_other = -self._direction, True
+        self._propose(now, rate)
+
+    def _propose(self, now: float, rate: float) -> None:
+        upper = self._upper()
+        while self._factor >= MIN_FACTOR:
+            step = self._factor if self._direction > 0 else 1 / self._factor
+            candidate = min(upper, self._clamp(round(self._best_limit * step)))
+            if candidate == self._best_limit:
+                if self._moved or self._tried_other:
+                    self._shrink()
+                else:
+                    self._direction, self._tried_other = -self._direction, True
+                continue
+            self._set(candidate, now)
+            log.info(
+                "concurrency %d -> %d: probing (%.2f pages/s at %d)",
+                self._best_limit,
+                candidate,
+                self._best_rate or rate,
+                self._best_limit,
+            )
+            return
+        self.phase = "hold"
+        self._shifts = 0
+        if self.limit != self._best_limit:
+            log.info(
+                "concurrency %d -> %d: %.2f -> %.2f pages/s (holding)",
+                self.limit,
+                self._best_limit,
+                rate,
+                self._best_rate or 0.0,
+            )
+            self._set(self._best_limit, now)
+        else:
+            log.info("concurrency holds at %d (%.2f pages/s)", self.limit, self._best_rate or rate)
+
+    def _hold(self, now: float, score: float, rate: float) -> None:
+        best = self._best_score or score
+        if abs(score - best) > SHIFT * best:
+            self._shifts += 1
+            if self._shifts >= SHIFT_WINDOWS:
+                log.info(
+                    "throughput at concurrency %d moved %.2f -> %.2f pages/s; searching again",
+                    self.limit,
+                    self._best_rate or 0.0,
+                    rate,
+                )
+                self._ceiling = self.maximum
+                self.server_cap = None
+                self._restart_search(self.limit, now, direction=1, factor=START_FACTOR)
+                self._best_score, self._best_rate = score, rate
+                self._propose(now, rate)
+            return
+        self._shifts = 0
+        self._best_score = 0.8 * best + 0.2 * score
+        self._best_rate = 0.8 * (self._best_rate or rate) + 0.2 * rate
+
+    def _restart_search(self, limit: int, now: float, direction: int, factor: float) -> None:
+        self.phase = "search"
+        self._best_limit, self._best_score, self._best_rate = limit, None, None
+        self._direction, self._factor = direction, factor
+        self._moved = self._tried_other = False
+        self._set(limit, now)
+
+    def _shrink(self) -> None:
+        self._factor = math.sqrt(self._factor)
+        self._direction = 1
+        self._moved = self._tried_other = False
+
+    # --- bounds -------------------------------------------------------------------------
+
+    def _set(self, limit: int, now: float) -> None:
+        self.limit = self._clamp(limit)
+        self._changed_at = now
+        self._window = None
+
+    def _clamp(self, value: int) -> int:
+        return max(self.minimum, min(self.maximum, int(value)))
+
+    def _upper(self) -> int:
+        top = min(self.maximum, self._ceiling)
+        if self.server_cap is not None:
+            top = min(top, self.server_cap + feed_margin(self.server_cap))
+        return max(self.minimum, top)

@@ -23,6 +23,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.errors import InputVanishedError, OcrvlError
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
+from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ class Converter:
             config.pipeline.max_concurrency,
             config.pipeline.adaptive_concurrency,
         )
+        # The server's /metrics feed the concurrency search (fetched on a background thread).
+        self._server_metrics = MetricsPoller(
+            lambda: (self.config.server.root_url, self.config.server.api_key)
+        )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._worker: EngineWorker | None = None
@@ -102,7 +107,8 @@ class Converter:
         self._dispatch()
         in_flight = self.in_flight
         self.server.note_progress(in_flight, self.completed_pages)
-        self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog())
+        metrics = self._server_metrics.latest(want=self.concurrency.adaptive and in_flight > 0)
+        self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
 
     @property
     def in_flight(self) -> int:

@@ -127,6 +127,9 @@ def _worker_main(config_json: str, server_url: str, tasks: mp.Queue, results: mp
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         results.put(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
+    # being replaced or stopped is not a crash.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     inner = pipeline.paddlex_pipeline
     lock = threading.Lock()
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):

@@ -114,7 +114,7 @@ def _journal_handler(stream: IO[str]) -> logging.Handler | None:
     if not is_journal_stream(stream):
         return None
     try:
-        from systemd import journal
+        import systemd.journal as journal
     except ImportError:
         return None
     # JournalHandler sends every record attribute along; journald keeps the UPPERCASE ones,

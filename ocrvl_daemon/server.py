@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ocrvl_daemon import launchers
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError
-from ocrvl_daemon.process_group import ProcessGroup, group_alive, kill_leftover
+from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
 
 log = logging.getLogger(__name__)
 server_log = log.getChild("vllm")  # the server's own output, line by line
@@ -696,7 +696,7 @@ class ServerSupervisor:
             return
         if not group.stop(self._server.stop_timeout):
             # Two servers must never compete for VRAM: wait until the kernel lets go.
-            while group_alive(group.pid) and not self._stopping.wait(1.0):
+            while group.alive() and not self._stopping.wait(1.0):
                 pass
         if self._pump is not None:
             self._pump.join(2.0)  # drain the last lines for the diagnosis
@@ -717,7 +717,7 @@ class ServerSupervisor:
                 failed_probes = 0
                 if not ready:
                     with self._cond:
-                        self._ready_at, self._ready_since = time.monotonic(), time.time()
+                        self._ready_since = time.time()
                     log.info("external server ready at %s", self._server.base_url)
                     self._set(ServerState.READY, "ready")
                 hung = self._check_stall(probe)

@@ -70,7 +70,7 @@ class InstallResult:
 
 def unit_template() -> str:
     """The packaged unit, with ExecStart=%h/.local/bin/ocrvl run."""
-    return resources.files("ocrvl_daemon").joinpath("data", UNIT_NAME).read_text(encoding="utf-8")
+    return (resources.files("ocrvl_daemon") / "data" / UNIT_NAME).read_text(encoding="utf-8")
 
 
 def ocrvl_command() -> list[str]:

@@ -66,7 +66,9 @@ def test_spawn_records_group_and_stop_ends_all_of_it(
     assert os.getpgid(grandchild) == group.pid
     record = GroupRecord.load(pidfile)
     assert record is not None and record.pgid == group.pid
-    assert psutil.Process(grandchild).environ()[TOKEN_ENV] == record.token
+    # Read once exec is complete (its environment appears a moment after Popen returns).
+    wait_until(lambda: psutil.Process(grandchild).environ().get(TOKEN_ENV) == record.token, 5,
+               what="the grandchild to carry the group token")
 
     assert group.stop(timeout=5)
     assert not group_alive(group.pid)

@@ -84,7 +84,7 @@ def manager():
 
 def _have_systemd_python() -> bool:
     try:
-        from systemd import journal  # noqa: F401
+        import systemd.journal  # noqa: F401
     except ImportError:
         return False
     return True
@@ -124,13 +124,17 @@ def test_unit_lifecycle_under_real_user_manager(manager, logging_via: str) -> No
     child_env = Path(f"/proc/{info['child']}/environ").read_bytes().split(b"\0")
     assert not [v for v in child_env if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))]
 
-    # Reload: ExecReload sends HUP, the stub says RELOADING=1 and later READY=1.
-    manager.systemctl("reload", UNIT_NAME)
+    # Reload: ExecReload sends HUP, the stub says RELOADING=1 and later READY=1. --no-block:
+    # when RELOADING=1 beats the end of ExecReload, the reload job lasts until READY=1.
+    manager.systemctl("reload", "--no-block", UNIT_NAME)
+    manager.wait_for("the stub to get SIGHUP", (state / "reloads").exists)
     manager.wait_for("reloading", lambda: manager.show(UNIT_NAME, "ActiveState") == "reloading")
-    assert (state / "reloads").read_text() == "1"
     (state / "go-reload-1").touch()
     manager.wait_for("active again",
                      lambda: manager.show(UNIT_NAME, "ActiveState") == "active")
+    manager.wait_for("the reload job to end",
+                     lambda: "No jobs" in manager.systemctl("list-jobs").stdout)
+    assert (state / "reloads").read_text() == "1"
 
     # Priorities reach the journal (prefixes, or journald fields through systemd-python).
     unit_match = f"_SYSTEMD_USER_UNIT={UNIT_NAME}"

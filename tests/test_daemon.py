@@ -1,0 +1,199 @@
+"""`ocrvl run`: inbox -> Markdown exactly once, resume after SIGKILL, fairness, status/retry.
+
+Every test runs the real daemon as a child process, which starts the fake vLLM server itself
+(`server.launcher: command`), and the real PaddleOCR-VL pipeline (layout detection off).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ocrvl_daemon.testing.documents import make_encrypted_pdf, make_pdf
+from ocrvl_daemon.testing.harness import free_port, wait_until
+from ocrvl_daemon.testing.runner import (
+    DaemonProcess,
+    managed_fake_server,
+    run_ocrvl,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+class Setup:
+    """An inbox, a config whose server is the fake one, and its request log."""
+
+    def __init__(self, tmp_path: Path, *fake_args: str, **pipeline: object) -> None:
+        self.root = tmp_path
+        self.inbox = tmp_path / "inbox"
+        self.inbox.mkdir(parents=True)
+        self.requests = tmp_path / "requests.jsonl"
+        self.port = free_port()
+        self.config = write_config(
+            tmp_path / "config.yaml",
+            inbox={"paths": [str(self.inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+            pipeline={"use_layout_detection": False, "adaptive_concurrency": False, **pipeline},
+            server=managed_fake_server(self.port, "--request-log", str(self.requests),
+                                       *fake_args),
+        )
+
+    def daemon(self) -> DaemonProcess:
+        return DaemonProcess(self.config)
+
+    def requests_by_digest(self) -> collections.Counter[str]:
+        if not self.requests.exists():
+            return collections.Counter()
+        lines = self.requests.read_text(encoding="utf-8").splitlines()
+        return collections.Counter(json.loads(line)["digest"] for line in lines if line)
+
+    def checkpointed_pages(self) -> int:
+        db = self.root / "state" / "jobs.sqlite"
+        if not db.exists():
+            return 0
+        with sqlite3.connect(db, timeout=10) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM pages").fetchone()[0])
+
+    def status(self) -> dict:
+        result = run_ocrvl("status", "--json", "--config", self.config, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[Setup]:
+    yield Setup(tmp_path)
+
+
+def wait_for_markdown(*pdfs: Path, timeout: float = 90) -> None:
+    for pdf in pdfs:
+        wait_until(lambda pdf=pdf: pdf.with_suffix(".md").exists(), timeout,
+                   what=f"{pdf.name} to be converted")
+
+
+def digests(markdown: str) -> list[str]:
+    return re.findall(r"sha=([0-9a-f]{12})", markdown)
+
+
+def test_every_way_a_file_arrives_is_converted_exactly_once(setup: Setup):
+    early = make_pdf(setup.inbox / "early.pdf", 2, seed=1)
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        copied = setup.inbox / "copied.pdf"
+        shutil.copyfile(make_pdf(setup.root / "src" / "copied.pdf", 2, seed=2), copied)
+        moved = setup.inbox / "moved.pdf"
+        os.rename(make_pdf(setup.root / "src" / "moved.pdf", 2, seed=3), moved)
+        nested = make_pdf(setup.inbox / "a" / "b" / "nested.pdf", 1, seed=4)
+        source = make_pdf(setup.root / "src" / "slow.pdf", 3, seed=5).read_bytes()
+        slow = setup.inbox / "slow.pdf"
+        with slow.open("wb") as f:  # written over ~1.5 s, much longer than stable_seconds
+            for start in range(0, len(source), len(source) // 6 + 1):
+                f.write(source[start:start + len(source) // 6 + 1])
+                f.flush()
+                wait_until(lambda t=time.monotonic(): time.monotonic() - t > 0.25, 2)
+        partial = make_pdf(setup.inbox / "download.pdf.part", 1, seed=6)
+        hidden = make_pdf(setup.inbox / ".hidden.pdf", 1, seed=7)
+        pdfs = [early, copied, moved, nested, slow]
+        wait_for_markdown(*pdfs)
+        wait_until(lambda: all(d["state"] == "done" for d in setup.status()["documents"]), 30,
+                   what="all documents done")
+        assert not partial.with_suffix(".md").exists() and not hidden.with_suffix(".md").exists()
+        assert not (setup.inbox / "download.md").exists(), "an ignored .part file was converted"
+        counts = setup.requests_by_digest()
+        pages = [d for pdf in pdfs for d in digests(pdf.with_suffix(".md").read_text("utf-8"))]
+        assert len(pages) == 10
+        assert all(counts[d] == 1 for d in pages), f"a page was recognised twice: {counts}"
+        assert sum(counts.values()) == 10, "requests were sent for files that must be ignored"
+        assert len(setup.status()["documents"]) == 5
+    assert daemon.proc is not None and daemon.proc.returncode == 0, daemon.log()
+
+
+def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in_flight(
+        tmp_path: Path):
+    setup = Setup(tmp_path, "--step-t0-ms", "25", max_concurrency=4)
+    pages = 40
+    reference_dir = tmp_path / "reference"
+    reference = make_pdf(reference_dir / "book.pdf", pages, seed=9)
+    book = setup.inbox / "book.pdf"
+    daemon = setup.daemon().start()
+    try:
+        daemon.wait_ready()
+        shutil.copyfile(reference, book)
+        wait_until(lambda: setup.checkpointed_pages() >= 12, 90, what="12 pages checkpointed")
+        daemon.kill()
+        done_before_kill = setup.checkpointed_pages()
+        requested_before_kill = setup.requests_by_digest()
+        assert done_before_kill < pages, "the book finished before the kill; slow the server"
+        daemon.start()
+        wait_for_markdown(book)
+    finally:
+        daemon.terminate()
+    # The same book converted in one go, with the same pipeline and server behaviour.
+    ref = Setup(tmp_path / "ref")
+    shutil.copyfile(reference, ref.inbox / "book.pdf")
+    with ref.daemon() as ref_daemon:
+        ref_daemon.wait_ready()
+        wait_for_markdown(ref.inbox / "book.pdf")
+    assert book.with_suffix(".md").read_text("utf-8") == \
+        (ref.inbox / "book.md").read_text("utf-8"), "resumed output differs from a clean run"
+    counts = setup.requests_by_digest()
+    repeated = [d for d, n in counts.items() if n > 1]
+    assert len(counts) == pages
+    assert len(repeated) <= 4, f"{len(repeated)} pages redone; only the 4 in flight may be"
+    assert all(requested_before_kill[d] >= 1 for d in repeated), \
+        "a page never requested before the kill was requested twice"
+    assert sum(counts.values()) <= pages + 4
+
+
+def test_small_letter_dropped_after_a_big_book_does_not_wait_for_it(tmp_path: Path):
+    setup = Setup(tmp_path, "--step-t0-ms", "25", max_concurrency=4)
+    book = setup.inbox / "book.pdf"
+    letter = setup.inbox / "letter.pdf"
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        shutil.copyfile(make_pdf(tmp_path / "src" / "book.pdf", 60, seed=1), book)
+        wait_until(lambda: setup.checkpointed_pages() >= 4, 90, what="the book to start")
+        shutil.copyfile(make_pdf(tmp_path / "src" / "letter.pdf", 2, seed=2), letter)
+        wait_for_markdown(letter)
+        assert not book.with_suffix(".md").exists(), "the letter waited for the whole book"
+        wait_for_markdown(book, timeout=120)
+
+
+def test_status_shows_failures_and_retry_requeues_them(setup: Setup):
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        locked = make_encrypted_pdf(setup.inbox / "locked.pdf")
+        blocked = make_pdf(setup.inbox / "blocked.pdf", 1, seed=3)
+        (setup.inbox / "blocked.md").write_text("the user's own notes\n", encoding="utf-8")
+
+        def failed() -> dict[str, dict]:
+            docs = setup.status()["documents"]
+            return {Path(d["path"]).name: d for d in docs if d["state"] == "failed"}
+
+        failures = wait_until(lambda: len(failed()) == 2 and failed(), 60,
+                              what="both documents to fail")
+        assert "encrypted with a password" in failures["locked.pdf"]["error"]
+        assert "was not written by ocrvl" in failures["blocked.pdf"]["error"]
+        note = (setup.inbox / "locked.ocrvl-error.txt").read_text("utf-8")
+        assert "encrypted" in note and "What to do" in note
+        text = run_ocrvl("status", "--config", setup.config, timeout=60).stdout
+        assert "daemon: running" in text and "encrypted with a password" in text
+
+        (setup.inbox / "blocked.md").unlink()
+        result = run_ocrvl("retry", "--config", setup.config, blocked, timeout=60)
+        assert result.returncode == 0, result.stderr
+        wait_for_markdown(blocked)
+        make_pdf(locked, 1, seed=4)  # the user replaces it with an unlocked copy
+        wait_for_markdown(locked)
+        wait_until(lambda: not (setup.inbox / "locked.ocrvl-error.txt").exists(), 30,
+                   what="the stale error note to be removed")
+        assert not failed()

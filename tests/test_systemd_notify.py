@@ -1,0 +1,236 @@
+"""Notifier against a real notify socket; child_env; the STATUS= line."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ocrvl_daemon.systemd import (
+    Notifier,
+    StatusSnapshot,
+    child_env,
+    format_duration,
+    format_status,
+    monotonic_usec,
+)
+
+
+@dataclass(frozen=True)
+class Message:
+    at: float  # time.monotonic() on receipt
+    pid: int  # the sender, from SO_PASSCRED (what NotifyAccess=main checks)
+    text: str
+
+
+class NotifySocket:
+    """An AF_UNIX datagram socket standing in for systemd's, collecting what arrives."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(address)
+        self.sock.settimeout(0.05)
+        self.messages: list[Message] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    def _collect(self) -> None:
+        creds = struct.calcsize("3i")
+        while not self._stop.is_set():
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(creds))
+            except TimeoutError:
+                continue
+            pid = next(struct.unpack("3i", d[:creds])[0] for level, kind, d in ancdata
+                       if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS)
+            self.messages.append(Message(time.monotonic(), pid, data.decode("utf-8")))
+
+    def texts(self, count: int, timeout: float = 5.0) -> list[str]:
+        """The messages so far, once there are at least `count`."""
+        deadline = time.monotonic() + timeout
+        while len(self.messages) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"expected {count} messages, got {self.messages}")
+            time.sleep(0.01)
+        return [m.text for m in self.messages]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
+    path = tmp_path / "notify"
+    listener = NotifySocket(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    yield listener
+    listener.close()
+
+
+def test_lifecycle_messages(notify_socket: NotifySocket) -> None:
+    notifier = Notifier()
+    assert notifier.enabled
+    notifier.extend_timeout(90)
+    notifier.ready("idle, 0 done, 0 queued")
+    before = monotonic_usec()
+    notifier.reloading()
+    notifier.stopping()
+    texts = notify_socket.texts(4)
+    assert texts[:2] == ["EXTEND_TIMEOUT_USEC=90000000", "READY=1\nSTATUS=idle, 0 done, 0 queued"]
+    reloading, stamp = texts[2].split("\n")
+    assert reloading == "RELOADING=1"
+    assert before <= int(stamp.removeprefix("MONOTONIC_USEC=")) <= monotonic_usec()
+    assert texts[3] == "STOPPING=1"
+    assert {m.pid for m in notify_socket.messages} == {os.getpid()}
+
+
+def test_status_is_utf8_one_line_and_deduplicated(notify_socket: NotifySocket) -> None:
+    notifier = Notifier()
+    notifier.status("book.pdf p.1/2 · 1.0 p/s", now=100.0)
+    notifier.status("book.pdf p.1/2 · 1.0 p/s", now=110.0)  # same line too soon: dropped
+    notifier.status("two\nlines", now=111.0)
+    notifier.status("two lines", now=140.0)  # same line, 29 s later: still dropped
+    notifier.status("two lines", now=141.0)  # 30 s later: repeated
+    assert notify_socket.texts(3) == ["STATUS=book.pdf p.1/2 · 1.0 p/s", "STATUS=two lines",
+                                      "STATUS=two lines"]
+    time.sleep(0.1)
+    assert len(notify_socket.messages) == 3
+
+
+def test_abstract_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"ocrvl-test-{uuid.uuid4().hex}"
+    listener = NotifySocket("\0" + name)
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        Notifier().ready()
+        assert listener.texts(1) == ["READY=1"]
+    finally:
+        listener.close()
+
+
+def test_no_socket_is_a_quiet_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.setenv("WATCHDOG_USEC", "1000000")
+    notifier = Notifier()
+    assert not notifier.enabled
+    assert notifier.watchdog_interval() is None
+    notifier.ready("x")
+    notifier.status("x")
+    notifier.tick(0.0)
+    notifier.reloading()
+    notifier.extend_timeout(1)
+    notifier.stopping()
+
+
+def test_missing_socket_warns_and_carries_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
+    notifier = Notifier()
+    notifier.ready()
+    assert not notifier.enabled
+    assert "NOTIFY_SOCKET" in caplog.text
+
+
+def test_watchdog_interval(notify_socket: NotifySocket, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Notifier().watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "60000000")
+    assert Notifier().watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert Notifier().watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+    notifier = Notifier()
+    assert notifier.watchdog_interval() is None
+    notifier.tick(0.0)
+    time.sleep(0.1)
+    assert notify_socket.messages == []
+
+
+def test_tick_pings_every_half_timeout(notify_socket: NotifySocket,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")  # 10 s: ping every 5 s
+    notifier = Notifier()
+    expected = 0
+    for now, pings in ((100.0, True), (101.0, False), (104.9, False), (105.0, True),
+                       (106.0, False), (109.9, False), (110.0, True), (120.0, True)):
+        notifier.tick(now)
+        expected += pings
+        notify_socket.texts(expected)
+    time.sleep(0.1)  # let any stray ping arrive
+    assert set(notify_socket.texts(4)) == {"WATCHDOG=1"}
+
+
+def test_stuck_loop_stops_pinging(notify_socket: NotifySocket,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real time: pings while the loop turns, none once it stops calling tick()."""
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # ping every 0.1 s
+    notifier = Notifier()
+    start = time.monotonic()
+    while time.monotonic() - start < 0.6:  # a healthy loop, turning every 10 ms
+        notifier.tick()
+        time.sleep(0.01)
+    stuck_at = time.monotonic()
+    time.sleep(0.5)  # the loop is stuck: nothing calls tick()
+    pings = [m.at for m in notify_socket.messages]
+    assert all(m.text == "WATCHDOG=1" for m in notify_socket.messages)
+    assert 4 <= len(pings) <= 7  # 0.6 s at one ping per 0.1 s, not one per turn
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
+    assert max(gaps) < 0.25, gaps
+    assert all(at < stuck_at + 0.05 for at in pings)
+
+
+def test_child_env_drops_notify_variables() -> None:
+    env = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
+           "JOURNAL_STREAM": "8:9", "INVOCATION_ID": "abc", "PATH": "/bin"}
+    assert child_env(env) == {"JOURNAL_STREAM": "8:9", "INVOCATION_ID": "abc", "PATH": "/bin"}
+    assert "NOTIFY_SOCKET" in env  # the daemon's own environment is left alone
+
+
+@pytest.mark.parametrize(("snap", "line"), [
+    (StatusSnapshot(done=12), "idle, 12 done, 0 queued"),
+    (StatusSnapshot(done=12, queued=2, failed=1), "idle, 12 done, 2 queued, 1 failed"),
+    (StatusSnapshot(current_doc="book.pdf", page_done=212, page_total=480, pages_per_s=1.6,
+                    queued=3),
+     "book.pdf p.212/480 · 1.6 p/s · ETA 2m48s · 3 queued"),
+    (StatusSnapshot(current_doc="book.pdf", page_done=12, page_total=480, pages_per_s=0.05),
+     "book.pdf p.12/480 · 0.05 p/s · ETA 2h36m"),
+    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24),
+     "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
+    (StatusSnapshot(current_doc="scan.pdf", page_done=0), "scan.pdf p.0"),
+    (StatusSnapshot(current_doc="a.pdf", page_done=5, page_total=9, failed=2),
+     "a.pdf p.5/9 · 2 failed"),
+    (StatusSnapshot(server_state="restarting", server_attempt=3,
+                    server_diagnosis="out of memory?", current_doc="book.pdf"),
+     "server restarting (attempt 3, out of memory?)"),
+    (StatusSnapshot(server_state="restarting", server_attempt=1, queued=4),
+     "server restarting (attempt 1) · 4 queued"),
+    (StatusSnapshot(server_state="starting", server_phase="loading weights"),
+     "starting server: loading weights"),
+    (StatusSnapshot(server_state="starting"), "starting server"),
+    (StatusSnapshot(server_state="failed", server_diagnosis="CUDA driver missing"),
+     "server failed (CUDA driver missing)"),
+    (StatusSnapshot(server_state="external", done=1), "idle, 1 done, 0 queued"),
+])
+def test_format_status(snap: StatusSnapshot, line: str) -> None:
+    assert format_status(snap) == line
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0, "0s"), (45.4, "45s"), (725, "12m05s"), (3600, "1h00m"), (9660, "2h41m"),
+])
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
