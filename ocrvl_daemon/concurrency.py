@@ -205,6 +205,7 @@ class ConcurrencyController:
         if sample is not None and sample.generation_tokens_total is not None:
             if win.token_at is None:
                 win.token_at, win.tokens = sample.taken_at, sample.generation_tokens_total
+                win.started, win.completed = now, completed
                 return
             span = sample.taken_at - win.token_at
             if span < self.window_seconds:

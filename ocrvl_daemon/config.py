@@ -30,6 +30,11 @@ CONFIG_ENV = "OCRVL_CONFIG"
 AUTO = "auto"
 # vLLM flags ocrvl computes from the GPU unless the user gives a number.
 AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
+# vLLM flags that other keys decide; setting them in vllm_args would contradict those.
+RESERVED_VLLM_ARGS = {
+    "host": "server.host", "port": "server.port", "served-model-name": "model.name",
+    "model": "model.weights", "api-key": "server.api_key",
+}
 
 
 def expand_path(value: str | Path) -> Path:
@@ -137,6 +142,7 @@ class ServerConfig(_Section):
     health_interval: float = Field(5.0, gt=0)
     stall_timeout: float = Field(300.0, gt=0)
     stop_timeout: float = Field(30.0, gt=0)
+    restart_backoff_initial: float = Field(2.0, gt=0)
     restart_backoff_max: float = Field(300.0, gt=0)
     api_key: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
@@ -185,6 +191,10 @@ class ServerConfig(_Section):
     @field_validator("vllm_args")
     @classmethod
     def _auto_or_number(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, fix in RESERVED_VLLM_ARGS.items():
+            if key in value:
+                raise _KeyError(f"server.vllm_args.{key}", value[key],
+                                f"is set by ocrvl itself; remove it and use {fix} instead")
         for key in AUTO_VLLM_ARGS:
             arg = value[key]
             if arg == AUTO:

@@ -27,6 +27,7 @@ import yaml
 
 from ocrvl_daemon.config import AUTO, Config
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ FALLBACK_MAX_NUM_SEQS = 32
 MAX_MODEL_LEN_STEP = 256
 # vLLM boolean flags whose `false` must be spelled `--no-<flag>` (their default is on).
 NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill"})
-# Flags ocrvl derives from other keys; giving them in vllm_args would contradict those.
-RESERVED_FLAGS = {
-    "host": "server.host",
-    "port": "server.port",
-    "served-model-name": "model.name",
-    "api-key": "server.api_key",
-    "model": "model.weights",
-}
-# systemd's per-service protocol variables: a child that inherits them could notify or
-# feed the watchdog in ocrvl's name.
-SYSTEMD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
-               "LISTEN_FDNAMES")
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
 SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
@@ -141,7 +130,7 @@ def model_source(config: Config) -> str:
 
 def server_env(config: Config) -> dict[str, str]:
     """ocrvl's environment without systemd's protocol variables, plus `server.env`."""
-    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
+    env = child_env(os.environ)
     python = config.server.python
     if python is not None:
         # As if the server's virtual environment were activated: its tools (ninja for
@@ -240,14 +229,10 @@ def _command_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
 def prepare_launch(config: Config) -> LaunchSpec:
     """argv and environment for `server.launcher` (writes genai_server's backend config).
 
-    Raises ServerConfigError when the launcher's program is missing or vllm_args repeats
-    a flag ocrvl sets from another key.
+    Raises ServerConfigError when the launcher's program is missing. (Flags ocrvl sets
+    from other keys are refused by the config's validation.)
     """
     args = resolve_vllm_args(config)
-    for flag, key in RESERVED_FLAGS.items():
-        if flag in args:
-            raise ServerConfigError(f"server.vllm_args.{flag} is set, but ocrvl sets --{flag} "
-                                    f"from {key}.", f"remove it from server.vllm_args; set {key}")
     build = {"vllm": _vllm_argv, "genai_server": _genai_argv, "command": _command_argv}
     return LaunchSpec(build[config.server.launcher](config, args), server_env(config))
 

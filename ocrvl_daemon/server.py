@@ -386,7 +386,8 @@ class ServerSupervisor:
         self.config = config
         self._server = config.server
         self._on_change = on_change
-        self._backoff = backoff or BackoffPolicy(cap=self._server.restart_backoff_max)
+        self._backoff = backoff or BackoffPolicy(
+            initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
         self._pidfile = config.state_dir / PIDFILE_NAME
         self._cond = threading.Condition()
         self._stopping = threading.Event()

@@ -58,7 +58,7 @@ class InstallResult:
         """The text shown to the user."""
         commands = "\n".join("  " + shlex.join(cmd) for cmd in self.commands)
         if self.dry_run:
-            parts = [f"Would write {self.unit_path}:\n\n{self.unit_text}",
+            parts = [f"Would write {self.unit_path}:\n\n{self.unit_text.rstrip()}",
                      f"Would run:\n{commands}"]
         else:
             done = "Wrote" if self.changed else "Unchanged:"

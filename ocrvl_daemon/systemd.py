@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 # Variables addressed to this process alone: a child that inherited them could tell systemd
 # it is ready or alive on our behalf (NotifyAccess=main would reject it, noisily).
-NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+NOTIFY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
+              "LISTEN_FDNAMES")
 # An unchanged STATUS= line is repeated at most this often.
 STATUS_REPEAT_SECONDS = 30.0
 

@@ -41,6 +41,8 @@ JOURNALD = Path("/usr/lib/systemd/systemd-journald")
 CGROUP_FS = Path("/sys/fs/cgroup")
 TOOLS = ("unshare", "nsenter", "mount", "systemctl", "journalctl", "sleep")
 START_TIMEOUT = 30.0
+# journald and the mount-namespace holder live here, so a crashed run's leftovers can be found.
+HARNESS_CGROUP = "ocrvl-test-harness"
 
 
 def unavailable_reason() -> str | None:
@@ -128,6 +130,14 @@ class UserManager:
                         capture_output=True, text=True, check=False)
         return done.stdout
 
+    def drop_in(self, unit: str, text: str, name: str = "50-test.conf") -> Path:
+        """Add a drop-in (e.g. "[Service]\nEnvironment=X=1\n") to `unit` and reload."""
+        path = self.unit_dir / f"{unit}.d" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        self.systemctl("daemon-reload")
+        return path
+
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
         """Poll `predicate` until it returns something truthy; fail naming `what`."""
         deadline = time.monotonic() + timeout
@@ -150,9 +160,10 @@ class UserManager:
         for path in (self.runtime_dir, self.home, self.unit_dir, self.journal_dir):
             path.mkdir(parents=True, exist_ok=True)
         self.runtime_dir.chmod(0o700)
-        self._make_cgroups()
-        self.holder = self._spawn(["unshare", "-m", "--propagation", "private", "--",
-                                   "sleep", "infinity"], "holder.log")
+        for cgroup in (HARNESS_CGROUP, self.cgroup):
+            self._make_cgroup(cgroup)
+        self.holder = self._spawn(HARNESS_CGROUP, ["unshare", "-m", "--propagation", "private",
+                                                   "--", "sleep", "infinity"], "holder.log")
         own_ns = os.readlink("/proc/self/ns/mnt")
         ns_file = f"/proc/{self.holder.pid}/ns/mnt"
         self.wait_for("the mount namespace", lambda: _readlink(ns_file) not in (None, own_ns),
@@ -166,28 +177,24 @@ class UserManager:
         for argv in mounts:
             subprocess.run(in_ns + argv, check=True, capture_output=True, timeout=30)
         ns_root = Path(f"/proc/{self.holder.pid}/root")
-        self._spawn([*in_ns, str(JOURNALD)], "journald.log")
+        self._spawn(HARNESS_CGROUP, [*in_ns, str(JOURNALD)], "journald.log")
         self.wait_for("journald's socket", (ns_root / "run/systemd/journal/stdout").exists,
                       START_TIMEOUT)
-        procs_files = [str(root / self.cgroup / "cgroup.procs") for root in cgroup_roots()]
-        # The manager must start inside its cgroup: a helper (this file) moves itself there
-        # and execs nsenter, which execs systemd, all in one process.
-        self.manager = self._spawn(
-            [sys.executable, __file__, "--exec-in-cgroups", *procs_files, "--", *in_ns,
-             str(SYSTEMD), "--user"], "manager.log", env=self.env)
+        self.manager = self._spawn(self.cgroup, [*in_ns, str(SYSTEMD), "--user"], "manager.log",
+                                   env=self.env)
         self.wait_for("the user manager to finish starting", self._booted, START_TIMEOUT)
 
     def stop(self) -> None:
         """Kill everything the harness started and remove its cgroups; safe to repeat."""
         for root in cgroup_roots():
-            _kill_cgroup(root / self.cgroup)
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.kill()
+            _kill_cgroup(root / self.cgroup)  # the manager and its services first
+            _kill_cgroup(root / HARNESS_CGROUP)  # then journald and the namespace holder
+        for proc in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         for root in cgroup_roots():
-            _remove_cgroup_tree(root / self.cgroup)
+            for cgroup in (self.cgroup, HARNESS_CGROUP):
+                _remove_cgroup_tree(root / cgroup)
             for parent in Path(self.cgroup).parents[:-1]:  # only if empty: never another's
                 with contextlib.suppress(OSError):
                     (root / parent).rmdir()
@@ -203,20 +210,23 @@ class UserManager:
         state = self.systemctl("show", "--value", "-p", "SystemState", check=False).stdout
         return state.strip() in ("running", "degraded")
 
-    def _spawn(self, argv: list[str], log_name: str,
+    def _spawn(self, cgroup: str, argv: list[str], log_name: str,
                env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start `argv` inside `cgroup` from its first instruction: a helper (this file)
+        moves itself there and execs `argv`, in one process that stays our child."""
+        procs = [str(root / cgroup / "cgroup.procs") for root in cgroup_roots()]
         with (self.base / log_name).open("wb") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+            proc = subprocess.Popen([sys.executable, __file__, "--exec-in-cgroups", *procs, "--",
+                                     *argv], stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
         self._procs.append(proc)
         return proc
 
-    def _make_cgroups(self) -> None:
+    def _make_cgroup(self, cgroup: str) -> None:
         for root in cgroup_roots():
-            target = root / self.cgroup
-            # A manager left by a crashed run would hold the cgroup: end it first.
-            _kill_cgroup(target)
-            target.mkdir(parents=True, exist_ok=True)
+            # What a crashed run left behind would hold the cgroup: end it first.
+            _kill_cgroup(root / cgroup)
+            (root / cgroup).mkdir(parents=True, exist_ok=True)
 
 
 @contextlib.contextmanager
@@ -291,7 +301,7 @@ def _main() -> None:
         sys.exit(f"cannot run a user manager here: {reason}")
     with user_manager() as manager:
         print("A systemd --user manager is running. In another shell:")
-        print(" ".join(f"{k}={v}" for k, v in manager.env.items() if k.startswith("XDG_R")),
+        print(" ".join(f"{k}={manager.env[k]}" for k in ("XDG_RUNTIME_DIR", "XDG_CONFIG_HOME")),
               "systemctl --user status")
         print(f"journalctl -D {manager.journal_dir}")
         print(f"Units go in {manager.unit_dir}. Press Enter to stop it.")

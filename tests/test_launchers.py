@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ocrvl_daemon.config import Config, validate_config
-from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.launchers import (
     BACKEND_CONFIG_NAME,
     check_launcher,
@@ -161,10 +161,8 @@ def test_missing_command_program_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_reserved_flag_in_vllm_args_is_a_config_error(tmp_path: Path) -> None:
-    config = make_config(tmp_path, launcher="command", command=["true"],
-                         vllm_args={"port": 1234})
-    with pytest.raises(ServerConfigError, match=r"server\.port"):
-        prepare_launch(config)
+    with pytest.raises(ConfigError, match=r"server\.vllm_args\.port.*server\.port"):
+        make_config(tmp_path, launcher="command", command=["true"], vllm_args={"port": 1234})
 
 
 def test_env_strips_systemd_variables_and_adds_server_env(

@@ -55,7 +55,7 @@ def _lines(writer: IO[str], reader: IO[str]) -> list[str]:
 
 
 def _no_systemd_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "systemd", None)  # `from systemd import journal` fails
+    monkeypatch.setitem(sys.modules, "systemd", None)  # `import systemd.journal` fails
 
 
 def test_priority_prefixes_on_the_journal_stream(pipe: tuple[IO[str], IO[str]],

@@ -24,6 +24,9 @@ Output length (``--output-tokens``): ``fixed:N``, ``uniform:A:B`` or ``lognormal
 same image always gets the same length; capped by the request's max tokens
 (finish_reason ``length``).
 
+``POST /fake/reset`` starts the time-weighted statistics of ``/fake/stats`` (occupancy,
+mean and max active) afresh; counters keep counting, so callers take differences.
+
 Batching simulation (on when any of ``--step-t0-ms``, ``--step-t1-ms``,
 ``--prefill-ms-per-image`` is > 0; otherwise requests are answered at once): one scheduler
 loop admits up to ``--max-num-seqs`` sequences while the rest wait. Each step produces one
@@ -573,6 +576,7 @@ class FakeServer:
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/fake/stats", self._stats)
+        self.app.router.add_post("/fake/reset", self._reset)
         self.registry = CollectorRegistry()
         self.registry.register(_Metrics(self))
 
@@ -817,6 +821,10 @@ class FakeServer:
     async def _stats(self, _request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
+    async def _reset(self, _request: web.Request) -> web.Response:
+        self.reset_stats()
+        return web.json_response(self.stats())
+
     async def _chat(self, request: web.Request) -> web.Response:
         self.received += 1
         number = self.received
@@ -888,7 +896,8 @@ class FakeServer:
         finish = "length" if drawn > max_tokens else "stop"
         self.finished[finish] += 1
         self.prompt_tokens_total += prompt_tokens
-        self.generation_tokens_total += produced
+        if not cfg.simulate:  # simulated: counted per decode step, like vLLM
+            self.generation_tokens_total += produced
         return web.json_response(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -980,6 +989,7 @@ class FakeServer:
                 if seq.future.done():  # cancelled by a vanished client
                     continue
                 seq.produced += 1
+                self.generation_tokens_total += 1
                 if seq.produced >= seq.target:
                     seq.future.set_result(None)
                 else:
@@ -1028,6 +1038,15 @@ class FakeServer:
         self.max_active = max(self.max_active, active)
 
     # observation
+
+    def reset_stats(self) -> None:
+        """Start the time-weighted statistics afresh (``POST /fake/reset``; counters stay)."""
+        now = time.monotonic()
+        self._first_request = now if self._first_request is not None else None
+        self._last_change = now
+        self._area = self._busy = 0.0
+        self.max_active = self._active
+        self.max_waiting = len(self.waiting)
 
     def kv_usage(self) -> float:
         """Fraction of the notional KV cache held by running sequences."""

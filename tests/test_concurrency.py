@@ -1,0 +1,234 @@
+"""The adaptive concurrency controller against synthetic servers: fast and deterministic."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+
+from ocrvl_daemon.concurrency import ConcurrencyController, feed_margin
+from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics, parse_metrics
+
+TOKENS_PER_PAGE = 1000.0
+
+
+def peaked(peak: int = 64, top: float = 11.2) -> Callable[[int], float]:
+    """Pages/s against concurrency shaped like real vLLM: steep below the peak, gentle above."""
+
+    def curve(n: int) -> float:
+        if n <= peak:
+            return top * (n / peak) ** 0.6
+        return top * (1 - 0.12 * math.log2(n / peak))
+
+    return curve
+
+
+class SyntheticServer:
+    """Drives a controller: time in `dt` steps, a scrape every `scrape` seconds."""
+
+    def __init__(
+        self,
+        ctl: ConcurrencyController,
+        curve: Callable[[int], float],
+        *,
+        metrics: bool = True,
+        scrape: float = 2.0,
+        dt: float = 0.1,
+    ) -> None:
+        self.ctl, self.curve, self.metrics, self.scrape, self.dt = ctl, curve, metrics, scrape, dt
+        self.now = 0.0
+        self.completed = 0.0
+        self.tokens = 0.0
+        self.preemptions = 0
+        self.kv = 0.2
+        self.waiting_when: Callable[[int], tuple[float, float]] | None = None
+        self.backlog = 10_000
+        self.sample: ServerMetrics | None = None
+        self.next_scrape = 0.0
+        self.limits: list[int] = []
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.now += self.dt
+            limit = self.ctl.limit
+            rate = self.curve(limit)
+            self.completed += rate * self.dt
+            self.tokens += rate * TOKENS_PER_PAGE * self.dt
+            if self.metrics and self.now >= self.next_scrape:
+                self.next_scrape = self.now + self.scrape
+                running, waiting = float(limit), 0.0
+                if self.waiting_when is not None:
+                    running, waiting = self.waiting_when(limit)
+                self.sample = ServerMetrics(
+                    taken_at=self.now,
+                    running=running,
+                    waiting=waiting,
+                    kv_cache_usage=self.kv,
+                    preemptions_total=float(self.preemptions),
+                    generation_tokens_total=self.tokens,
+                )
+            in_flight = limit if self.backlog > 0 else 0
+            self.ctl.observe(self.now, int(self.completed), in_flight, self.backlog, self.sample)
+            lo, hi = self.ctl.minimum, self.ctl.maximum
+            assert lo <= self.ctl.limit <= hi
+            self.limits.append(self.ctl.limit)
+
+
+@pytest.mark.parametrize("metrics", [True, False])
+@pytest.mark.parametrize("start", [8, 64, 200])
+def test_climbs_to_the_peak_and_settles_near_it(start: int, metrics: bool) -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=start)
+    srv = SyntheticServer(ctl, peaked(64), metrics=metrics)
+    srv.run(400)
+    assert ctl.phase == "hold"
+    assert 48 <= ctl.limit <= 90, srv.limits[::50]
+    assert peaked(64)(ctl.limit) >= 0.93 * peaked(64)(64)
+    held = ctl.limit
+    srv.run(200)
+    assert ctl.limit == held  # a steady workload keeps the limit
+
+
+def test_default_start_at_the_maximum_probes_down_and_comes_back() -> None:
+    ctl = ConcurrencyController(4, 64, True)
+    assert ctl.limit == 64
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.run(200)
+    assert ctl.phase == "hold"
+    assert ctl.limit == 64
+    assert min(srv.limits) >= 64 / 1.5 - 1  # probes stay close
+
+
+def test_finds_a_low_peak() -> None:
+    ctl = ConcurrencyController(1, 256, True)
+    srv = SyntheticServer(ctl, peaked(16, 4.0))
+    srv.run(400)
+    assert ctl.phase == "hold"
+    assert 11 <= ctl.limit <= 24
+
+
+def test_never_leaves_bounds_and_non_adaptive_is_fixed() -> None:
+    ctl = ConcurrencyController(20, 30, True)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.run(300)  # the run loop asserts the bounds at every tick
+    assert ctl.limit == 30
+    fixed = ConcurrencyController(4, 48, False)
+    srv = SyntheticServer(fixed, peaked(8))
+    srv.preemptions = 0
+    srv.run(100)
+    srv.preemptions, srv.kv = 5, 0.99
+    srv.run(50)
+    assert set(srv.limits) == {48}
+
+
+def test_no_measuring_without_demand() -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=16)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.backlog = 0  # never more work than the limit
+    srv.run(300)
+    assert set(srv.limits) == {16}
+    assert ctl.rate is None
+
+
+def test_backs_off_on_preemptions_and_stays_below() -> None:
+    ctl = ConcurrencyController(4, 256, True)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.run(300)
+    before = ctl.limit
+    srv.preemptions += 3
+    srv.run(2.0)
+    assert ctl.limit == math.floor(before * 0.75)
+    srv.run(300)
+    assert ctl.limit <= math.floor(before * 0.75)
+
+
+def test_backs_off_when_the_kv_cache_is_nearly_full() -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=128)
+    srv = SyntheticServer(ctl, peaked(256))  # throughput alone would say "more"
+    srv.kv = 0.97
+    srv.run(1.0)
+    assert ctl.limit == 96
+    srv.run(10)
+    assert ctl.limit <= 72
+    srv.kv = 0.5
+    srv.run(300)
+    assert ctl.limit <= 72  # no growth back above the back-off point in this search
+
+
+def test_backoff_never_goes_below_the_minimum() -> None:
+    ctl = ConcurrencyController(10, 64, True, initial=12)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.kv = 0.99
+    srv.run(60)
+    assert min(srv.limits) == 10
+
+
+def test_does_not_grow_past_the_servers_running_cap() -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=64)
+    srv = SyntheticServer(ctl, lambda n: 11.2 * min(n, 48) / 48)
+    srv.waiting_when = lambda n: (float(min(n, 48)), float(max(0, n - 48)))
+    srv.run(400)
+    assert ctl.server_cap == 48
+    assert ctl.limit <= 48 + feed_margin(48)
+    assert max(srv.limits[50:]) <= 48 + feed_margin(48)
+
+
+def test_searches_again_when_the_workload_changes() -> None:
+    ctl = ConcurrencyController(4, 256, True)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.run(300)
+    assert ctl.phase == "hold" and 48 <= ctl.limit <= 90
+    srv.curve = peaked(160, 30.0)  # e.g. short outputs: the peak moves up, throughput jumps
+    srv.run(600)
+    assert ctl.phase == "hold"
+    assert ctl.limit >= 110, srv.limits[-3000::200]
+
+
+def test_reconfigured_bounds_are_respected() -> None:
+    ctl = ConcurrencyController(4, 256, True)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.run(100)
+    ctl.maximum = 32
+    srv.run(20)
+    assert max(srv.limits[-100:]) <= 32
+
+
+def test_parse_vllm_metrics() -> None:
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 12.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="m"} 2.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        'vllm:num_preemptions_total{model_name="m"} 7.0\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 12345.0\n'
+    )
+    m = parse_metrics(text, 1.0)
+    assert (m.running, m.waiting, m.kv_cache_usage) == (15.0, 2.0, 0.5)
+    assert (m.preemptions_total, m.generation_tokens_total) == (7.0, 12345.0)
+    assert parse_metrics("", 2.0).running is None
+
+
+def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
+    from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
+    from ocrvl_daemon.testing.harness import wait_until
+
+    with InProcessFakeServer(FakeServerConfig(port=0, access_log=False)) as srv:
+        poller = MetricsPoller(lambda: (srv.url, None), interval=0.05)
+        try:
+            sample = wait_until(lambda: poller.latest(), 5, what="a metrics sample")
+            assert sample.running == 0 and sample.generation_tokens_total == 0
+        finally:
+            poller.close()
+        missing = MetricsPoller(lambda: (srv.url + "/nothing", None), interval=0.05)
+        try:
+            for _ in range(20):
+                assert missing.latest() is None
+                wait_until(lambda: True, 0.1)
+        finally:
+            missing.close()

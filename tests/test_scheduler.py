@@ -1,0 +1,105 @@
+"""Fair page picking across documents (pure logic, no processes)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ocrvl_daemon.scheduler import DocumentPages, pick_pages
+
+
+def doc(job_id: int, pages: int) -> DocumentPages:
+    return DocumentPages(job_id, pages, list(range(pages)))
+
+
+def finish(d: DocumentPages, page: int) -> None:
+    d.in_flight.discard(page)
+    d.done += 1
+
+
+def test_a_small_document_behind_a_big_book_gets_the_next_free_slots() -> None:
+    book, letter = doc(1, 600), doc(2, 2)
+    first = pick_pages([book], 64)
+    assert len(first) == 64 and all(d is book for d, _ in first)
+    # The letter arrives while the book fills every slot; two pages of the book finish.
+    docs = [book, letter]
+    assert pick_pages(docs, 0) == []
+    finish(book, 0)
+    finish(book, 1)
+    chosen = pick_pages(docs, 2)
+    assert [(d.job_id, p) for d, p in chosen] == [(2, 0), (2, 1)]
+    assert letter.in_flight == {0, 1} and not letter.pending
+
+
+def test_one_free_slot_goes_to_the_document_with_fewest_pages_in_flight() -> None:
+    book, letter = doc(1, 600), doc(2, 2)
+    pick_pages([book], 8)
+    finish(book, 0)
+    (chosen,) = pick_pages([book, letter], 1)
+    assert chosen == (letter, 0)
+    finish(book, 1)
+    (chosen,) = pick_pages([book, letter], 1)
+    assert chosen == (letter, 1)
+
+
+def test_two_books_interleave_evenly_pages_in_order() -> None:
+    a, b = doc(1, 100), doc(2, 100)
+    chosen = pick_pages([a, b], 40)
+    per_doc = Counter(d.job_id for d, _ in chosen)
+    assert per_doc == {1: 20, 2: 20}
+    for d in (a, b):
+        pages = [p for x, p in chosen if x is d]
+        assert pages == sorted(pages) == list(range(20))
+
+
+def test_many_small_documents_share_slots_shortest_first_then_oldest() -> None:
+    docs = [doc(i, 2 + (i % 3)) for i in range(10)]
+    chosen = pick_pages(docs, 10)
+    assert sorted(d.job_id for d, _ in chosen) == list(range(10))  # one page each first
+    # ties on pages in flight: fewest pages left first, then the oldest
+    assert [d.job_id for d, _ in chosen[:4]] == [0, 3, 6, 9]
+
+
+def test_bounds_never_more_than_slots_or_pending() -> None:
+    docs = [doc(1, 3), doc(2, 1)]
+    assert pick_pages(docs, -5) == []
+    chosen = pick_pages(docs, 100)
+    assert len(chosen) == 4
+    assert all(not d.pending for d in docs)
+    assert pick_pages(docs, 10) == []
+    assert pick_pages([], 10) == []
+
+
+def test_give_back_requeues_in_order_once() -> None:
+    d = doc(1, 5)
+    pick_pages([d], 3)
+    assert d.pending == [3, 4] and d.in_flight == {0, 1, 2}
+    d.give_back(1)
+    d.give_back(1)
+    assert d.pending == [1, 3, 4] and d.in_flight == {0, 2}
+    assert not d.finished
+    (chosen,) = pick_pages([d], 1)
+    assert chosen == (d, 1)
+    for p in (0, 1, 2):
+        finish(d, p)
+    pick_pages([d], 5)
+    for p in (3, 4):
+        finish(d, p)
+    assert d.finished and d.done == 5
+
+
+def test_fairness_over_a_whole_run() -> None:
+    """Simulate a server with 16 slots: the letter dropped mid-book finishes within ~1 round."""
+    book = doc(1, 600)
+    docs = [book]
+    in_flight: list[tuple[DocumentPages, int]] = pick_pages(docs, 16)
+    letter_done_at = None
+    for step in range(1, 200):
+        if step == 10:
+            docs.append(doc(2, 2))
+        d, p = in_flight.pop(0)  # oldest request finishes
+        finish(d, p)
+        in_flight += pick_pages([x for x in docs if not x.finished], 16 - len(in_flight))
+        letter = docs[1] if len(docs) > 1 else None
+        if letter is not None and letter.finished and letter_done_at is None:
+            letter_done_at = step
+    assert letter_done_at is not None and letter_done_at - 10 <= 16 + 2
