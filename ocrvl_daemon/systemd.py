@@ -107,7 +107,7 @@ class Notifier:
             message = f"{message}\nSTATUS={status}" if message else f"STATUS={status}"
             self._last_status = status
             self._last_status_at = time.monotonic() if now is None else now
-        if self._sd is None or self._sd.socket is None:
+        if self._sd is None:
             return
         try:
             # Not sdnotify's notify(): it encodes as Latin-1, and systemd drops a STATUS=
