@@ -66,6 +66,9 @@ class Daemon:
         recovered = self.store.recover_running()
         if recovered:
             log.info("resuming %d document(s) interrupted last time", recovered)
+        for job in self.store.jobs():
+            if not job.path.exists():  # moved or deleted while ocrvl was down
+                self.store.forget(job.id)
         self.server = ServerSupervisor(config)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.server)
@@ -117,7 +120,7 @@ class Daemon:
                 self.notifier.extend_timeout(EXTEND_SECONDS)
         progress = self.converter.progress()
         snap = StatusSnapshot(
-            server_state=_server_word(server),
+            server_state=server.state.value,
             server_phase=server.phase or None,
             server_attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
             server_diagnosis=f"{server.diagnosis.cause}?" if server.diagnosis else None,
@@ -191,8 +194,3 @@ class Daemon:
         self.store.close()
         log.info("stopped")
 
-
-def _server_word(server: ServerStatus) -> str:
-    if server.state is ServerState.READY:
-        return "ready"
-    return server.state.value.lower()

@@ -197,3 +197,19 @@ def test_status_shows_failures_and_retry_requeues_them(setup: Setup):
         wait_until(lambda: not (setup.inbox / "locked.ocrvl-error.txt").exists(), 30,
                    what="the stale error note to be removed")
         assert not failed()
+
+
+def test_renamed_or_moved_file_is_not_recognised_again(setup: Setup):
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        first = make_pdf(setup.inbox / "scan-001.pdf", 3, seed=11)
+        wait_for_markdown(first)
+        requests_before = sum(setup.requests_by_digest().values())
+        renamed = setup.inbox / "archive" / "Annual report.pdf"
+        renamed.parent.mkdir()
+        os.rename(first, renamed)
+        wait_for_markdown(renamed)
+        assert sum(setup.requests_by_digest().values()) == requests_before, \
+            "a moved file was sent to the model again instead of reusing its checkpoints"
+        assert digests(renamed.with_suffix(".md").read_text("utf-8")) == \
+            digests(first.with_suffix(".md").read_text("utf-8"))

@@ -1,0 +1,81 @@
+"""A direct load generator: N requests always in flight against the simulated server.
+
+It measures the simulator's own throughput at each concurrency, without any PDF pipeline
+in the way (so the client costs almost nothing): this is the server's maximum, and its
+curve against concurrency shows the peak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from ocrvl_daemon.testing.harness import chat_payload, make_test_jpeg
+
+PAGE_SIZE = (800, 1584)  # what a 400x792 pt page rendered at 2x looks like
+
+
+@dataclass
+class Point:
+    concurrency: int
+    pages_per_s: float
+    tokens_per_s: float
+    occupancy: float
+    mean_active: float
+    preemptions: int
+
+
+def images(count: int) -> list[bytes]:
+    """Distinct page-sized JPEGs (distinct digests, so distinct output lengths)."""
+    return [make_test_jpeg(seed, PAGE_SIZE) for seed in range(count)]
+
+
+async def _measure(
+    url: str, model: str, jpegs: list[bytes], concurrency: int, warmup: float, seconds: float
+) -> Point:
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        counter = iter(range(10**9))
+        done: list[float] = []
+        stop = asyncio.Event()
+
+        async def worker() -> None:
+            while not stop.is_set():
+                n = next(counter)
+                body = chat_payload(jpegs[n % len(jpegs)], model=model, max_completion_tokens=4096)
+                r = await client.post("/v1/chat/completions", json=body)
+                r.raise_for_status()
+                done.append(time.monotonic())
+
+        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        await asyncio.sleep(warmup)
+        before = (await client.get("/fake/stats")).json()
+        await client.post("/fake/reset")
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)
+        after = (await client.get("/fake/stats")).json()
+        t1 = time.monotonic()
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    tokens = after["generation_tokens"] - before["generation_tokens"]
+    pages = sum(1 for t in done if t0 <= t < t1)
+    return Point(
+        concurrency,
+        pages / (t1 - t0),
+        tokens / (t1 - t0),
+        after["occupancy"],
+        after["mean_active_busy"],
+        after["preemptions"] - before["preemptions"],
+    )
+
+
+def measure(
+    url: str, model: str, concurrency: int, warmup: float, seconds: float, jpegs: list[bytes]
+) -> Point:
+    """Throughput with `concurrency` requests always in flight (after `warmup` seconds)."""
+    return asyncio.run(_measure(url, model, jpegs, concurrency, warmup, seconds))
