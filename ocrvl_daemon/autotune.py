@@ -180,8 +180,8 @@ def _apply_remembered(tuned: TunedArgs, tunable: tuple[str, ...], remembered: di
             old = max(int(old), budget)
         if old < tuned.values[key]:
             tuned.values[key] = old
-            tuned.reasons.append(f"{key} {old}: lowered after an earlier out-of-memory start "
-                                 f"(remembered in {TUNING_FILE})")
+            tuned.reasons.append(f"{key} {old}: lowered after an out-of-memory failure "
+                                 f"(kept in {TUNING_FILE} once the server starts with it)")
 
 
 def is_oom(text: str) -> bool:
@@ -211,16 +211,17 @@ def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> st
                 if k not in tunable and config.server.vllm_args.get(k) is not None]
     cause = oom_cause(failure_text) or "out of GPU memory"
     lowered = _lower(current, explicit, model_budget(config), failure_text)
-    head = f"The model server ran out of GPU memory while starting ({cause})."
+    head = f"The model server ran out of GPU memory ({cause})."
     if lowered is None:
         return (f"{head} Nothing ocrvl may change is left to lower: close other programs "
                 "using the GPU (see nvidia-smi), lower model.max_new_tokens, or use a GPU "
                 "with more memory.")
     changed = [k for k in explicit if lowered[k] != current.get(k)]
     them = "them" if len(changed) > 1 else "it"
+    lines = ", ".join(f"`{k}: {lowered[k]}`" for k in changed)
     return (f"{head} The config sets {', '.join(changed)} explicitly, so ocrvl leaves {them} "
-            f"alone; try {', '.join(f'{k}: {lowered[k]}' for k in changed)} in "
-            f"server.vllm_args, or set {them} to auto.")
+            f"alone; try these lines under `server: vllm_args:` in config.yaml: {lines} (or "
+            f"`auto`, to let ocrvl choose).")
 
 
 def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budget: int,

@@ -21,7 +21,7 @@ from ocrvl_daemon import output, pdf
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
-from ocrvl_daemon.errors import InputVanishedError, OcrvlError
+from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError, PageError
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, Store
@@ -33,6 +33,12 @@ ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
 WORKER_RESTART_SECONDS = 10.0
+
+
+class PagesFailedError(PageError):
+    """A page failed every attempt and `pipeline.fail_on_page_error` is set."""
+
+    permanent = True
 
 
 class ServerHandle(Protocol):
@@ -144,6 +150,13 @@ class Converter:
                 self._start_job(job)
             except OcrvlError as exc:
                 self._fail(job, exc)
+            except OSError as exc:
+                self._fail(job, pdf.input_error(job.path, exc))
+            except Exception as exc:
+                # One bad document must never stop the daemon: whatever a strange file
+                # provokes becomes that document's (retried) failure.
+                log.exception("%s: unexpected error while opening it", job.path)
+                self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
         path = job.path
@@ -152,7 +165,8 @@ class Converter:
             self.store.forget(job.id)
             return
         stat = path.stat()
-        if (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
+        # No hash yet (unreadable when found) or another version: identify it again.
+        if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
             ident = pdf.file_identity(path)
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
@@ -191,6 +205,7 @@ class Converter:
                 delay,
                 extra=_fields(job),
             )
+            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
         self.finished_jobs.append(job.id)
 
@@ -206,7 +221,7 @@ class Converter:
         if worker is not None and (not worker.alive() or worker.failure):
             self.worker_failure = worker.failure or f"engine worker exited ({worker.pid})"
             log.error("engine worker failed: %s", self.worker_failure)
-            self._requeue_lost(worker, count_attempt=True)
+            self._requeue_lost(worker, crash=self.worker_failure)
             worker.stop()
             self._worker = None
             self._worker_retry_at = now + WORKER_RESTART_SECONDS
@@ -228,13 +243,17 @@ class Converter:
         p = self.config.pipeline
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
-    def _requeue_lost(self, worker: EngineWorker, count_attempt: bool = False) -> None:
+    def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
+        """Pages a stopped worker still had go back; after a `crash` they count an attempt,
+        so a page that kills the worker every time ends as a placeholder, not a loop."""
         for job_id, page in list(worker.in_flight):
             doc = self.active.get(job_id)
-            if doc is not None:
+            if doc is None:
+                continue
+            if crash is None:
                 doc.give_back(page)
-                if count_attempt:
-                    doc.attempts[page] = doc.attempts.get(page, 0) + 1
+            else:
+                self._page_failed(doc, page, crash)
         worker.in_flight.clear()
 
     # --- pages --------------------------------------------------------------------------
@@ -248,7 +267,14 @@ class Converter:
         for doc, page in pick_pages(docs, slots):
             job = self._jobs[doc.job_id]
             worker.submit(
-                PageTask(job.id, str(job.path), page, self.config.model.effective_max_new_tokens)
+                PageTask(
+                    job.id,
+                    str(job.path),
+                    page,
+                    self.config.model.effective_max_new_tokens,
+                    job.size,
+                    job.mtime,
+                )
             )
 
     def _collect(self) -> None:
@@ -266,8 +292,17 @@ class Converter:
             return  # the job failed or was dropped meanwhile
         fields = _fields(job, result.page)
         if result.error is None:
+            note = None
+            if result.truncated_at is not None:
+                note = (
+                    f"page {result.page + 1} was cut off at {result.truncated_at} tokens "
+                    "(the server's max-model-len allows no more); its end may be missing. "
+                    "Raise server.vllm_args.max-model-len, then: "
+                    f"ocrvl retry --pages {result.page + 1} {pdf.shell_quote(job.path)}"
+                )
+                log.warning("%s: %s", job.path.name, note, extra=fields)
             self.store.save_page(
-                job.sha256, self.model, result.page, result.markdown, result.images
+                job.sha256, self.model, result.page, result.markdown, result.images, note=note
             )
             doc.in_flight.discard(result.page)
             doc.done += 1
@@ -295,29 +330,39 @@ class Converter:
         if result.error_kind == "input":
             self._fail(job, InputVanishedError(result.error or "the file changed"))
             return
-        attempts = doc.attempts.get(result.page, 0) + 1
-        doc.attempts[result.page] = attempts
+        self._page_failed(doc, result.page, result.error or "unknown error")
+
+    def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
+        """Count a failed attempt at `page`: send it again, or give up on it.
+
+        A page given up on becomes a visible placeholder and the book still completes,
+        unless `pipeline.fail_on_page_error` asks for the whole document to fail.
+        """
+        job = self._jobs[doc.job_id]
+        fields = _fields(job, page)
+        attempts = doc.attempts.get(page, 0) + 1
+        doc.attempts[page] = attempts
         if attempts <= self.config.pipeline.page_retries:
             log.warning(
                 "%s p.%d failed (attempt %d): %s",
                 job.path.name,
-                result.page + 1,
+                page + 1,
                 attempts,
-                result.error,
+                error,
                 extra=fields,
             )
-            doc.give_back(result.page)
+            doc.give_back(page)
             return
-        note = (
-            f"page {result.page + 1} could not be recognised after {attempts} attempts: "
-            f"{result.error}. Redo it with: ocrvl retry --pages {result.page + 1} {job.path}"
-        )
+        note = f"page {page + 1} could not be recognised after {attempts} attempts: {error}."
+        redo = f"ocrvl retry --pages {page + 1} {pdf.shell_quote(job.path)}"
         if self.config.pipeline.fail_on_page_error:
-            self._fail(job, OcrvlError(note))
+            self._fail(job, PagesFailedError(note, f"check the page, then run: {redo}"))
             return
-        log.error("%s: %s", job.path.name, note, extra=fields)
-        self.store.save_page(job.sha256, self.model, result.page, "", {}, note=note, failed=True)
-        doc.in_flight.discard(result.page)
+        log.error("%s: %s Redo it with: %s", job.path.name, note, redo, extra=fields)
+        self.store.save_page(
+            job.sha256, self.model, page, "", {}, note=f"{note} Redo it with: {redo}", failed=True
+        )
+        doc.in_flight.discard(page)
         doc.done += 1
 
     def _finish(self, job_id: int) -> None:
@@ -325,10 +370,19 @@ class Converter:
         doc = self.active[job_id]
         try:
             output.write_document(
-                job.path, job.sha256, self.model, doc.page_count, self._pages(job)
+                job.path,
+                job.sha256,
+                self.model,
+                doc.page_count,
+                self._pages(job),
+                size_hint=self.store.pages_size(job.sha256, self.model),
             )
         except OcrvlError as exc:
             self._fail(job, exc)
+            return
+        except Exception as exc:  # see _activate: never let one document stop the daemon
+            log.exception("%s: unexpected error while writing its Markdown", job.path)
+            self._fail(job, _unexpected(exc))
             return
         self.active.pop(job_id)
         self._jobs.pop(job_id)
@@ -378,9 +432,7 @@ class Converter:
         if self.active:
             doc = max(self.active.values(), key=lambda d: d.page_count)
             current, done, total = self._jobs[doc.job_id].path.name, doc.done, doc.page_count
-        counts = {s: 0 for s in JobState}
-        for job in self.store.jobs():
-            counts[job.state] += 1
+        counts = self.store.count_by_state()
         return Progress(
             current,
             done,
@@ -416,13 +468,36 @@ def _fields(job: Job, page: int | None = None) -> dict[str, object]:
     return fields
 
 
+def _unexpected(exc: Exception) -> OcrvlError:
+    return OcrvlError(
+        f"Unexpected error: {type(exc).__name__}: {exc}.",
+        "ocrvl retries by itself; if it keeps failing, report it with the log",
+    )
+
+
+def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError) -> None:
+    """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
+    if job.state is not JobState.FAILED:
+        store.set_failed(job.id, str(exc), permanent=True)
+        output.write_error_note(path, exc.message, exc.fix)
+
+
 def enqueue_file(store: Store, path: Path, model: str) -> Job:
     """Identify `path` and queue it, unless this content is already handled.
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
     even when the store has never seen the file (a new state dir, a moved inbox).
     """
-    ident = pdf.file_identity(path)
+    try:
+        ident = pdf.file_identity(path)
+    except InputFileError as exc:
+        _record_unreadable(store, path, model, exc)
+        raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
         log.info("%s: Markdown is already up to date", path.name)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -25,8 +24,10 @@ from typing import Any
 
 import yaml
 
-from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.autotune import TunedArgs, plan_vllm_args
+from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.gpu import GpuReading
 from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,6 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "mm-processor-cache-gb": 0,
     "max-num-batched-tokens": 16384,
 }
-# What `auto` means until the GPU-aware autotuner replaces `resolve_vllm_args`.
-FALLBACK_GPU_MEMORY_UTILIZATION = 0.80
-FALLBACK_MAX_NUM_SEQS = 32
-MAX_MODEL_LEN_STEP = 256
 # vLLM boolean flags whose `false` must be spelled `--no-<flag>` (their default is on).
 NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill"})
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
@@ -59,23 +56,16 @@ class LaunchSpec:
     env: dict[str, str]
 
 
-def resolve_vllm_args(config: Config) -> dict[str, Any]:
-    """The vLLM flags to launch with: recipe defaults, then the user's, `auto` resolved.
+def resolve_vllm_args(config: Config, gpu: GpuReading | None = None,
+                      remembered: dict[str, Any] | None = None) -> TunedArgs:
+    """The vLLM flags to launch with: recipe defaults, then the user's, `auto` planned.
 
-    The single seam the GPU-aware autotuner replaces; until then `auto` means a fixed
-    fallback that is safe on an 8 GB card.
+    `gpu` is the card as it is now (None: safe fixed values); `remembered` holds values an
+    out-of-memory recovery lowered, which the plan never exceeds.
     """
-    args: dict[str, Any] = {**RECIPE_DEFAULTS, **config.server.vllm_args}
-    budget = config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
-    fallback = {
-        "gpu-memory-utilization": FALLBACK_GPU_MEMORY_UTILIZATION,
-        "max-model-len": math.ceil(budget / MAX_MODEL_LEN_STEP) * MAX_MODEL_LEN_STEP,
-        "max-num-seqs": FALLBACK_MAX_NUM_SEQS,
-    }
-    for key, value in fallback.items():
-        if args.get(key) == AUTO:
-            args[key] = value
-    return args
+    tuned = plan_vllm_args(config, gpu, remembered)
+    tuned.values = {**RECIPE_DEFAULTS, **tuned.values}
+    return tuned
 
 
 def _flag_value(value: Any) -> str:
@@ -226,13 +216,15 @@ def _command_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def prepare_launch(config: Config) -> LaunchSpec:
+def prepare_launch(config: Config, args: Mapping[str, Any] | None = None) -> LaunchSpec:
     """argv and environment for `server.launcher` (writes genai_server's backend config).
 
-    Raises ServerConfigError when the launcher's program is missing. (Flags ocrvl sets
-    from other keys are refused by the config's validation.)
+    `args` are the vLLM flags (default: `resolve_vllm_args` without a GPU reading). Raises
+    ServerConfigError when the launcher's program is missing. (Flags ocrvl sets from other
+    keys are refused by the config's validation.)
     """
-    args = resolve_vllm_args(config)
+    if args is None:
+        args = resolve_vllm_args(config).values
     build = {"vllm": _vllm_argv, "genai_server": _genai_argv, "command": _command_argv}
     return LaunchSpec(build[config.server.launcher](config, args), server_env(config))
 

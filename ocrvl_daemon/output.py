@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ def read_header(md: Path) -> dict[str, str] | None:
     try:
         with md.open("r", encoding="utf-8", errors="replace") as f:
             first = f.readline(4096)
-    except FileNotFoundError:
+    except OSError:  # missing, a directory, unreadable: in any case not ocrvl's Markdown
         return None
     match = _HEADER.match(first)
     return dict(_FIELD.findall(match["fields"])) if match else None
@@ -79,22 +81,30 @@ def check_writable(pdf: Path) -> None:
 
 
 def write_document(
-    pdf: Path, sha256: str, model: str, page_count: int, pages: Iterable[Page]
+    pdf: Path,
+    sha256: str,
+    model: str,
+    page_count: int,
+    pages: Iterable[Page],
+    size_hint: int = 0,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
     swapped in first and the Markdown renamed last, so the Markdown never links to images
-    that are not there yet.
+    that are not there yet. `size_hint` (bytes of text and images) is checked against the
+    free space first; a full disk raises a transient OutputError and leaves nothing behind.
     """
     md, images_dir, _ = outputs_for(pdf)
-    check_writable(pdf)
-    _check_free_space(md.parent, MIN_FREE_BYTES)
-    tmp_md = md.with_name(f".{md.name}{TMP_MARK}-{os.getpid()}")
-    tmp_dir = md.parent / f".{images_dir.name}{TMP_MARK}-{os.getpid()}"
+    _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
+    tmp_md = _temporary(md)
+    tmp_dir = _temporary(images_dir)
     link_base = quote(images_dir.name)
     try:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        check_writable(pdf)
+        # A killed run leaves its temporaries under its own pid; they are useless now.
+        _remove_temporaries(md)
+        _remove_temporaries(images_dir)
         with tmp_md.open("w", encoding="utf-8") as out:
             out.write(
                 f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
@@ -112,7 +122,7 @@ def write_document(
         if tmp_dir.exists():
             _fsync_dir(tmp_dir)
         if images_dir.exists():
-            old = md.parent / f".{images_dir.name}.ocrvl-old-{os.getpid()}"
+            old = _temporary(images_dir, "old")
             os.replace(images_dir, old)
             shutil.rmtree(old, ignore_errors=True)
         if tmp_dir.exists():
@@ -125,6 +135,19 @@ def write_document(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             tmp_md.unlink()
+
+
+def _temporary(path: Path, kind: str = "new") -> Path:
+    """A hidden name beside `path` for work in progress (never matched by the inbox)."""
+    return path.with_name(f".{path.name}{TMP_MARK}-{kind}-{os.getpid()}")
+
+
+def _remove_temporaries(path: Path) -> None:
+    for stale in path.parent.glob(f".{glob.escape(path.name)}{TMP_MARK}-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
 
 def _page_block(page: Page, text: str, *, first: bool) -> str:
@@ -159,8 +182,9 @@ def _write_image(tmp_dir: Path, name: str, data: bytes) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to a hidden temporary file beside `path`, fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}-{os.getpid()}")
+    tmp = _temporary(path)
     try:
+        _remove_temporaries(path)
         with tmp.open("w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -207,13 +231,24 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
     return OutputError(f"Cannot write {path}: {exc}.", "check the folder; ocrvl retries by itself")
 
 
-def write_error_note(pdf: Path, message: str, fix: str | None) -> None:
-    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort)."""
+def write_error_note(
+    pdf: Path, message: str, fix: str | None, *, retry_in: float | None = None
+) -> None:
+    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort).
+
+    `retry_in` marks a transient failure that ocrvl retries by itself after that many seconds.
+    """
     note = outputs_for(pdf)[2]
     text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
     if fix:
         text += f"What to do: {fix}\n"
-    text += f"\nAfter fixing it, run: ocrvl retry {pdf}\n"
+    if retry_in is None:
+        text += f"\nAfter fixing it, run: ocrvl retry {shlex.quote(str(pdf))}\n"
+    else:
+        text += (
+            f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
+            "once the document is converted.\n"
+        )
     with contextlib.suppress(OSError):
         write_atomic(note, text)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pypdfium2 as pdfium
 
-from ocrvl_daemon.errors import InputFileError, InputVanishedError
+from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 
 # PDFium is not thread-safe; every call into it goes through this lock.
 PDFIUM_LOCK = threading.RLock()
@@ -35,21 +36,40 @@ def file_identity(path: Path) -> FileIdentity:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
         after = path.stat()
-    except FileNotFoundError as exc:
-        raise InputVanishedError(f"{path} disappeared while it was being read.") from exc
-    except PermissionError as exc:
-        raise InputFileError(
-            f"{path} cannot be read: permission denied.",
-            f"make it readable for this user: chmod u+r {_quote(path)}",
-        ) from exc
+    except OSError as exc:
+        raise input_error(path, exc) from exc
     if (before.st_size, before.st_mtime) != (after.st_size, after.st_mtime):
         raise InputVanishedError(f"{path} changed while it was being read.")
     return FileIdentity(digest.hexdigest(), after.st_size, after.st_mtime)
 
 
-def _quote(path: Path) -> str:
-    text = str(path)
-    return "'" + text.replace("'", "'\\''") + "'" if any(c in text for c in " '\"\n$") else text
+def check_unchanged(path: Path, size: int, mtime: float) -> None:
+    """Raise InputVanishedError unless `path` is still the version (size, mtime) queued."""
+    try:
+        st = path.stat()
+    except FileNotFoundError as exc:
+        raise InputVanishedError(f"{path} disappeared while it was being converted.") from exc
+    if (st.st_size, st.st_mtime) != (size, mtime):
+        raise InputVanishedError(f"{path} changed while it was being converted.")
+
+
+def shell_quote(path: Path) -> str:
+    """`path` as it would be typed in a shell, for the commands suggested to the user."""
+    return shlex.quote(str(path))
+
+
+def input_error(path: Path, exc: OSError) -> OcrvlError:
+    """An OSError met while reading an input, as the failure to record."""
+    if isinstance(exc, FileNotFoundError):
+        return InputVanishedError(f"{path} disappeared while it was being read.")
+    if isinstance(exc, PermissionError):
+        return InputFileError(
+            f"{path} cannot be read: permission denied.",
+            f"make it readable for this user: chmod u+r {shell_quote(path)}",
+        )
+    if isinstance(exc, IsADirectoryError):
+        return InputFileError(f"{path} is a directory, not a PDF.", "pass a PDF file")
+    return OcrvlError(f"Cannot read {path}: {exc}.", "check the file; ocrvl retries by itself")
 
 
 def open_pdf(path: Path) -> pdfium.PdfDocument:
@@ -64,11 +84,8 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
     try:
         with path.open("rb") as f:
             head = f.read(1024)
-    except PermissionError as exc:
-        raise InputFileError(
-            f"{path} cannot be read: permission denied.",
-            f"make it readable for this user: chmod u+r {_quote(path)}",
-        ) from exc
+    except OSError as exc:
+        raise input_error(path, exc) from exc
     if not head:
         raise InputFileError(
             f"{path} is empty (0 bytes).", "copy the PDF again; the transfer may have failed"

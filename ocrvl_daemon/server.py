@@ -7,13 +7,20 @@ Work may be dispatched only while `is_ready()`.
 Failure handling, in order of how final it is:
 * configuration errors (wrong model name, missing program or package) -> `FAILED`, with a
   `ServerConfigError` naming the fix; retrying could not help;
+* out of GPU memory (at start or at run time) -> lower the `auto` vLLM settings one step
+  and start again at once; once a lowered start succeeds it is remembered for the next one.
+  When nothing ocrvl may change is left, the error names the config lines to change;
 * everything else (a crash, 503, failed probes, a hang, a start-up that fails or times
   out) -> stop the whole group, wait out an exponential backoff, start again, forever.
+
+The `auto` settings are planned at every launch, from the GPU as it is then (the old
+process group is gone by then, so its memory does not count as other programs').
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import errno
 import logging
@@ -23,14 +30,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon import launchers
+from ocrvl_daemon import autotune, launchers
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.gpu import GpuReading, read_gpu
 from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
 
 log = logging.getLogger(__name__)
@@ -398,6 +406,11 @@ class ServerSupervisor:
         self._metrics_stall = StallDetector(self._server.stall_timeout)
         self._client_stall = StallDetector(self._server.stall_timeout)
         self._error: ServerConfigError | None = None
+        # vLLM flags of the current (or last) launch and the GPU they were planned for
+        self._args: dict[str, Any] = {}
+        self._gpu: GpuReading | None = None
+        # flags an out-of-memory step lowered, until a start with them succeeds
+        self._lowered: dict[str, Any] | None = None
         # what status() reports
         self._state = ServerState.STOPPED
         self._phase = ""
@@ -463,6 +476,11 @@ class ServerSupervisor:
     def restart_count(self) -> int:
         """Restarts since start()."""
         return self._restart_count
+
+    @property
+    def vllm_args(self) -> dict[str, Any]:
+        """The vLLM flags of the current (or last) launch, `auto` values resolved."""
+        return dict(self._args)
 
     @property
     def error(self) -> ServerConfigError | None:
@@ -573,7 +591,8 @@ class ServerSupervisor:
             self._client_stall = StallDetector(self._server.stall_timeout)
         if port_in_use(host, port):
             return f"port {port} on {host} is taken by another program: address already in use"
-        spec = launchers.prepare_launch(self.config)
+        self._plan_args()
+        spec = launchers.prepare_launch(self.config, self._args)
         try:
             group = ProcessGroup.spawn(spec.argv, spec.env, self._pidfile)
         except OSError as exc:
@@ -591,7 +610,50 @@ class ServerSupervisor:
             self._ready_at, self._ready_since = time.monotonic(), time.time()
         log.info("server ready at %s (pid %d)", self._server.base_url, group.pid)
         self._set(ServerState.READY, "ready")
+        if self._lowered is not None:
+            self._remember_lowered()
         return self._watch(probe, group)
+
+    def _plan_args(self) -> None:
+        """Choose the `auto` flags for this launch from the GPU as it is now."""
+        # The server's environment decides which GPU it sees (CUDA_VISIBLE_DEVICES).
+        self._gpu = read_gpu(launchers.server_env(self.config))
+        remembered = self._lowered or autotune.load_remembered(
+            self.config.state_dir, self._gpu, self.config.model.name)
+        tuned = launchers.resolve_vllm_args(self.config, self._gpu, remembered)
+        self._args = tuned.values
+        log.info("vLLM settings: %s", ", ".join(
+            f"{k} {tuned.values[k]}" for k in autotune.TUNED_KEYS
+            if tuned.values.get(k) is not None))
+        for reason in tuned.reasons:
+            log.info("  %s", reason)
+        for warning in tuned.warnings:
+            log.warning("%s", warning)
+
+    def _remember_lowered(self) -> None:
+        """The lowered flags got the server going: the next start uses them at once."""
+        path = self.config.state_dir / autotune.TUNING_FILE
+        try:
+            autotune.save_remembered(self.config.state_dir, self._gpu, self.config.model.name,
+                                     self._args)
+        except OSError as exc:
+            log.warning("could not remember the lowered vLLM settings in %s: %s", path, exc)
+        else:
+            log.info("remembered %s in %s: the next start uses them at once", ", ".join(
+                f"{k} {self._args[k]}" for k in autotune.TUNED_KEYS if k in self._args), path)
+        self._lowered = None
+
+    def _step_down_after_oom(self, text: str) -> bool:
+        """Lower the `auto` flags one step for the next launch; False if nothing is left."""
+        lowered = autotune.next_after_oom(self._args, self.config, text)
+        if lowered is None:
+            return False
+        changes = ", ".join(f"{k} {self._args.get(k)} -> {lowered[k]}"
+                            for k in autotune.TUNED_KEYS if lowered.get(k) != self._args.get(k))
+        log.warning("the server ran out of GPU memory (%s); lowering %s and starting again now",
+                    autotune.oom_cause(text), changes)
+        self._lowered = lowered
+        return True
 
     def _on_line(self, line: str) -> None:
         phase = parse_phase(line)
@@ -667,26 +729,40 @@ class ServerSupervisor:
     def _restart_after(self, failure: str) -> None:
         """Record a failure, report it, wait out the backoff (or raise if permanent)."""
         tail = self.log_tail(REPORT_LINES)
-        diagnosis = diagnose("\n".join([*tail, failure]))
+        text = "\n".join([*tail, failure])
+        diagnosis = diagnose(text)
         if diagnosis is not None and diagnosis.permanent:
             raise ServerConfigError(f"The server failed: {failure} ({diagnosis.cause}).",
                                     diagnosis.fix)
-        now = time.monotonic()
-        self._failures.append(now)
-        while self._failures and now - self._failures[0] > CRASH_LOOP_WINDOW:
-            self._failures.popleft()
-        delay = self._backoff.next_delay()
+        oom = autotune.is_oom(text)
+        stepped = oom and self._step_down_after_oom(text)
+        error = failure
+        if oom and not stepped:
+            # Nothing ocrvl may lower is left: the user's fix is the exact settings to change.
+            advice = autotune.suggestion(self._args, self.config, text)
+            error = f"{failure}: {advice}"
+            if diagnosis is not None:
+                diagnosis = dataclasses.replace(diagnosis, fix=advice)
+        if stepped:
+            delay = 0.0  # a new setting deserves an immediate try (and is not a crash loop)
+        else:
+            now = time.monotonic()
+            self._failures.append(now)
+            while self._failures and now - self._failures[0] > CRASH_LOOP_WINDOW:
+                self._failures.popleft()
+            delay = self._backoff.next_delay()
         with self._cond:
-            self._last_error, self._diagnosis = failure, diagnosis
+            self._last_error, self._diagnosis = error, diagnosis
             self._restart_count += 1
             self._ready_at = self._ready_since = None
         cause = f"; likely cause: {diagnosis}" if diagnosis else ""
-        if len(self._failures) >= CRASH_LOOP_FAILURES:
+        if len(self._failures) >= CRASH_LOOP_FAILURES and not stepped:
             log.error("the server keeps failing (%d times in %.0f minutes): %s%s; retrying in "
                       "%.1fs.\nIts last %d lines:\n%s", len(self._failures), CRASH_LOOP_WINDOW / 60,
                       failure, cause, delay, len(tail), "\n".join(tail))
-        else:
-            log.warning("server failed: %s%s; restarting in %.1fs", failure, cause, delay)
+        elif not stepped:
+            log.log(logging.ERROR if oom else logging.WARNING,
+                    "server failed: %s%s; restarting in %.1fs", failure, cause, delay)
         self._set(ServerState.RESTARTING, f"restarting in {delay:.1f}s")
         self._wait(delay)
 

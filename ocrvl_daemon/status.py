@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ def open_store(config: Config) -> Store:
 
 def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
     done = (
-        len(store.done_pages(job.sha256, job.model))
+        store.count_pages(job.sha256, job.model)
         if job.state is not JobState.DONE
         else (job.page_count or 0)
     )
@@ -38,6 +39,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
         "attempts": job.attempts,
         "error": job.last_error,
         "failed_pages": [p + 1 for p in store.failed_pages(job.sha256, job.model)],
+        "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
     }
     if job.state is JobState.RUNNING and total and rate > 0:
         view["eta_seconds"] = round((total - done) / rate)
@@ -94,12 +96,13 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
-        if doc["failed_pages"]:
-            pages_list = ",".join(map(str, doc["failed_pages"]))
-            lines.append(
-                f"         pages that failed: {pages_list} "
-                f"(redo: ocrvl retry --pages {pages_list} {doc['path']!r})"
-            )
+        for key, what in (("failed_pages", "failed"), ("flagged_pages", "were cut off")):
+            if doc[key]:
+                pages_list = ",".join(map(str, doc[key]))
+                lines.append(
+                    f"         pages that {what}: {pages_list} "
+                    f"(redo: ocrvl retry --pages {pages_list} {shlex.quote(doc['path'])})"
+                )
     return "\n".join(lines)
 
 

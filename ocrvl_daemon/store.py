@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+# Pages read per query when assembling a document.
+PAGE_BATCH = 256
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY,
@@ -162,6 +164,13 @@ class Store:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY id")
         return [_job(r) for r in rows]
 
+    def count_by_state(self) -> dict[JobState, int]:
+        """How many jobs are in each state (every state present, maybe 0)."""
+        counts = dict.fromkeys(JobState, 0)
+        for state, n in self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+            counts[JobState(state)] = n
+        return counts
+
     def enqueue(self, path: Path, sha256: str, size: int, mtime: float, model: str) -> Job:
         """Queue the document at `path` unless this exact content is already queued or handled.
 
@@ -284,6 +293,35 @@ class Store:
         )
         return [r[0] for r in rows]
 
+    def flagged_pages(self, sha256: str, model: str) -> list[int]:
+        """Pages kept with a warning (e.g. cut off at the token limit)."""
+        rows = self._db.execute(
+            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=0 "
+            "AND note IS NOT NULL ORDER BY page",
+            (sha256, model),
+        )
+        return [r[0] for r in rows]
+
+    def count_pages(self, sha256: str, model: str) -> int:
+        """How many pages of this content are checkpointed."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM pages WHERE sha256=? AND model=?", (sha256, model)
+        ).fetchone()
+        return int(row[0])
+
+    def pages_size(self, sha256: str, model: str) -> int:
+        """Bytes of checkpointed Markdown and images: about what the output will take."""
+        text = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(CAST(markdown AS BLOB))), 0) FROM pages "
+            "WHERE sha256=? AND model=?",
+            (sha256, model),
+        ).fetchone()[0]
+        images = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(data)), 0) FROM page_images WHERE sha256=? AND model=?",
+            (sha256, model),
+        ).fetchone()[0]
+        return int(text) + int(images)
+
     def drop_pages(self, sha256: str, model: str, pages: list[int] | None = None) -> None:
         """Forget checkpoints (all, or the given pages) so they are recognised again."""
         with self._tx() as db:
@@ -297,21 +335,28 @@ class Store:
                     )
 
     def iter_pages(self, sha256: str, model: str) -> Iterator[StoredPage]:
-        """Checkpointed pages in order, one at a time (a 10,000-page book stays small in RAM)."""
-        rows = self._db.execute(
-            "SELECT page, markdown, note, failed FROM pages "
-            "WHERE sha256=? AND model=? ORDER BY page",
-            (sha256, model),
-        )
-        for row in rows.fetchall():
-            images = {
-                r[0]: r[1]
-                for r in self._db.execute(
-                    "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
-                    (sha256, model, row["page"]),
+        """Checkpointed pages in order, a batch at a time (a 10,000-page book stays small)."""
+        last = -1
+        while True:
+            rows = self._db.execute(
+                "SELECT page, markdown, note, failed FROM pages "
+                "WHERE sha256=? AND model=? AND page>? ORDER BY page LIMIT ?",
+                (sha256, model, last, PAGE_BATCH),
+            ).fetchall()
+            if not rows:
+                return
+            for row in rows:
+                images = {
+                    r[0]: r[1]
+                    for r in self._db.execute(
+                        "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
+                        (sha256, model, row["page"]),
+                    )
+                }
+                yield StoredPage(
+                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images
                 )
-            }
-            yield StoredPage(row["page"], row["markdown"], row["note"], bool(row["failed"]), images)
+            last = rows[-1]["page"]
 
     # --- daemon state, for `ocrvl status` ------------------------------------------------
 

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -74,6 +75,11 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     yield Setup(tmp_path)
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_for_markdown(*pdfs: Path, timeout: float = 90) -> None:
     for pdf in pdfs:
         wait_until(lambda pdf=pdf: pdf.with_suffix(".md").exists(), timeout,
@@ -130,6 +136,9 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         shutil.copyfile(reference, book)
         wait_until(lambda: setup.checkpointed_pages() >= 12, 90, what="12 pages checkpointed")
         daemon.kill()
+        # The worker and the server die with the daemon, a moment later: only then is the
+        # request log final for the first run.
+        wait_until(lambda: not port_open(setup.port), 30, what="the first run's server to die")
         done_before_kill = setup.checkpointed_pages()
         requested_before_kill = setup.requests_by_digest()
         assert done_before_kill < pages, "the book finished before the kill; slow the server"

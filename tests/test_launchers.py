@@ -54,7 +54,7 @@ def test_vllm_argv_from_server_python_with_recipe_defaults(tmp_path: Path) -> No
     assert "--no-enable-prefix-caching" in argv
     assert flag_value(argv, "--mm-processor-cache-gb") == "0"
     assert flag_value(argv, "--max-num-batched-tokens") == "16384"
-    # `auto` resolved to the fallback: 4096 new tokens + image + prompt, rounded up to 256.
+    # No GPU reading: `auto` is the safe fallback (4096 new tokens + image + prompt -> 5632).
     assert flag_value(argv, "--gpu-memory-utilization") == "0.8"
     assert flag_value(argv, "--max-model-len") == "5632"
     assert flag_value(argv, "--max-num-seqs") == "32"
@@ -145,7 +145,7 @@ def test_command_placeholders_and_vllm_args(tmp_path: Path) -> None:
     argv = prepare_launch(config).argv
     assert argv[:8] == [sys.executable, "-m", "srv", "--bind=127.0.0.2:9003", "--name",
                         "PaddleOCR-VL-1.6-0.9B", "--weights", "PaddlePaddle/PaddleOCR-VL-1.6"]
-    assert argv[8:] == [*vllm_flags(resolve_vllm_args(config)), "--tail"]
+    assert argv[8:] == [*vllm_flags(resolve_vllm_args(config).values), "--tail"]
     assert flag_value(argv, "--max-num-seqs") == "4"
 
 

@@ -1,0 +1,1 @@
+"""ocrvl's throughput benchmark (see bench/README.md)."""

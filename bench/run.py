@@ -1,0 +1,658 @@
+"""ocrvl's throughput benchmark: one command, one table.
+
+    /work/venv/bin/python bench/run.py            # everything (~15 min on 2 cores)
+    /work/venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
+    /work/venv/bin/python -m bench --only a,b     # some scenarios
+
+A simulated continuous-batching vLLM (ocrvl_daemon.testing.fake_server, parameters in
+SIM_ARGS, explained in bench/README.md) serves every contender in turn:
+  B1  `paddleocr doc_parser --input FILE ...` once per file (PaddleOCR's documented CLI)
+  B2  one warm `PaddleOCRVL(...).predict([all files])` in one process (only predict timed)
+  ocrvl  `ocrvl convert FILES --server-url URL` (a, b) and `ocrvl run` + inbox (c)
+Layout detection is off for everyone (no model weights offline). The table goes to stdout
+and, with --write, into bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from bench.loadgen import images, measure  # noqa: E402
+from ocrvl_daemon.testing.documents import make_pdf  # noqa: E402
+from ocrvl_daemon.testing.harness import free_port, start_fake_server, wait_until  # noqa: E402
+from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config  # noqa: E402
+
+MODEL = "PaddleOCR-VL-1.6-0.9B"
+PAGE_HEIGHT = 792  # points: a 400..1380 x 792 pt page, 800..2760 x 1584 px at 2x
+# The simulated server: a data-centre GPU's shape (peak near 64 in flight, lower beyond)
+# at ~0.37x its speed, i.e. an RTX-4060-class card sped up ~1.5x (see bench/README.md).
+SIM_ARGS = (
+    "--step-t0-ms", "6.1",
+    "--step-t1-ms", "0.074",
+    "--prefill-ms-per-image", "30",
+    "--output-tokens", "lognormal:1000:0.5",
+    "--max-num-seqs", "256",
+    "--kv-capacity-tokens", "150000",
+    "--max-model-len", "16384",
+    "--disable-uvicorn-access-log",
+)  # fmt: skip
+CURVE = (1, 8, 16, 32, 48, 64, 96, 128, 256)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- set-up checks ----------------------------------------------------------------------
+
+
+def check_setup() -> str:
+    """The paddleocr CLI, or exit telling what to install."""
+    try:
+        import docx  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "python-docx is missing: paddleocr 3.7.0's CLI crashes while saving without it.\n"
+            f"Install the benchmark's extras: {sys.executable} -m pip install -r "
+            f"{HERE / 'requirements.txt'}"
+        )
+    cli = shutil.which("paddleocr", path=str(Path(sys.executable).parent))
+    if cli is None:
+        sys.exit("the `paddleocr` command is not next to this Python; install ocrvl first")
+    return cli
+
+
+def machine() -> dict[str, str]:
+    model = "?"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    return {
+        "cpu": model,
+        "cores": str(psutil.cpu_count(logical=True)),
+        "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+
+
+# --- measuring a run against the server -------------------------------------------------
+
+
+@dataclass
+class Run:
+    system: str
+    scenario: str
+    pages: int
+    seconds: float
+    warm_seconds: float | None = None
+    occupancy: float = 0.0  # time-weighted mean active sequences while busy / max-num-seqs
+    mean_active: float = 0.0
+    server_tokens_per_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pages_per_s(self) -> float:
+        return self.pages / (self.warm_seconds or self.seconds)
+
+
+class Server:
+    def __init__(self, srv: Any) -> None:
+        self.srv = srv
+        self.url = srv.url
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/fake/stats", timeout=10).json()
+
+    def reset(self) -> dict[str, Any]:
+        return httpx.post(self.url + "/fake/reset", timeout=10).json()
+
+    def idle(self) -> bool:
+        s = self.stats()
+        return s["running"] == 0 and s["waiting"] == 0
+
+
+def measured(server: Server, run: Run, before: dict[str, Any], t0: float) -> Run:
+    after = server.stats()
+    run.occupancy = after["occupancy"]
+    span = max(1e-9, time.monotonic() - t0)
+    run.server_tokens_per_s = (after["generation_tokens"] - before["generation_tokens"]) / span
+    # mean active over the whole run (idle gaps count as zero), from reset to now
+    run.mean_active = after["mean_active"]
+    return run
+
+
+# --- contenders -------------------------------------------------------------------------
+
+
+def run_b1(cli: str, server: Server, files: list[Path], out: Path, scenario: str) -> Run:
+    wait_until(server.idle, 60, what="an idle server")
+    before = server.reset()
+    t0 = time.monotonic()
+    for f in files:
+        subprocess.run(
+            [
+                cli, "doc_parser", "--input", str(f),
+                "--vl_rec_backend", "vllm-server",
+                "--vl_rec_server_url", server.url + "/v1",
+                "--use_layout_detection", "False",
+                "--save_path", str(out),
+            ],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+    seconds = time.monotonic() - t0
+    pages = sum(_pages(f) for f in files)
+    return measured(server, Run("B1 paddleocr CLI", scenario, pages, seconds), before, t0)
+
+
+B2_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from paddleocr import PaddleOCRVL
+    url, files = sys.argv[1], sys.argv[2:]
+    p = PaddleOCRVL(vl_rec_backend="vllm-server", vl_rec_server_url=url,
+                    use_layout_detection=False)
+    t0 = time.monotonic()
+    n = 0
+    for res in p.predict(files):
+        n += len(res.markdown.get("markdown_texts") or "") >= 0
+    print(json.dumps({"pages": n, "seconds": time.monotonic() - t0}))
+    """
+)
+
+
+def run_b2(server: Server, files: list[Path], scenario: str) -> Run:
+    wait_until(server.idle, 60, what="an idle server")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", B2_SCRIPT, server.url + "/v1", *map(str, files)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    # Reset the server statistics when the first request arrives (construction excluded).
+    start_count = server.stats()["requests_received"]
+    wait_until(
+        lambda: server.stats()["requests_received"] > start_count or proc.poll() is not None,
+        300, interval=0.02, what="B2's first request",
+    )  # fmt: skip
+    before = server.reset()
+    t0 = time.monotonic()
+    stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"B2 failed: {stderr[-2000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    run = Run("B2 warm predict()", scenario, result["pages"], result["seconds"])
+    return measured(server, run, before, t0)
+
+
+class Ocrvl:
+    """`ocrvl ARGS` with stderr read line by line, each line's arrival time kept."""
+
+    def __init__(self, *args: str | Path) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            ocrvl_argv(*args), env=ocrvl_env(), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip()))
+
+    def first(self, text: str) -> float | None:
+        return next((t for t, line in list(self.lines) if text in line), None)
+
+    def grep(self, text: str) -> list[str]:
+        return [line for _, line in list(self.lines) if text in line]
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+
+
+def run_ocrvl_convert(server: Server, files: list[Path], work: Path, scenario: str) -> Run:
+    wait_until(server.idle, 60, what="an idle server")
+    cfg = write_config(work / f"ocrvl-{scenario}.yaml", state_dir=str(work / f"state-{scenario}"))
+    before = server.reset()
+    t0 = time.monotonic()
+    proc = Ocrvl("convert", "--config", cfg, "--server-url", server.url, *files)
+    code = proc.wait(3600)
+    seconds = time.monotonic() - t0
+    if code != 0:
+        raise RuntimeError("ocrvl convert failed:\n" + "\n".join(proc.grep("")[-30:]))
+    ready = proc.first("ready in")
+    run = Run("ocrvl convert", scenario, sum(_pages(f) for f in files), seconds)
+    run.warm_seconds = seconds - (ready - t0) if ready else None
+    run.extra["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
+    return measured(server, run, before, t0)
+
+
+# --- scenario (c): the daemon with an inbox ---------------------------------------------
+
+
+def drop(src: Path, inbox: Path) -> float:
+    """Copy under a temporary name, then rename into the inbox; returns the drop time."""
+    tmp = inbox / f".{src.name}.part"
+    shutil.copyfile(src, tmp)
+    t = time.monotonic()
+    os.rename(tmp, inbox / src.name)
+    return t
+
+
+def md_done(inbox: Path, name: str) -> bool:
+    return (inbox / (Path(name).stem + ".md")).exists()
+
+
+def daemon_cpu(proc: psutil.Process) -> tuple[float, float]:
+    """(daemon's own CPU seconds, its children's CPU seconds: the engine worker)."""
+    mine = proc.cpu_times()
+    kids = 0.0
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            t = child.cpu_times()
+            kids += t.user + t.system
+    return mine.user + mine.system, kids
+
+
+def start_daemon(server_url: str, work: Path, name: str) -> tuple[Ocrvl, Path, psutil.Process]:
+    inbox = work / f"inbox-{name}"
+    inbox.mkdir()
+    cfg = write_config(
+        work / f"ocrvl-{name}.yaml",
+        state_dir=str(work / f"state-{name}"),
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.5, "polling": False},
+        server={"mode": "external", "url": server_url},
+    )
+    daemon = Ocrvl("run", "--config", cfg)
+    wait_until(lambda: daemon.first("ready") is not None, 120, what="the daemon's ready line")
+    wait_until(lambda: daemon.first("engine worker") and daemon.first("ready in"), 120,
+               what="the engine worker")  # fmt: skip
+    return daemon, inbox, psutil.Process(daemon.proc.pid)
+
+
+def run_scenario_c(server: Server, book: Path, smalls: list[Path], solo: list[Path],
+                   work: Path) -> tuple[Run, dict[str, Any]]:  # fmt: skip
+    wait_until(server.idle, 60, what="an idle server")
+    daemon, inbox, proc = start_daemon(server.url, work, "c")
+    try:
+        # Solo: each small document alone in the idle daemon.
+        solo_times = []
+        for doc in solo:
+            t = drop(doc, inbox)
+            wait_until(lambda d=doc: md_done(inbox, d.name), 300, interval=0.02, what=doc.name)
+            solo_times.append(time.monotonic() - t)
+        cpu0, _ = daemon_cpu(proc)
+        before = server.reset()
+        t0 = drop(book, inbox)
+        dropped: dict[str, float] = {}
+        done: dict[str, float] = {}
+        wait_until(lambda: server.stats()["running"] >= 16, 120, what="the book under way")
+        gap = 1.5
+        for doc in smalls:
+            dropped[doc.name] = drop(doc, inbox)
+            t_end = time.monotonic() + gap
+            while time.monotonic() < t_end:
+                for name in dropped:
+                    if name not in done and md_done(inbox, name):
+                        done[name] = time.monotonic()
+                time.sleep(0.02)
+        while len(done) < len(smalls) or not md_done(inbox, book.name):
+            for name in dropped:
+                if name not in done and md_done(inbox, name):
+                    done[name] = time.monotonic()
+            book_running = not md_done(inbox, book.name)
+            if time.monotonic() - t0 > 3600:
+                raise RuntimeError("scenario c did not finish")
+            time.sleep(0.02 if book_running or len(done) < len(smalls) else 0)
+        seconds = time.monotonic() - t0
+        pages = _pages(book) + sum(_pages(s) for s in smalls)
+        cpu1, _ = daemon_cpu(proc)
+        run = Run("ocrvl run (daemon)", "c", pages, seconds)
+        measured(server, run, before, t0)
+        lat = [done[n] - dropped[n] for n in dropped]
+        info = {
+            "solo_s": statistics.median(solo_times),
+            "busy_median_s": statistics.median(lat),
+            "busy_max_s": max(lat),
+            "busy_p90_s": sorted(lat)[int(0.9 * (len(lat) - 1))],
+            "daemon_cpu_ms_per_page": (cpu1 - cpu0) * 1000 / pages,
+            "concurrency": [line.split("] ")[-1] for line in daemon.grep("concurrency")],
+        }
+        return run, info
+    finally:
+        daemon.stop()
+
+
+def run_memory_idle(pages: int, work: Path, idle_seconds: float) -> dict[str, Any]:
+    """A daemon converts one `pages`-page PDF of small pages on an instant server; RSS sampled;
+    then it idles for `idle_seconds` and its CPU (with the worker's) is measured."""
+    pdf = make_pdf(work / "mem" / f"many{pages}.pdf", pages, height=200, seed=7)
+    port = free_port()
+    with start_fake_server(port, "--disable-uvicorn-access-log", "--output-tokens", "fixed:64"):
+        daemon, inbox, proc = start_daemon(f"http://127.0.0.1:{port}", work, "mem")
+        try:
+            samples: list[tuple[float, float, float]] = []
+            cpu0, _ = daemon_cpu(proc)
+            t0 = drop(pdf, inbox)
+            while not md_done(inbox, pdf.name):
+                kids = proc.children(recursive=True)
+                worker = max((k.memory_info().rss for k in kids), default=0)
+                samples.append((time.monotonic() - t0, proc.memory_info().rss, worker))
+                if time.monotonic() - t0 > 1800:
+                    raise RuntimeError("memory scenario did not finish")
+                time.sleep(1.0)
+            seconds = time.monotonic() - t0
+            cpu1, _ = daemon_cpu(proc)
+            time.sleep(3)  # let the last page settle
+            rss_d = proc.memory_info().rss
+            rss_w = max((k.memory_info().rss for k in proc.children(recursive=True)), default=0)
+            c0 = daemon_cpu(proc)
+            i0 = time.monotonic()
+            time.sleep(idle_seconds)
+            c1 = daemon_cpu(proc)
+            idle_wall = time.monotonic() - i0
+            third = max(1, len(samples) // 3)
+            return {
+                "pages": pages,
+                "seconds": seconds,
+                "daemon_cpu_ms_per_page": (cpu1 - cpu0) * 1000 / pages,
+                "daemon_rss_mib_end": rss_d / 2**20,
+                "worker_rss_mib_end": rss_w / 2**20,
+                "daemon_rss_mib_first_third_max": max(s[1] for s in samples[:third]) / 2**20,
+                "daemon_rss_mib_last_third_max": max(s[1] for s in samples[-third:]) / 2**20,
+                "worker_rss_mib_first_third_max": max(s[2] for s in samples[:third]) / 2**20,
+                "worker_rss_mib_last_third_max": max(s[2] for s in samples[-third:]) / 2**20,
+                "idle_daemon_pct_core": (c1[0] - c0[0]) / idle_wall * 100,
+                "idle_worker_pct_core": (c1[1] - c0[1]) / idle_wall * 100,
+            }
+        finally:
+            daemon.stop()
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+_PAGES: dict[Path, int] = {}
+
+
+def _pages(path: Path) -> int:
+    if path not in _PAGES:
+        import pypdfium2
+
+        doc = pypdfium2.PdfDocument(str(path))
+        _PAGES[path] = len(doc)
+        doc.close()
+    return _PAGES[path]
+
+
+def curve(server: Server, points: tuple[int, ...], seconds: float) -> list[Any]:
+    jpegs = images(200)
+    out = []
+    for c in points:
+        wait_until(server.idle, 120, what="an idle server")
+        warm = min(30.0, 4.0 + c * 0.12)
+        p = measure(server.url, MODEL, c, warm, seconds, jpegs)
+        log(f"curve: {c} in flight: {p.tokens_per_s:.0f} tokens/s, occupancy {p.occupancy:.3f}")
+        out.append(p)
+    return out
+
+
+# --- the report -------------------------------------------------------------------------
+
+
+def fmt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report(res: dict[str, Any]) -> str:
+    tpp = res["tokens_per_page"]
+    lines = ["## Machine", ""]
+    for k, v in res["machine"].items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "## The simulated server", "", "`" + " ".join(SIM_ARGS) + "`", ""]
+    if res.get("curve"):
+        best = max(res["curve"], key=lambda p: p.tokens_per_s)
+        lines += [
+            "Direct load generator (N requests always in flight, no PDF pipeline):",
+            "",
+            "| in flight | pages/s | tokens/s | occupancy (mean active / max-num-seqs) "
+            "| preemptions |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for p in res["curve"]:
+            mark = " **peak**" if p is best else ""
+            lines.append(
+                f"| {p.concurrency}{mark} | {p.tokens_per_s / tpp:.2f} | {p.tokens_per_s:.0f} "
+                f"| {p.occupancy:.3f} | {p.preemptions} |"
+            )
+        lines += ["", f"Mean output: {tpp:.0f} tokens per page.", ""]
+    peak = res.get("peak_pages_per_s")
+    lines += [
+        "## Scenarios",
+        "",
+        "| scenario | system | pages | wall s | pages/s | vs B1 | vs B2 "
+        "| % of server max | occupancy | mean in flight |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sc, runs in res["scenarios"].items():
+        by = {r.system.split()[0]: r for r in runs}
+        b1, b2 = by.get("B1"), by.get("B2")
+        for r in runs:
+            vs1 = r.pages_per_s / b1.pages_per_s if b1 else None
+            vs2 = r.pages_per_s / b2.pages_per_s if b2 else None
+            of_max = r.pages_per_s / peak * 100 if peak else None
+            wall = f"{r.seconds:.1f}"
+            if r.warm_seconds:
+                wall += f" ({r.warm_seconds:.1f} warm)"
+            lines.append(
+                f"| {sc} | {r.system} | {r.pages} | {wall} | {r.pages_per_s:.2f} | {fmt(vs1)} "
+                f"| {fmt(vs2)} | {fmt(of_max, '.0f')} | {r.occupancy:.3f} "
+                f"| {r.mean_active:.1f} |"
+            )
+    lines += [""]
+    if res.get("c"):
+        c = res["c"]
+        lines += [
+            "## Scenario (c): small documents dropped while a 300-page book runs",
+            "",
+            f"- alone (median, drop -> `.md`): {c['solo_s']:.2f} s",
+            f"- while the book runs: median {c['busy_median_s']:.2f} s, "
+            f"p90 {c['busy_p90_s']:.2f} s, max {c['busy_max_s']:.2f} s "
+            f"(median {c['busy_median_s'] / c['solo_s']:.2f}x alone)",
+            f"- daemon CPU outside the worker: {c['daemon_cpu_ms_per_page']:.1f} ms per page",
+            "",
+        ]
+    if res.get("mem"):
+        m = res["mem"]
+        lines += [
+            f"## Daemon cost ({m['pages']} small pages, instant server, `ocrvl run`)",
+            "",
+            f"- {m['pages']} pages in {m['seconds']:.0f} s; daemon CPU outside the worker: "
+            f"{m['daemon_cpu_ms_per_page']:.1f} ms per page",
+            f"- RSS daemon: max {m['daemon_rss_mib_first_third_max']:.0f} MiB in the first "
+            f"third, {m['daemon_rss_mib_last_third_max']:.0f} MiB in the last third, "
+            f"{m['daemon_rss_mib_end']:.0f} MiB at the end",
+            f"- RSS worker: max {m['worker_rss_mib_first_third_max']:.0f} MiB in the first "
+            f"third, {m['worker_rss_mib_last_third_max']:.0f} MiB in the last third, "
+            f"{m['worker_rss_mib_end']:.0f} MiB at the end",
+            f"- idle {res['idle_seconds']:.0f} s: daemon {m['idle_daemon_pct_core']:.2f}% "
+            f"of a core, worker {m['idle_worker_pct_core']:.2f}%",
+            "",
+        ]
+    lines += ["## Targets", ""]
+    for name, ok, detail in res["targets"]:
+        lines.append(f"- [{'x' if ok else ' '}] {name}: {detail}")
+    return "\n".join(lines) + "\n"
+
+
+def targets(res: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    out = []
+    sc = res["scenarios"]
+    for name in ("a", "b"):
+        if name not in sc:
+            continue
+        by = {r.system.split()[0]: r for r in sc[name]}
+        o, b1, b2 = by.get("ocrvl"), by.get("B1"), by.get("B2")
+        if o and b2:
+            ratio = o.pages_per_s / b2.pages_per_s
+            out.append((f"({name}) ocrvl >= 1.2x B2", ratio >= 1.2, f"{ratio:.2f}x"))
+        if name == "b" and o and b1:
+            ratio = o.pages_per_s / b1.pages_per_s
+            out.append(("(b) ocrvl >= 5x B1", ratio >= 5, f"{ratio:.2f}x"))
+    peak = res.get("peak_pages_per_s")
+    if peak:
+        for name, runs in sc.items():
+            for r in runs:
+                if r.system.startswith("ocrvl"):
+                    share = r.pages_per_s / peak
+                    out.append(
+                        (f"({name}) ocrvl at >= 90% of the server's maximum", share >= 0.9,
+                         f"{share:.0%} ({r.pages_per_s:.2f} of {peak:.2f} pages/s)")
+                    )  # fmt: skip
+    if res.get("c"):
+        c = res["c"]
+        ratio = c["busy_max_s"] / c["solo_s"]
+        out.append(
+            ("(c) small documents within 2x their solo time", ratio <= 2,
+             f"worst {ratio:.2f}x, median {c['busy_median_s'] / c['solo_s']:.2f}x")
+        )  # fmt: skip
+    if res.get("mem"):
+        m = res["mem"]
+        idle = m["idle_daemon_pct_core"] + m["idle_worker_pct_core"]
+        out.append(("idle CPU < 1% of a core", idle < 1, f"{idle:.2f}%"))
+        grow = m["worker_rss_mib_last_third_max"] / max(1.0, m["worker_rss_mib_first_third_max"])
+        out.append(("worker memory bounded", grow < 1.5, f"last/first third {grow:.2f}x"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default="curve,a,b,c,mem", help="comma-separated parts")
+    ap.add_argument("--quick", action="store_true", help="small documents (smoke test)")
+    ap.add_argument(
+        "--b1-files",
+        type=int,
+        default=10,
+        help="(b) B1 runs on this many of the 100 files (its rate is per page)",
+    )
+    ap.add_argument("--pages", type=int, default=1000, help="pages of the memory scenario")
+    ap.add_argument("--idle-seconds", type=float, default=30.0)
+    ap.add_argument("--write", action="store_true", help="write bench/RESULTS.md")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)  # fmt: skip
+    parts = set(args.only.split(","))
+    cli = check_setup()
+    q = args.quick
+    work = Path(tempfile.mkdtemp(prefix="ocrvl-bench-"))
+    log(f"work directory {work}")
+    res: dict[str, Any] = {"machine": machine(), "scenarios": {}, "idle_seconds": args.idle_seconds}
+    try:
+        book = make_pdf(work / "a" / "book.pdf", 20 if q else 200, height=PAGE_HEIGHT, seed=1)
+        letters = [
+            make_pdf(work / "b" / f"letter{i:03d}.pdf", 2, height=PAGE_HEIGHT, seed=100 + i)
+            for i in range(10 if q else 100)
+        ]
+        port = free_port()
+        with start_fake_server(port, *SIM_ARGS, ready_timeout=30) as srv:
+            server = Server(srv)
+            if "curve" in parts:
+                res["curve"] = curve(server, (16, 64, 128) if q else CURVE, 6 if q else 12)
+                best = max(res["curve"], key=lambda p: p.tokens_per_s)
+                res["peak_tokens_per_s"] = best.tokens_per_s
+            for name, files in (("a", [book]), ("b", letters)):
+                if name not in parts:
+                    continue
+                runs = []
+                log(f"({name}) ocrvl convert")
+                runs.append(run_ocrvl_convert(server, files, work, name))
+                log(f"({name}) B2")
+                runs.append(run_b2(server, files, name))
+                b1_files = files if name == "a" else files[: args.b1_files]
+                log(f"({name}) B1 on {len(b1_files)} file(s)")
+                runs.append(run_b1(cli, server, b1_files, work / f"b1-{name}", name))
+                for r in runs:
+                    log(f"({name}) {r.system}: {r.pages_per_s:.2f} pages/s "
+                        f"{r.extra.get('concurrency', '')}")  # fmt: skip
+                res["scenarios"][name] = runs
+            if "c" in parts:
+                big = make_pdf(work / "c" / "big.pdf", 30 if q else 300, height=PAGE_HEIGHT,
+                               seed=2)  # fmt: skip
+                smalls = [
+                    make_pdf(work / "c" / f"small{i:02d}.pdf", 2, height=PAGE_HEIGHT, seed=300 + i)
+                    for i in range(5 if q else 30)
+                ]
+                solo = [
+                    make_pdf(work / "c" / f"solo{i}.pdf", 2, height=PAGE_HEIGHT, seed=400 + i)
+                    for i in range(3)
+                ]
+                log("(c) ocrvl run with an inbox")
+                run, info = run_scenario_c(server, big, smalls, solo, work)
+                res["scenarios"]["c"] = [run]
+                res["c"] = info
+                log(f"(c) {info}")
+            final = server.stats()
+            res["tokens_per_page"] = (
+                final["generation_tokens"] / final["requests_completed"]
+                if final["requests_completed"] else 1000.0
+            )  # fmt: skip
+        if res.get("peak_tokens_per_s"):
+            res["peak_pages_per_s"] = res["peak_tokens_per_s"] / res["tokens_per_page"]
+        if "mem" in parts:
+            log(f"memory and idle: {args.pages} pages")
+            res["mem"] = run_memory_idle(100 if q else args.pages, work, args.idle_seconds)
+            log(f"memory: {res['mem']}")
+        res["targets"] = targets(res)
+        text = report(res)
+        print(text)
+        if args.write:
+            (HERE / "RESULTS.md").write_text(
+                "# Benchmark results\n\nMeasured with `python bench/run.py --write` "
+                f"on {time.strftime('%Y-%m-%d')}. See bench/README.md for what is simulated.\n\n"
+                + text,
+                encoding="utf-8",
+            )
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
