@@ -154,7 +154,7 @@ class Daemon:
                     "attempt": server.attempt,
                     "restarts": server.restart_count,
                     "last_error": server.last_error,
-                    "diagnosis": server.diagnosis.cause if server.diagnosis else None,
+                    "diagnosis": str(server.diagnosis) if server.diagnosis else None,
                 },
             },
         )

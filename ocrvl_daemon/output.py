@@ -62,7 +62,7 @@ def read_header(md: Path) -> dict[str, str] | None:
 def is_current(pdf: Path, sha256: str, model: str) -> bool:
     """Whether `<stem>.md` exists, is ocrvl's, and was made from this content by this model."""
     header = read_header(outputs_for(pdf)[0])
-    return bool(header) and header.get("sha256") == sha256 and header.get("model") == model
+    return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
 def check_writable(pdf: Path) -> None:

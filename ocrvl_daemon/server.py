@@ -741,8 +741,8 @@ class ServerSupervisor:
             # Nothing ocrvl may lower is left: the user's fix is the exact settings to change.
             advice = autotune.suggestion(self._args, self.config, text)
             error = f"{failure}: {advice}"
-            if diagnosis is not None:
-                diagnosis = dataclasses.replace(diagnosis, fix=advice)
+            diagnosis = (dataclasses.replace(diagnosis, fix=advice) if diagnosis is not None
+                         else Diagnosis("cuda_oom", "out of memory", advice))
         if stepped:
             delay = 0.0  # a new setting deserves an immediate try (and is not a crash loop)
         else:

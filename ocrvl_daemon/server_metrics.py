@@ -124,8 +124,9 @@ class MetricsPoller:
             return None
         if response.status_code != 200:
             if response.status_code in (404, 401, 403):
+                first = self._missing_until == float("-inf")
                 self._missing_until = self._clock() + MISSING_RETRY_SECONDS
-                log.info(
+                (log.info if first else log.debug)(
                     "%s/metrics answered %s; adapting concurrency from completions only",
                     root,
                     response.status_code,

@@ -1,80 +1,49 @@
-"""The installed unit under a real `systemd --user` (see tests/systemd_user.py).
+"""The real `ocrvl run` as the installed user unit under a real `systemd --user`.
 
-The service is a stand-in for `ocrvl run`: a small script that speaks sd_notify through
-ocrvl's Notifier and logs through ocrvl's logging set-up, and holds each step until the
-test allows it, so the states in between can be seen.
+tests/systemd_user.py runs the manager and journald in this container (skipped, with the
+reason, where the machine cannot). `ocrvl install-service` writes the unit; the daemon
+starts the fake vLLM server itself (with a start-up delay, so "activating" can be seen) and
+converts a PDF with the real pipeline (layout detection off). Both ways of logging into the
+journal are covered: `<N>` priority prefixes on stderr, and systemd-python's JournalHandler
+with OCRVL_* fields.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-from systemd_user import cgroup_pids, cgroup_roots, unavailable_reason, user_manager
+from systemd_user import UserManager, cgroup_pids, cgroup_roots, unavailable_reason, user_manager
 
-import ocrvl_daemon
 from ocrvl_daemon.service import UNIT_NAME, install_service
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import free_port, process_alive
+from ocrvl_daemon.testing.runner import PACKAGE_ROOT, managed_fake_server, write_config
 
 pytestmark = pytest.mark.slow
 
-STUB = '''#!{python}
-"""Stand-in for `ocrvl run`: notify, log, reload on HUP, leave a child to be killed."""
-import json, logging, os, signal, subprocess, sys, time
-from pathlib import Path
-sys.path.insert(0, {package_parent!r})
-if {hide_systemd_python!r}:
-    sys.modules["systemd"] = None  # log through `<N>` prefixes on stderr instead
-from ocrvl_daemon.logs import doc_fields, setup_logging
-from ocrvl_daemon.systemd import Notifier, StatusSnapshot, child_env, format_status
-
-state = Path({state!r})
-got = []
-signal.signal(signal.SIGHUP, lambda *_: got.append("HUP"))
-signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))
-setup_logging("INFO")
-log = logging.getLogger("ocrvl_daemon.stub")
-notifier = Notifier()
-# Stands in for the model server: its own session, like vLLM, so only the cgroup holds it.
-child = subprocess.Popen(["sleep", "1000"], env=child_env(os.environ), start_new_session=True)
-(state / "info.json").write_text(json.dumps({{
-    "argv": sys.argv[1:], "child": child.pid, "pid": os.getpid(),
-    "notify_socket": os.environ.get("NOTIFY_SOCKET"),
-    "watchdog_usec": os.environ.get("WATCHDOG_USEC"),
-}}))
-log.warning("stub warning", extra=doc_fields(Path("/inbox/book.pdf"), page=3, job=7))
-log.info("stub info line")
-
-
-def wait_for(name):
-    while not (state / name).exists():
-        notifier.tick()
-        time.sleep(0.02)
-
-
-(state / "waiting").touch()
-wait_for("go-ready")
-notifier.ready(format_status(StatusSnapshot()))
-reloads = 0
-while "TERM" not in got:
-    notifier.tick()
-    if "HUP" in got:
-        got.remove("HUP")
-        notifier.reloading()
-        reloads += 1
-        (state / "reloads").write_text(str(reloads))
-        wait_for(f"go-reload-{{reloads}}")
-        notifier.ready()
-    time.sleep(0.02)
-notifier.stopping()
-log.info("stub stopping")
-'''
+STARTUP_DELAY = 3.0  # the fake server refuses connections this long after launch
+WATCHDOG_SEC = 4  # a drop-in shortens the unit's WatchdogSec so systemd really checks pings
+UNIT_MATCH = f"_SYSTEMD_USER_UNIT={UNIT_NAME}"
+# Runs `python -m ocrvl_daemon` from this checkout; exec keeps the pid systemd watches.
+LAUNCHER = """#!/bin/sh
+export PYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}}
+exec {python} {module} "$@"
+"""
+# Without systemd-python ocrvl logs `<N>`-prefixed lines on stderr for journald to parse.
+WITHOUT_SYSTEMD_PYTHON = ("-c 'import runpy, sys; sys.modules[\"systemd\"] = None; "
+                          "runpy.run_module(\"ocrvl_daemon\", run_name=\"__main__\", "
+                          "alter_sys=True)'")
 
 
 @pytest.fixture
-def manager():
+def manager() -> Iterator[UserManager]:
+    """A running `systemd --user` (skipped, saying why, where this machine cannot run one)."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"cannot run a systemd user manager here: {reason}")
@@ -82,7 +51,8 @@ def manager():
         yield running
 
 
-def _have_systemd_python() -> bool:
+def have_systemd_python() -> bool:
+    """Whether systemd-python (ocrvl's optional journald extra) is importable."""
     try:
         import systemd.journal  # noqa: F401
     except ImportError:
@@ -90,72 +60,144 @@ def _have_systemd_python() -> bool:
     return True
 
 
+def health_ok(port: int) -> bool:
+    """Whether the fake server answers /health with 200 right now."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def cmdline(pid: int) -> list[str]:
+    """A process's argv ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def write_launcher(path: Path, journal_handler: bool) -> Path:
+    """An executable that runs this checkout's `ocrvl` (what ExecStart= will point at)."""
+    module = "-m ocrvl_daemon" if journal_handler else WITHOUT_SYSTEMD_PYTHON
+    path.write_text(LAUNCHER.format(root=shlex.quote(str(PACKAGE_ROOT)),
+                                    python=shlex.quote(sys.executable), module=module))
+    path.chmod(0o755)
+    return path
+
+
+def wait_until_active(manager: UserManager, port: int) -> None:
+    """Wait for ActiveState=active, checking that it is `activating` (showing the server's
+    start-up in its status) while the model server does not answer yet, never `active`."""
+    samples: list[tuple[str, str, bool]] = []
+
+    def active() -> bool:
+        state = manager.show(UNIT_NAME, "ActiveState")
+        status = manager.show(UNIT_NAME, "StatusText")
+        samples.append((state, status, health_ok(port)))
+        if state in ("failed", "inactive") and len(samples) > 1:
+            raise AssertionError(f"ocrvl.service is {state} instead of starting:\n"
+                                 f"{manager.journal('-o', 'cat', UNIT_MATCH)[-4000:]}")
+        return state == "active"
+
+    manager.wait_for("ocrvl.service to become active", active, timeout=90)
+    assert all(up for state, _, up in samples if state == "active"), \
+        "systemd showed ocrvl active while the model server was not answering yet"
+    starting = [status for state, status, up in samples if state == "activating" and not up]
+    assert starting, f"ocrvl.service was never seen activating while the server started: " \
+                     f"{samples}"
+    assert any(status.startswith("starting server") for status in starting), \
+        f"`systemctl status` did not say the server is starting: {starting}"
+
+
 @pytest.mark.parametrize("logging_via", ["prefixes", "journal-handler"])
-def test_unit_lifecycle_under_real_user_manager(manager, logging_via: str) -> None:
+def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserManager,
+                                                                 logging_via: str) -> None:
+    """install-service, start (activating until the server is up), convert, reload, stop."""
     via_handler = logging_via == "journal-handler"
-    if via_handler and not _have_systemd_python():
+    if via_handler and not have_systemd_python():
         pytest.skip("systemd-python is not installed (pip install 'ocrvl-daemon[journald]')")
-    state = manager.base / "stub"
-    state.mkdir()
-    stub = state / "ocrvl"
-    stub.write_text(STUB.format(python=sys.executable, state=str(state),
-                                package_parent=str(Path(ocrvl_daemon.__file__).parent.parent),
-                                hide_systemd_python=not via_handler))
-    stub.chmod(0o755)
-    # Spaces, `$` and `%` in an argument prove ExecStart= quoting.
-    config = manager.base / "my config $HOME 100%.yaml"
+    root = manager.base
+    inbox = root / "inbox"
+    inbox.mkdir()
+    port = free_port()
+    # Spaces, `$` and `%` in the config's path prove ExecStart= quoting.
+    config = write_config(root / "my config $HOME 100%.yaml",
+                          inbox={"paths": [str(inbox)], "stable_seconds": 0.3,
+                                 "poll_interval": 0.2},
+                          server=managed_fake_server(port, "--startup-delay", str(STARTUP_DELAY)))
+    launcher = write_launcher(root / "ocrvl", journal_handler=via_handler)
 
-    install_service(config, dry_run=False, force=False, exec_path=stub,
+    install_service(config, dry_run=False, force=False, exec_path=launcher,
                     unit_dir=manager.unit_dir, run=manager.run)
-    assert manager.systemctl("is-enabled", UNIT_NAME).stdout.strip() == "enabled"
+    assert manager.systemctl("is-enabled", UNIT_NAME).stdout.strip() == "enabled", \
+        "install-service did not enable the unit"
+    manager.drop_in(UNIT_NAME, f"[Service]\nWatchdogSec={WATCHDOG_SEC}\n")
 
-    # Active only once READY=1 came.
+    # Start: activating while the model server starts, active only once it answers.
     manager.systemctl("start", "--no-block", UNIT_NAME)
-    manager.wait_for("the stub to start", (state / "waiting").exists)
-    assert manager.show(UNIT_NAME, "ActiveState") == "activating"
-    (state / "go-ready").touch()
-    manager.wait_for("active", lambda: manager.show(UNIT_NAME, "ActiveState") == "active")
-    assert manager.show(UNIT_NAME, "StatusText") == "idle, 0 done, 0 queued"
+    wait_until_active(manager, port)
+    manager.wait_for("the idle status line", lambda: manager.show(UNIT_NAME, "StatusText")
+                     == "idle, 0 done, 0 queued")
+    main_pid = int(manager.show(UNIT_NAME, "MainPID"))
+    assert cmdline(main_pid)[-3:] == ["run", "--config", str(config)], \
+        f"ExecStart= did not pass the config path intact: {cmdline(main_pid)}"
 
-    info = json.loads((state / "info.json").read_text())
-    assert info["argv"] == ["run", "--config", str(config)]
-    assert info["notify_socket"] and info["watchdog_usec"] == "60000000"
-    assert manager.show(UNIT_NAME, "MainPID") == str(info["pid"])
-    child_env = Path(f"/proc/{info['child']}/environ").read_bytes().split(b"\0")
-    assert not [v for v in child_env if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))]
+    # Convert a PDF dropped into the inbox.
+    book = make_pdf(inbox / "book.pdf", 2)
+    manager.wait_for("book.md to be written", book.with_suffix(".md").exists, timeout=90)
+    manager.wait_for("the status to count the conversion", lambda: manager.show(
+        UNIT_NAME, "StatusText") == "idle, 1 done, 0 queued")
+    service_cgroups = [root_ / manager.cgroup / "app.slice" / UNIT_NAME
+                       for root_ in cgroup_roots()]
+    running = set().union(*(cgroup_pids(path) for path in service_cgroups))
+    servers = [pid for pid in running if "ocrvl_daemon.testing.fake_server" in cmdline(pid)]
+    engines = [pid for pid in running if any("multiprocessing" in arg for arg in cmdline(pid))]
+    assert main_pid in running and servers and engines, \
+        f"expected ocrvl, the model server and an engine worker in the unit's cgroup: " \
+        f"{ {pid: cmdline(pid) for pid in running} }"
+    server_env = Path(f"/proc/{servers[0]}/environ").read_bytes().split(b"\0")
+    assert not [v for v in server_env if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))], \
+        "the model server inherited systemd's notify variables (it could speak for ocrvl)"
 
-    # Reload: ExecReload sends HUP, the stub says RELOADING=1 and later READY=1. --no-block:
-    # when RELOADING=1 beats the end of ExecReload, the reload job lasts until READY=1.
+    # The journal: the conversion is there; `-p warning` shows warnings but no INFO lines.
+    done_line = manager.wait_for("the conversion in the journal", lambda: next(
+        (line for line in manager.journal("-o", "cat", UNIT_MATCH).splitlines()
+         if "book.pdf: done" in line), None))
+    assert not done_line.startswith("<"), f"a priority prefix reached the journal: {done_line}"
+    warnings = manager.journal("-o", "cat", "-p", "warning", UNIT_MATCH)
+    assert "ignoring unmodelled args" in warnings, \
+        f"the model server's WARNING line is missing from `journalctl -p warning`: {warnings}"
+    assert "book.pdf: done" not in warnings and "ready: server up" not in warnings, \
+        f"`journalctl -p warning` shows INFO lines: log priorities are lost:\n{warnings}"
+    if via_handler:
+        fields = manager.journal("-o", "cat", UNIT_MATCH, f"OCRVL_PDF={book}")
+        assert "book.pdf: done" in fields, "the journal has no OCRVL_PDF field for the book"
+
+    # Reload: ExecReload sends SIGHUP; RELOADING=1, then READY=1 brings it back to active.
     manager.systemctl("reload", "--no-block", UNIT_NAME)
-    manager.wait_for("the stub to get SIGHUP", (state / "reloads").exists)
-    manager.wait_for("reloading", lambda: manager.show(UNIT_NAME, "ActiveState") == "reloading")
-    (state / "go-reload-1").touch()
-    manager.wait_for("active again",
-                     lambda: manager.show(UNIT_NAME, "ActiveState") == "active")
+    manager.wait_for("the reload in the journal", lambda: "configuration reloaded" in
+                     manager.journal("-o", "cat", UNIT_MATCH))
     manager.wait_for("the reload job to end",
                      lambda: "No jobs" in manager.systemctl("list-jobs").stdout)
-    assert (state / "reloads").read_text() == "1"
+    assert manager.show(UNIT_NAME, "ActiveState") == "active", "not active after the reload"
+    assert int(manager.show(UNIT_NAME, "MainPID")) == main_pid, "the reload restarted ocrvl"
 
-    # Priorities reach the journal (prefixes, or journald fields through systemd-python).
-    unit_match = f"_SYSTEMD_USER_UNIT={UNIT_NAME}"
-    warnings = manager.wait_for(
-        "the warning in the journal",
-        lambda: "stub warning" in (out := manager.journal("-o", "cat", "-p", "warning",
-                                                          unit_match)) and out)
-    assert "stub info line" not in warnings
-    assert "stub info line" in manager.journal("-o", "cat", unit_match)
-    if via_handler:
-        fields = manager.journal("-o", "cat", unit_match, "OCRVL_PDF=/inbox/book.pdf",
-                                 "OCRVL_PAGE=3", "OCRVL_JOB=7")
-        assert "stub warning" in fields
-
-    # Stop: SIGTERM to the stub, SIGKILL for what is left (KillMode=mixed): nothing stays.
-    service_cgroups = [root / manager.cgroup / "app.slice" / UNIT_NAME for root in cgroup_roots()]
+    # Stop: ocrvl stops the server and the worker itself; nothing is left behind.
     manager.systemctl("stop", UNIT_NAME)
     assert manager.show(UNIT_NAME, "ActiveState") == "inactive"
-    assert manager.show(UNIT_NAME, "Result") == "success"
-    for pid in (info["pid"], info["child"]):
-        manager.wait_for(f"process {pid} to be gone",
-                         lambda p=pid: not os.path.exists(f"/proc/{p}"))
-    assert not any(cgroup_pids(path) for path in service_cgroups)
-    assert "stub stopping" in manager.journal("-o", "cat", unit_match)
+    result = {prop: manager.show(UNIT_NAME, prop)
+              for prop in ("Result", "ExecMainStatus", "NRestarts")}
+    assert result == {"Result": "success", "ExecMainStatus": "0", "NRestarts": "0"}, \
+        f"ocrvl did not run and stop cleanly (a watchdog timeout or a crash?): {result}"
+    for pid in sorted(running):
+        manager.wait_for(f"process {pid} ({' '.join(cmdline(pid))}) to be gone",
+                         lambda p=pid: not process_alive(p))
+    assert not any(cgroup_pids(path) for path in service_cgroups), \
+        "processes are left in ocrvl.service's cgroup after the stop"
+    journal = manager.journal("-o", "cat", UNIT_MATCH)
+    assert "reaped server pid" in journal and journal.rstrip().endswith("stopped"), \
+        f"ocrvl did not stop the model server and finish its shutdown itself:\n{journal[-3000:]}"
+    everything = manager.journal("-o", "cat")
+    assert "Killing process" not in everything, \
+        f"systemd had to kill processes ocrvl left behind:\n{everything[-3000:]}"
+    assert os.path.exists(book.with_suffix(".md"))

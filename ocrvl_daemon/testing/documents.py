@@ -6,6 +6,9 @@ it received) tells which page's text landed where.
 
 from __future__ import annotations
 
+import random
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -52,3 +55,98 @@ def make_empty_pdf(path: Path) -> Path:
     with path.open("wb") as f:
         PdfWriter().write(f)
     return path
+
+
+# --- the bad-input corpus: files a daemon must survive, each with a clear outcome ----------
+
+
+def make_zero_byte(path: Path) -> Path:
+    """An empty file named .pdf (an interrupted copy)."""
+    path.write_bytes(b"")
+    return path
+
+
+def make_random_bytes(path: Path, size: int = 4096, seed: int = 0) -> Path:
+    """Noise named .pdf."""
+    path.write_bytes(random.Random(seed).randbytes(size))
+    return path
+
+
+def make_html_as_pdf(path: Path) -> Path:
+    """An HTML page saved under a .pdf name (a download that went to a login page)."""
+    path.write_text("<!DOCTYPE html>\n<html><body><h1>Please sign in</h1></body></html>\n")
+    return path
+
+
+def make_truncated_pdf(path: Path, keep: float = 0.5) -> Path:
+    """A real PDF cut off after `keep` of its bytes (no cross-reference table, no trailer)."""
+    data = make_pdf(path, 4, seed=11).read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return path
+
+
+def make_damaged_xref_pdf(path: Path) -> Path:
+    """A real PDF whose cross-reference offsets all point to the wrong place.
+
+    PDFium rebuilds the table by scanning the objects, so this one is repairable.
+    """
+    data = make_pdf(path, 3, seed=12).read_bytes()
+    start = data.rfind(b"xref")
+    broken = re.sub(rb"\d{10} 00000 n", b"0000000001 00000 n", data[start:])
+    path.write_bytes(data[:start] + broken)
+    return path
+
+
+def make_blank_pages_pdf(path: Path, pages: int, width: float, height: float) -> Path:
+    """`pages` blank pages of `width` x `height` points (cheap at any size or count)."""
+    from pypdf import PdfWriter
+
+    writer = PdfWriter()
+    for _ in range(pages):
+        writer.add_blank_page(width, height)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        writer.write(f)
+    return path
+
+
+def make_gigantic_page_pdf(path: Path) -> Path:
+    """One 200 x 200 inch page, PDF's maximum: 829 megapixels at the default scale."""
+    return make_blank_pages_pdf(path, 1, 14400, 14400)
+
+
+def make_many_tiny_pages_pdf(path: Path, pages: int = 2000) -> Path:
+    """Thousands of 50 x 50 pt pages."""
+    return make_blank_pages_pdf(path, pages, 50, 50)
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A corpus file and what must become of it: converted, or failed for `reason`."""
+
+    path: Path
+    reason: str | None  # a phrase of the failure reason; None: it must convert
+
+
+def make_bad_input_corpus(folder: Path) -> list[BadInput]:
+    """The static part of the corpus, written into `folder` (files the daemon finds there).
+
+    What happens *to* files while they are converted (deleted, replaced) is done by tests.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    return [
+        BadInput(make_zero_byte(folder / "zero.pdf"), "is empty (0 bytes)"),
+        BadInput(make_random_bytes(folder / "noise.pdf"), "is not a PDF"),
+        BadInput(make_html_as_pdf(folder / "login.pdf"), "is an HTML page"),
+        BadInput(make_truncated_pdf(folder / "truncated.pdf"), "damaged beyond repair"),
+        BadInput(make_damaged_xref_pdf(folder / "bad-xref.pdf"), None),
+        BadInput(make_encrypted_pdf(folder / "locked.pdf"), "encrypted with a password"),
+        BadInput(make_empty_pdf(folder / "no-pages.pdf"), "damaged beyond repair or has no pages"),
+        BadInput(make_gigantic_page_pdf(folder / "poster.pdf"), None),
+        BadInput(make_many_tiny_pages_pdf(folder / "stamps.pdf"), None),
+        BadInput(make_pdf(folder / "my book.pdf", 1, seed=13), None),
+        BadInput(make_pdf(folder / 'it\'s "quoted".pdf', 1, seed=14), None),
+        BadInput(make_pdf(folder / "line\nbreak.pdf", 1, seed=15), None),
+        BadInput(make_pdf(folder / "Ünïcödé – 日本語.pdf", 1, seed=16), None),
+        BadInput(make_pdf(folder / "$(touch pwned) `x`; ..pdf", 1, seed=17), None),
+    ]

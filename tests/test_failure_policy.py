@@ -1,0 +1,277 @@
+"""Failure policy: what is retried by itself, what waits for the user, and what a page can sink.
+
+The converter tests feed `PageResult`s straight into a `Converter` (no worker, no server):
+that is the boundary where the engine reports trouble, so every policy path can be driven
+exactly. The daemon tests at the end check the token-limit handling end to end.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from ocrvl_daemon import convert, output, status
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.errors import InputFileError
+from ocrvl_daemon.scheduler import pick_pages
+from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.testing.documents import make_pdf, make_random_bytes
+from ocrvl_daemon.testing.harness import wait_until
+from test_daemon import Setup, wait_for_markdown
+
+
+class ReadyServer:
+    """A server handle that is always ready (the converter never talks to it itself)."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def note_progress(self, in_flight: int, completed_total: int) -> None:
+        pass
+
+
+class Policy:
+    """A converter over a real store and real PDFs, with page results injected by hand."""
+
+    def __init__(self, tmp_path: Path, **pipeline: object) -> None:
+        self.folder = tmp_path / "inbox"
+        self.folder.mkdir()
+        self.config = Config.model_validate(
+            {"state_dir": str(tmp_path / "state"), "pipeline": pipeline})
+        self.store = status.open_store(self.config)
+        self.converter = Converter(self.config, self.store, ReadyServer())
+
+    def queue(self, pdf: Path) -> Job:
+        job = enqueue_file(self.store, pdf, self.config.model.name)
+        self.converter._activate()
+        return job
+
+    def send(self) -> list[tuple[int, int]]:
+        """Hand every pending page to the (imaginary) engine."""
+        docs = list(self.converter.active.values())
+        return [(doc.job_id, page) for doc, page in pick_pages(docs, 100_000)]
+
+    def answer(self, job: Job, page: int, error: str | None = None, kind: str = "page",
+               truncated_at: int | None = None) -> None:
+        result = PageResult(job.id, page, truncated_at=truncated_at)
+        if error is None:
+            result.markdown = f"text of page {page + 1}"
+        else:
+            result.error, result.error_kind = error, kind
+        self.converter._on_result(result)
+        self.converter._collect()
+
+    def job(self, job: Job) -> Job | None:
+        return self.store.job(job.id)
+
+    def view(self, pdf: Path) -> dict:
+        docs = status.collect_status(self.config)["documents"]
+        return next(d for d in docs if d["path"] == str(pdf))
+
+
+@pytest.fixture
+def policy(tmp_path: Path):
+    p = Policy(tmp_path, page_retries=2)
+    yield p
+    p.store.close()
+
+
+def note_of(pdf: Path) -> str:
+    return output.outputs_for(pdf)[2].read_text("utf-8")
+
+
+def test_a_page_that_keeps_failing_becomes_a_placeholder_and_can_be_redone(policy: Policy):
+    book = make_pdf(policy.folder / "book.pdf", 3)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)
+    policy.answer(job, 2)
+    for _ in range(3):  # page_retries=2: the third failure gives up
+        policy.answer(job, 1, "BadRequestError: garbage")
+        policy.send()
+    md = book.with_suffix(".md").read_text("utf-8")
+    assert "<!-- ocrvl: page 2 could not be recognised after 3 attempts" in md
+    assert "*[ocrvl: page 2:" in md, "the placeholder must be visible, not only a comment"
+    assert "text of page 3" in md, "the book stopped at the bad page"
+    assert policy.view(book)["failed_pages"] == [2]
+
+    status.retry(policy.config, [book], failed=False, pages="2")
+    policy.converter._activate()
+    assert policy.send() == [(job.id, 1)], "only the failed page may be redone"
+    policy.answer(job, 1)
+    md = book.with_suffix(".md").read_text("utf-8")
+    assert "text of page 2" in md and "could not be recognised" not in md
+    assert policy.view(book)["failed_pages"] == []
+
+
+def test_fail_on_page_error_fails_the_document_until_retried(tmp_path: Path):
+    policy = Policy(tmp_path, page_retries=0, fail_on_page_error=True)
+    book = make_pdf(policy.folder / "book.pdf", 2)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)
+    policy.answer(job, 1, "BadRequestError: garbage")
+    failed = policy.job(job)
+    assert failed is not None and failed.state is JobState.FAILED
+    assert "page 2 could not be recognised" in (failed.last_error or "")
+    assert "ocrvl retry --pages 2" in note_of(book)
+    assert not book.with_suffix(".md").exists()
+    policy.store.close()
+
+
+def test_a_page_that_kills_the_worker_every_time_does_not_loop_forever(policy: Policy):
+    book = make_pdf(policy.folder / "book.pdf", 2)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)
+    for _ in range(3):
+        worker = SimpleNamespace(in_flight={(job.id, 1)})
+        policy.converter._requeue_lost(worker, crash="engine worker exited (-11)")  # type: ignore[arg-type]
+        policy.send()
+    policy.converter._collect()
+    assert "engine worker exited (-11)" in book.with_suffix(".md").read_text("utf-8")
+
+
+def test_a_cut_off_page_is_kept_flagged_and_shown(policy: Policy):
+    book = make_pdf(policy.folder / "table.pdf", 1)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0, truncated_at=4096)
+    md = book.with_suffix(".md").read_text("utf-8")
+    assert "<!-- ocrvl: page 1 was cut off at 4096 tokens" in md and "text of page 1" in md
+    assert policy.view(book)["flagged_pages"] == [1]
+    assert "pages that were cut off: 1" in status.render_status(policy.config, as_json=False)
+
+
+def test_a_full_disk_pauses_output_and_retries_by_itself(
+        policy: Policy, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(convert, "retry_delay", lambda attempts: 0.0)
+    usage = shutil.disk_usage(policy.folder)
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda _: usage._replace(free=1024))
+    book = make_pdf(policy.folder / "book.pdf", 2)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)
+    policy.answer(job, 1)
+    waiting = policy.job(job)
+    assert waiting is not None and waiting.state is JobState.QUEUED and waiting.attempts == 1
+    assert "Output is paused" in (waiting.last_error or "")
+    assert "tries again by itself" in note_of(book)
+    assert not book.with_suffix(".md").exists()
+
+    monkeypatch.undo()
+    policy.converter._activate()
+    assert policy.send() == [], "checkpointed pages were recognised again"
+    policy.converter._collect()
+    assert policy.job(job).state is JobState.DONE  # type: ignore[union-attr]
+    assert book.with_suffix(".md").exists() and not output.outputs_for(book)[2].exists()
+
+
+def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(policy: Policy):
+    gone = make_pdf(policy.folder / "gone.pdf", 1)
+    enqueue_file(policy.store, gone, policy.config.model.name)
+    gone.unlink()  # deleted while queued
+    policy.converter._activate()
+    assert policy.store.job_for_path(gone) is None
+
+    moving = make_pdf(policy.folder / "moving.pdf", 2)
+    job = policy.queue(moving)
+    policy.send()
+    moving.unlink()  # deleted while converting: the engine reports an input error
+    policy.answer(job, 0, "moving.pdf disappeared", kind="input")
+    assert policy.store.job_for_path(moving) is None and not output.outputs_for(moving)[2].exists()
+
+    touched = make_pdf(policy.folder / "touched.pdf", 1)
+    job = policy.queue(touched)
+    policy.send()
+    policy.answer(job, 0, "touched.pdf changed while it was being converted.", kind="input")
+    again = policy.job(job)
+    assert again is not None and again.state is JobState.QUEUED and again.not_before > time.time()
+
+
+def test_permanent_input_failures_wait_until_the_file_changes(policy: Policy):
+    junk = make_random_bytes(policy.folder / "junk.pdf")
+    job = policy.queue(junk)
+    failed = policy.job(job)
+    assert failed is not None and failed.state is JobState.FAILED
+    assert "is not a PDF" in note_of(junk) and "ocrvl retry" in note_of(junk)
+    assert enqueue_file(policy.store, junk, policy.config.model.name).state is JobState.FAILED
+    make_pdf(junk, 1)
+    assert enqueue_file(policy.store, junk, policy.config.model.name).state is JobState.QUEUED
+
+
+def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
+        policy: Policy, monkeypatch: pytest.MonkeyPatch):
+    """Root reads everything, so `open` raises EACCES for this one file."""
+    locked = make_pdf(policy.folder / "locked.pdf", 1)
+    real_open = Path.open
+
+    def guarded(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        if self == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "open", guarded)
+    with pytest.raises(InputFileError):
+        enqueue_file(policy.store, locked, policy.config.model.name)
+    monkeypatch.undo()
+    assert "permission denied" in policy.view(locked)["error"]
+    assert "chmod u+r" in note_of(locked)
+    # Once readable, `ocrvl retry` identifies it afresh and converts it.
+    status.retry(policy.config, [locked], failed=False, pages=None)
+    policy.converter._activate()
+    assert [p for _, p in policy.send()] == [0]
+
+
+# --- end to end: answers cut off at the token limit ----------------------------------------
+
+
+def token_setup(tmp_path: Path, max_model_len: int) -> Setup:
+    """A daemon whose server always answers 100 tokens while 64 are asked for."""
+    setup = Setup(tmp_path, "--output-tokens", "fixed:100")
+    data = yaml.safe_load(setup.config.read_text("utf-8"))
+    data["model"] = {"max_new_tokens": 64}
+    data["server"]["vllm_args"] = {"max-model-len": max_model_len}
+    setup.config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return setup
+
+
+def convert_one(setup: Setup) -> str:
+    book = make_pdf(setup.inbox / "table.pdf", 1)
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        wait_for_markdown(book)
+        return book.with_suffix(".md").read_text("utf-8")
+
+
+def requested_tokens(setup: Setup) -> list[int]:
+    lines = setup.requests.read_text("utf-8").splitlines()
+    return [json.loads(line)["max_tokens"] for line in lines if line]
+
+
+@pytest.mark.slow
+def test_a_cut_off_answer_is_redone_with_more_tokens_when_the_server_allows(tmp_path: Path):
+    setup = token_setup(tmp_path, max_model_len=4096)
+    md = convert_one(setup)
+    assert requested_tokens(setup) == [64, 128]
+    assert "cut off" not in md and "fake-ocr OCR" in md
+
+
+@pytest.mark.slow
+def test_a_cut_off_answer_is_kept_and_flagged_when_the_server_allows_no_more(tmp_path: Path):
+    # 64 new tokens + the image and prompt budget: no room for more.
+    setup = token_setup(tmp_path, max_model_len=1408)
+    md = convert_one(setup)
+    assert requested_tokens(setup) == [64]
+    assert "<!-- ocrvl: page 1 was cut off at 64 tokens" in md and "fake-ocr OCR" in md
+    doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
+    assert doc["flagged_pages"] == [1]

@@ -1,0 +1,69 @@
+"""The store and the security rules around it: private state, loopback server, no shell."""
+
+from __future__ import annotations
+
+import ast
+import stat
+from pathlib import Path
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.store import JobState, Store
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ocrvl_daemon"
+MODEL = "PaddleOCR-VL-1.6-0.9B"
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_state_directory_and_database_are_private_to_the_user(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)  # an existing, too open folder is tightened too
+    Store(state / "jobs.sqlite").close()
+    assert mode(state) == 0o700
+    assert mode(state / "jobs.sqlite") == 0o600
+
+
+def test_the_server_listens_on_loopback_by_default() -> None:
+    config = Config()
+    assert config.server.host == "127.0.0.1"
+    assert config.server.base_url.startswith("http://127.0.0.1:")
+
+
+def test_no_shell_is_ever_used_to_run_commands() -> None:
+    """File names reach child processes only as argv items, never through a shell."""
+    offenders = []
+    for source in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text("utf-8"))):
+            if isinstance(node, ast.keyword) and node.arg == "shell":
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    offenders.append(f"{source.name}:{node.value.lineno} shell=")
+            if isinstance(node, ast.Attribute) and node.attr in ("system", "popen", "popen2"):
+                if isinstance(node.value, ast.Name) and node.value.id == "os":
+                    offenders.append(f"{source.name}:{node.lineno} os.{node.attr}")
+    assert not offenders, offenders
+
+
+def test_states_counts_and_page_flags(tmp_path: Path) -> None:
+    store = Store(tmp_path / "jobs.sqlite")
+    try:
+        a = store.enqueue(tmp_path / "a.pdf", "sha-a", 1, 1.0, MODEL)
+        b = store.enqueue(tmp_path / "b.pdf", "sha-b", 1, 1.0, MODEL)
+        store.set_running(a.id, 3)
+        store.set_failed(b.id, "broken", permanent=True)
+        assert store.count_by_state() == {JobState.QUEUED: 0, JobState.RUNNING: 1,
+                                          JobState.DONE: 0, JobState.FAILED: 1}
+        # The same content is not retried until it changes (or `ocrvl retry`).
+        assert store.enqueue(tmp_path / "b.pdf", "sha-b", 1, 2.0, MODEL).state is JobState.FAILED
+        assert store.enqueue(tmp_path / "b.pdf", "sha-b2", 1, 3.0, MODEL).state is JobState.QUEUED
+        store.save_page("sha-a", MODEL, 0, "ok", {})
+        store.save_page("sha-a", MODEL, 1, "half", {}, note="cut off")
+        store.save_page("sha-a", MODEL, 2, "", {}, note="failed", failed=True)
+        assert store.flagged_pages("sha-a", MODEL) == [1]
+        assert store.failed_pages("sha-a", MODEL) == [2]
+        assert store.count_pages("sha-a", MODEL) == 3
+        assert store.recover_running() == 1
+        assert store.job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+    finally:
+        store.close()
