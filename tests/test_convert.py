@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from ocrvl_daemon.testing.documents import (
     make_pdf,
     page_width,
 )
-from ocrvl_daemon.testing.harness import FakeServerProcess
-from ocrvl_daemon.testing.runner import run_ocrvl, write_config
+from ocrvl_daemon.testing.harness import FakeServerProcess, free_port
+from ocrvl_daemon.testing.runner import managed_fake_server, run_ocrvl, write_config
 
 SCALE = 2  # ocrvl renders PDF pages at scale 2.0, like PaddleOCR
 
@@ -118,3 +119,18 @@ def test_server_serving_another_model_is_reported(tmp_path, fake_server):
     assert result.returncode == 1
     assert "PaddleOCR-VL-0.9B" in result.stderr
     assert not (tmp_path / "book.md").exists()
+
+
+def test_without_server_url_a_managed_server_is_started_and_stopped(tmp_path):
+    port = free_port()
+    log = tmp_path / "requests.jsonl"
+    config = write_config(tmp_path / "config.yaml",
+                          server=managed_fake_server(port, "--request-log", str(log)))
+    pdf = make_pdf(tmp_path / "book.pdf", 3)
+    result = run_ocrvl("convert", "--config", config, pdf)
+    assert result.returncode == 0, result.stderr
+    assert len(page_widths((tmp_path / "book.md").read_text("utf-8"))) == 3
+    assert len(log.read_text().splitlines()) == 3, "the managed server did not do the work"
+    assert "server process group" in result.stderr and "ended" in result.stderr
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the managed server outlived convert"
