@@ -790,7 +790,9 @@ class ServerSupervisor:
             self._wait(self._server.health_interval if ready else
                        min(STARTUP_POLL, self._server.health_interval))
             status = probe.health()
-            if status == 200 and (ready or probe.serves_model()):
+            # Not every OpenAI-compatible server has vLLM's /health: then /v1/models decides.
+            if (status == 200 and (ready or probe.serves_model())) or (
+                    status in (404, 405) and probe.serves_model()):
                 failed_probes = 0
                 if not ready:
                     with self._cond:
