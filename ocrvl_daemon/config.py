@@ -296,7 +296,8 @@ class _KeyError(ValueError):
 def resolve_config_path(explicit: str | Path | None) -> Path | None:
     """The config file to read, by the lookup order; None means built-in defaults."""
     if explicit:
-        path = expand_path(explicit)
+        # The shell already expanded what it meant to; a `$` left is part of the name.
+        path = Path(explicit).expanduser()
         if not path.is_file():
             raise ConfigError(
                 f"Config file {path} does not exist.",

@@ -119,8 +119,11 @@ class Daemon:
                 self._last_extend = now
                 self.notifier.extend_timeout(EXTEND_SECONDS)
         progress = self.converter.progress()
+        state = server.state
+        if state is ServerState.STOPPED and not self._ready_sent:
+            state = ServerState.STARTING  # its thread has not begun yet: not "server stopped"
         snap = StatusSnapshot(
-            server_state=server.state.value,
+            server_state=state.value,
             server_phase=server.phase or None,
             server_attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
             server_diagnosis=f"{server.diagnosis.cause}?" if server.diagnosis else None,

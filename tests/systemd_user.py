@@ -10,7 +10,8 @@ systemd. `user_manager()` starts, all as direct children of the test process:
 2. systemd-journald inside that namespace (`nsenter --mount=...`);
 3. `/usr/lib/systemd/systemd --user` inside it, moved first into its own cgroup
    user.slice/user-UID.slice/user@UID.service (journald derives _SYSTEMD_USER_UNIT from that
-   path), with XDG_RUNTIME_DIR, HOME, XDG_CONFIG_HOME... in a temporary folder.
+   path), with XDG_RUNTIME_DIR, HOME, XDG_CONFIG_HOME... in a temporary folder, logging its
+   own messages to that journal.
 
 The manager runs as the invoking user (root): the project's virtual environment may live
 under /root, which no other user can execute. `systemctl --user` talks to it over
@@ -130,6 +131,10 @@ class UserManager:
                         capture_output=True, text=True, check=False)
         return done.stdout
 
+    def manager_messages(self, unit: str) -> str:
+        """What the manager itself logged about `unit` (started, stopped, killed...)."""
+        return self.journal("-o", "cat", f"USER_UNIT={unit}")
+
     def drop_in(self, unit: str, text: str, name: str = "50-test.conf") -> Path:
         """Add a drop-in (e.g. "[Service]\nEnvironment=X=1\n") to `unit` and reload."""
         path = self.unit_dir / f"{unit}.d" / name
@@ -180,8 +185,10 @@ class UserManager:
         self._spawn(HARNESS_CGROUP, [*in_ns, str(JOURNALD)], "journald.log")
         self.wait_for("journald's socket", (ns_root / "run/systemd/journal/stdout").exists,
                       START_TIMEOUT)
+        # Its own messages ("Killing process ...", "Watchdog timeout") go to the journal,
+        # tagged USER_UNIT=<unit>; left to itself it logs nowhere here.
         self.manager = self._spawn(self.cgroup, [*in_ns, str(SYSTEMD), "--user"], "manager.log",
-                                   env=self.env)
+                                   env={**self.env, "SYSTEMD_LOG_TARGET": "journal"})
         self.wait_for("the user manager to finish starting", self._booted, START_TIMEOUT)
 
     def stop(self) -> None:

@@ -82,11 +82,12 @@ class NotifiedDaemon:
             return None
 
         try:
-            index, _ = wait_until(find, timeout, interval=0.02, what=what, ignore=())
+            found = wait_until(find, timeout, interval=0.02, what=what, ignore=())
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nsd_notify messages so far: {self.texts()}\n"
                                  f"daemon log (end):\n{self.daemon.log()[-4000:]}") from None
-        return index
+        assert found is not None
+        return found[0]
 
     def pings(self, start: int = 0) -> list[float]:
         """Arrival times of the WATCHDOG=1 messages from index `start` on."""
@@ -169,8 +170,8 @@ def test_ready_only_once_server_answers_then_status_watchdog_and_stopping(notifi
     statuses = [t.removeprefix("STATUS=") for t in before_ready if t.startswith("STATUS=")]
     phases = [s for s in statuses if s.removeprefix("starting server: ") in VLLM_PHASES]
     assert phases, f"`systemctl status` never showed a server start-up phase: {statuses}"
-    assert statuses[-1].startswith("starting server"), \
-        f"the last status before READY=1 was not about the server starting: {statuses}"
+    assert all(s.startswith("starting server") for s in statuses), \
+        f"before READY=1 every status should say the server is starting: {statuses}"
 
     idle = running.expect("STATUS=idle after READY=1",
                           lambda t: t == "STATUS=idle, 0 done, 0 queued", ready, timeout=10)
