@@ -59,7 +59,7 @@ SIM_ARGS = (
     "--max-model-len", "16384",
     "--disable-uvicorn-access-log",
 )  # fmt: skip
-CURVE = (1, 8, 16, 32, 48, 64, 96, 128, 256)
+CURVE = (8, 16, 32, 64, 96, 128, 256)
 
 
 def log(msg: str) -> None:
@@ -151,7 +151,7 @@ def measured(server: Server, run: Run, before: dict[str, Any], t0: float) -> Run
 
 
 def run_b1(cli: str, server: Server, files: list[Path], out: Path, scenario: str) -> Run:
-    wait_until(server.idle, 60, what="an idle server")
+    wait_until(server.idle, 300, what="an idle server")
     before = server.reset()
     t0 = time.monotonic()
     for f in files:
@@ -187,7 +187,7 @@ B2_SCRIPT = textwrap.dedent(
 
 
 def run_b2(server: Server, files: list[Path], scenario: str) -> Run:
-    wait_until(server.idle, 60, what="an idle server")
+    wait_until(server.idle, 300, what="an idle server")
     proc = subprocess.Popen(
         [sys.executable, "-c", B2_SCRIPT, server.url + "/v1", *map(str, files)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -249,7 +249,7 @@ class Ocrvl:
 
 
 def run_ocrvl_convert(server: Server, files: list[Path], work: Path, scenario: str) -> Run:
-    wait_until(server.idle, 60, what="an idle server")
+    wait_until(server.idle, 300, what="an idle server")
     cfg = write_config(work / f"ocrvl-{scenario}.yaml", state_dir=str(work / f"state-{scenario}"))
     before = server.reset()
     t0 = time.monotonic()
@@ -310,7 +310,7 @@ def start_daemon(server_url: str, work: Path, name: str) -> tuple[Ocrvl, Path, p
 
 def run_scenario_c(server: Server, book: Path, smalls: list[Path], solo: list[Path],
                    work: Path) -> tuple[Run, dict[str, Any]]:  # fmt: skip
-    wait_until(server.idle, 60, what="an idle server")
+    wait_until(server.idle, 300, what="an idle server")
     daemon, inbox, proc = start_daemon(server.url, work, "c")
     try:
         # Solo: each small document alone in the idle daemon.
@@ -426,7 +426,7 @@ def curve(server: Server, points: tuple[int, ...], seconds: float) -> list[Any]:
     jpegs = images(200)
     out = []
     for c in points:
-        wait_until(server.idle, 120, what="an idle server")
+        wait_until(server.idle, 300, what="an idle server")
         warm = min(30.0, 4.0 + c * 0.12)
         p = measure(server.url, MODEL, c, warm, seconds, jpegs)
         log(f"curve: {c} in flight: {p.tokens_per_s:.0f} tokens/s, occupancy {p.occupancy:.3f}")

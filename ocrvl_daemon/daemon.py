@@ -18,6 +18,7 @@ from types import FrameType
 
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.engine import stop_resource_tracker
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
@@ -193,6 +194,7 @@ class Daemon:
         log.info("stopping: finishing pages in flight (up to %.0f s)", DRAIN_SECONDS)
         self.watcher.stop()
         self.converter.stop(DRAIN_SECONDS)
+        stop_resource_tracker()
         self.server.stop()
         self.store.close()
         log.info("stopped")

@@ -11,7 +11,6 @@ for the model, the next is rendered and laid out. paddleocr's host memory grows 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import logging
 import multiprocessing as mp
@@ -29,6 +28,8 @@ import httpx
 import psutil
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.process_group import die_with_parent
+from ocrvl_daemon.systemd import NOTIFY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +181,10 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     return max(0, min(lengths, default=0) - overhead)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the daemon dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _worker_main(config_json: str, server_url: str, tasks: mp.Queue, results: mp.Queue) -> None:
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
+    for name in NOTIFY_ENV:  # systemd talks to the daemon alone
+        os.environ.pop(name, None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
@@ -382,3 +378,17 @@ class EngineWorker:
         self._tasks.close()
         self._results.close()
         log.info("engine worker %s stopped (exit %s)", self._process.pid, self._process.exitcode)
+
+
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker once every worker is gone.
+
+    It would exit by itself after ocrvl does, but systemd (KillMode=mixed) kills leftovers
+    the moment the main process exits and logs a SIGKILL for it on every stop.
+    """
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, 3.10-3.13
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()

@@ -77,12 +77,17 @@ class GroupRecord:
             return None
 
 
+def die_with_parent(sig: signal.Signals) -> None:
+    """Ask Linux to send `sig` to this process when its parent (thread) dies, however."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
 def _parent_death_signal(parent: int) -> Callable[[], None]:
     """A preexec_fn: SIGTERM the child when the thread that spawned it dies."""
 
     def preexec() -> None:
-        if _libc is not None:
-            _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        die_with_parent(signal.SIGTERM)
         # The parent may have died between fork and prctl: then nobody would signal us.
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)

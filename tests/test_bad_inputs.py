@@ -15,6 +15,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon.output import outputs_for, read_header
 from ocrvl_daemon.testing.documents import (
@@ -24,7 +25,6 @@ from ocrvl_daemon.testing.documents import (
     make_pdf,
 )
 from ocrvl_daemon.testing.harness import wait_until
-from test_daemon import Setup, wait_for_markdown
 
 pytestmark = pytest.mark.slow
 

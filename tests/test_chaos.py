@@ -19,13 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon.process_group import GroupRecord
 from ocrvl_daemon.server import PIDFILE_NAME
 from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.harness import wait_until
 from ocrvl_daemon.testing.runner import DaemonProcess
-from test_daemon import Setup, wait_for_markdown
 
 pytestmark = pytest.mark.slow
 
@@ -47,23 +47,28 @@ def chaos_setup(root: Path) -> Setup:
     return Setup(root, *SLOW_SERVER, max_concurrency=4)
 
 
-def drop_documents(setup: Setup) -> list[Path]:
-    """The same documents for every run (made outside, then moved in at once)."""
-    source = setup.root / "source"
-    pdfs = []
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documents, made once: PDFs carry a creation date, so every run gets these bytes."""
+    folder = tmp_path_factory.mktemp("sources")
     for n, (name, pages) in enumerate(DOCUMENTS.items()):
-        made = make_pdf(source / name, pages, seed=100 + n)
-        pdfs.append(Path(shutil.move(made, setup.inbox / name)))
-    return pdfs
+        make_pdf(folder / name, pages, seed=100 + n)
+    return folder
+
+
+def drop_documents(setup: Setup, sources: Path) -> list[Path]:
+    """Copy the documents beside the inbox, then move them in at once."""
+    staged = shutil.copytree(sources, setup.root / "staged")
+    return [Path(shutil.move(staged / name, setup.inbox / name)) for name in DOCUMENTS]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def reference(tmp_path_factory: pytest.TempPathFactory, sources: Path) -> dict[str, str]:
     """The Markdown of an uninterrupted run, by file name."""
     setup = chaos_setup(tmp_path_factory.mktemp("reference"))
     with setup.daemon() as daemon:
         daemon.wait_ready()
-        pdfs = drop_documents(setup)
+        pdfs = drop_documents(setup, sources)
         wait_for_markdown(*pdfs, timeout=180)
     return {p.with_suffix(".md").name: p.with_suffix(".md").read_text("utf-8") for p in pdfs}
 
@@ -108,7 +113,7 @@ def progress_then(setup: Setup, rng: random.Random, alive: Callable[[], bool]) -
 
 
 def test_daemon_sigkilled_again_and_again_loses_and_duplicates_nothing(
-        tmp_path: Path, reference: dict[str, str]):
+        tmp_path: Path, sources: Path, reference: dict[str, str]):
     rng = chaos_rng()
     setup = chaos_setup(tmp_path)
     daemon = setup.daemon()
@@ -121,7 +126,7 @@ def test_daemon_sigkilled_again_and_again_loses_and_duplicates_nothing(
             sessions.add(daemon.proc.pid)
             daemon.wait_ready()
             if kill == 0:
-                pdfs = drop_documents(setup)
+                pdfs = drop_documents(setup, sources)
             progress_then(setup, rng, lambda: True)
             daemon.kill()
             print(f"kill {kill + 1}: {setup.checkpointed_pages()} pages checkpointed")
@@ -139,14 +144,14 @@ def test_daemon_sigkilled_again_and_again_loses_and_duplicates_nothing(
 
 
 def test_model_server_killed_at_random_moments_loses_nothing(
-        tmp_path: Path, reference: dict[str, str]):
+        tmp_path: Path, sources: Path, reference: dict[str, str]):
     rng = chaos_rng()
     setup = chaos_setup(tmp_path)
     pidfile = setup.root / "state" / PIDFILE_NAME
     with setup.daemon() as daemon:
         assert daemon.proc is not None
         daemon.wait_ready()
-        pdfs = drop_documents(setup)
+        pdfs = drop_documents(setup, sources)
         killed: set[int] = set()
         for _ in range(SERVER_KILLS):
             record = wait_until(

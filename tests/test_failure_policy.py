@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon import convert, output, status
 from ocrvl_daemon.config import Config
@@ -23,10 +24,9 @@ from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.scheduler import pick_pages
-from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.store import Job, JobState
 from ocrvl_daemon.testing.documents import make_pdf, make_random_bytes
 from ocrvl_daemon.testing.harness import wait_until
-from test_daemon import Setup, wait_for_markdown
 
 
 class ReadyServer:

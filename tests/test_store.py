@@ -36,12 +36,12 @@ def test_no_shell_is_ever_used_to_run_commands() -> None:
     offenders = []
     for source in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(source.read_text("utf-8"))):
-            if isinstance(node, ast.keyword) and node.arg == "shell":
-                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
-                    offenders.append(f"{source.name}:{node.value.lineno} shell=")
-            if isinstance(node, ast.Attribute) and node.attr in ("system", "popen", "popen2"):
-                if isinstance(node.value, ast.Name) and node.value.id == "os":
-                    offenders.append(f"{source.name}:{node.lineno} os.{node.attr}")
+            shell = isinstance(node, ast.keyword) and node.arg == "shell" and not (
+                isinstance(node.value, ast.Constant) and node.value.value is False)
+            os_call = (isinstance(node, ast.Attribute) and node.attr in ("system", "popen")
+                       and isinstance(node.value, ast.Name) and node.value.id == "os")
+            if shell or os_call:
+                offenders.append(f"{source.name}:{getattr(node, 'lineno', '?')}")
     assert not offenders, offenders
 
 

@@ -204,8 +204,4 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     assert "Watchdog" not in said, f"systemd's watchdog fired:\n{said}"
     killed = {int(pid): names.get(int(pid), "?")
               for pid in re.findall(r"Killing process (\d+)", said)}
-    # Known, harmless: multiprocessing's resource tracker outlives ocrvl by a moment (it
-    # exits once its pipe closes) and KillMode=mixed SIGKILLs it first.
-    left = {pid: name for pid, name in killed.items()
-            if "multiprocessing.resource_tracker" not in name}
-    assert not left, f"systemd had to kill what ocrvl left behind: {left}\n{said}"
+    assert not killed, f"systemd had to kill what ocrvl left behind: {killed}\n{said}"
