@@ -21,7 +21,12 @@ from ocrvl_daemon import output, pdf
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
-from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError, PageError
+from ocrvl_daemon.errors import (
+    InputFileError,
+    InputVanishedError,
+    OcrvlError,
+    PagesFailedError,
+)
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, Store
@@ -33,12 +38,6 @@ ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
 WORKER_RESTART_SECONDS = 10.0
-
-
-class PagesFailedError(PageError):
-    """A page failed every attempt and `pipeline.fail_on_page_error` is set."""
-
-    permanent = True
 
 
 class ServerHandle(Protocol):

@@ -88,8 +88,24 @@ class PageError(OcrvlError):
     """One page could not be recognised."""
 
 
+class PagesFailedError(PageError):
+    """A page failed every attempt and `pipeline.fail_on_page_error` is set."""
+
+    permanent = True
+
+
+class UnitEditedError(OutputError):
+    """A unit file ocrvl did not write (or one edited since) stands where the unit goes."""
+
+    permanent = True
+
+
 class DependencyError(OcrvlError):
     """A package or program ocrvl needs is missing."""
 
     exit_code = ExitCode.DEPENDENCY
     permanent = True
+
+
+class ServiceManagerError(DependencyError):
+    """`systemctl --user` is missing or cannot reach a user service manager."""

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ocrvl_daemon.errors import DependencyError, OutputError
+from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
 from ocrvl_daemon.output import write_atomic
 
 UNIT_NAME = "ocrvl.service"
@@ -31,16 +31,6 @@ MARKER = "# Written by ocrvl install-service; sha256="
 LINGER_DIR = Path("/var/lib/systemd/linger")
 
 Runner = Callable[..., "subprocess.CompletedProcess[Any]"]
-
-
-class UnitEditedError(OutputError):
-    """A unit file ocrvl did not write (or one edited since) stands where the unit goes."""
-
-    permanent = True
-
-
-class ServiceManagerError(DependencyError):
-    """`systemctl --user` is missing or cannot reach a user service manager."""
 
 
 @dataclass

@@ -12,12 +12,10 @@ from typing import Any
 import pytest
 
 from ocrvl_daemon import service
-from ocrvl_daemon.errors import OutputError
+from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
 from ocrvl_daemon.service import (
     MARKER,
     UNIT_NAME,
-    ServiceManagerError,
-    UnitEditedError,
     exec_quote,
     install_service,
     ocrvl_command,
