@@ -18,11 +18,11 @@ from types import FrameType
 
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.engine import stop_resource_tracker
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.status import open_store
+from ocrvl_daemon.store import JobState
 from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_status
 from ocrvl_daemon.watcher import InboxWatcher
 
@@ -103,7 +103,10 @@ class Daemon:
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
             return
-        log.info("%s: %s", path, job.state.value)
+        if job.state is JobState.QUEUED:
+            log.info("%s: queued", path)
+        else:  # the start-up scan sees every converted file again
+            log.debug("%s: already %s", path, job.state.value)
 
     def _report(self, now: float) -> None:
         server = self.server.status()
@@ -194,7 +197,6 @@ class Daemon:
         log.info("stopping: finishing pages in flight (up to %.0f s)", DRAIN_SECONDS)
         self.watcher.stop()
         self.converter.stop(DRAIN_SECONDS)
-        stop_resource_tracker()
         self.server.stop()
         self.store.close()
         log.info("stopped")

@@ -13,23 +13,26 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
+import struct
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.process_group import die_with_parent
-from ocrvl_daemon.systemd import NOTIFY_ENV
+from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,6 @@ SERVER_DOWN_ERRORS = {
     "RemoteProtocolError",
     "ServiceUnavailableError",
 }
-WORKER_START_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -181,21 +183,30 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     return max(0, min(lengths, default=0) - overhead)
 
 
-def _worker_main(config_json: str, server_url: str, tasks: mp.Queue, results: mp.Queue) -> None:
+def serve() -> None:
+    """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
+
+    Messages are length-prefixed pickles: the first one from the parent is the configuration,
+    then `PageTask`s until end of input; this side answers "ready"/"failed" and "page" results.
+    """
     die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
-    for name in NOTIFY_ENV:  # systemd talks to the daemon alone
-        os.environ.pop(name, None)
+    if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
-    logging.basicConfig(level=logging.WARNING)
+    # fd 1 carries the protocol; anything a library prints goes to stderr instead.
+    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
         from paddleocr import PaddleOCRVL
 
         pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
-        results.put(("failed", f"{type(exc).__name__}: {exc}"))
+        channel.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
@@ -206,18 +217,57 @@ def _worker_main(config_json: str, server_url: str, tasks: mp.Queue, results: mp
         if hasattr(inner, name):
             setattr(inner, name, _Locked(getattr(inner, name), lock))
     _track_completions(pipeline)
-    results.put(("ready", os.getpid()))
+    _start_request_loop()
+    channel.send(("ready", os.getpid()))
     p = config.pipeline
     with ThreadPoolExecutor(max_workers=p.max_concurrency, thread_name_prefix="page") as pool:
-        while True:
-            task = tasks.get()
-            if task is None:
-                break
-            pool.submit(_run_page, pipeline, config, server_url, task, results)
+        while (task := channel.receive()) is not None:
+            pool.submit(_run_page, pipeline, config, server_url, task, channel)
+
+
+def _start_request_loop() -> None:
+    """Start PaddleX's request event loop now, from one thread.
+
+    PaddleX starts it lazily on the first request without a lock: when the first pages
+    arrive together, several threads start loops of their own, and requests fail with
+    "... is bound to a different event loop" until one loop wins.
+    """
+    with contextlib.suppress(ImportError):
+        from paddlex.inference.models.common.genai import start_aio_loop
+
+        start_aio_loop()
+
+
+class _Channel:
+    """Length-prefixed pickles over a pair of pipes; `send` is safe from many threads."""
+
+    _HEADER = struct.Struct(">I")
+
+    def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._writer.write(self._HEADER.pack(len(data)) + data)
+            self._writer.flush()
+
+    def receive(self) -> Any:
+        """The next message; None at end of input."""
+        header = self._reader.read(self._HEADER.size)
+        if len(header) < self._HEADER.size:
+            return None
+        (size,) = self._HEADER.unpack(header)
+        data = self._reader.read(size)
+        if len(data) < size:
+            return None
+        return pickle.loads(data)
 
 
 def _run_page(
-    pipeline: Any, config: Config, server_url: str, task: PageTask, results: mp.Queue
+    pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
 ) -> None:
     from ocrvl_daemon.errors import OcrvlError
     from ocrvl_daemon.pdf import check_unchanged, render_page
@@ -248,7 +298,7 @@ def _run_page(
     finally:
         _COMPLETIONS.started = None
     result.seconds = time.monotonic() - started
-    results.put(("page", result))
+    channel.send(("page", result))
 
 
 def _recognise(
@@ -294,15 +344,12 @@ class EngineWorker:
     """One worker process; `submit` pages, `collect` results, `stop` when done."""
 
     def __init__(self, config: Config, server_url: str) -> None:
-        ctx = mp.get_context("spawn")
-        self._tasks: mp.Queue = ctx.Queue()
-        self._results: mp.Queue = ctx.Queue()
-        self._process = ctx.Process(
-            target=_worker_main,
-            args=(config.model_dump_json(), server_url, self._tasks, self._results),
-            name="ocrvl-engine",
-            daemon=True,
-        )
+        self._config_json = config.model_dump_json()
+        self._server_url = server_url
+        self._process: subprocess.Popen[bytes] | None = None
+        self._channel: _Channel | None = None
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._reader: threading.Thread | None = None
         self.in_flight: set[tuple[int, int]] = set()
         self.pages_done = 0
         self.ready = False
@@ -311,29 +358,48 @@ class EngineWorker:
 
     def start(self) -> None:
         """Start the process; it reports readiness through `collect`."""
-        self._process.start()
+        argv = [sys.executable, "-c", "from ocrvl_daemon.engine import serve; serve()",
+                str(os.getpid())]
+        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=child_env(os.environ))
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._channel = _Channel(self._process.stdout, self._process.stdin)
+        self._reader = threading.Thread(target=self._read, name="engine-results", daemon=True)
+        self._reader.start()
+        self._channel.send((self._config_json, self._server_url))
         log.info("engine worker started (pid %s)", self._process.pid)
+
+    def _read(self) -> None:
+        assert self._channel is not None
+        try:
+            while (message := self._channel.receive()) is not None:
+                self._inbox.put(message)
+        except (OSError, ValueError, pickle.UnpicklingError) as exc:
+            log.warning("engine worker %s: broken result stream: %s", self.pid, exc)
 
     @property
     def pid(self) -> int | None:
         """The worker's process id."""
-        return self._process.pid
+        return self._process.pid if self._process else None
 
     def alive(self) -> bool:
         """Whether the worker process still runs."""
-        return self._process.is_alive()
+        return self._process is not None and self._process.poll() is None
 
     def rss_mb(self) -> float:
         """Resident memory of the worker, in MiB."""
         try:
-            return psutil.Process(self._process.pid).memory_info().rss / 2**20
-        except (psutil.Error, TypeError):
+            return psutil.Process(self.pid).memory_info().rss / 2**20
+        except (psutil.Error, TypeError, ValueError):
             return 0.0
 
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker."""
         self.in_flight.add((task.job_id, task.page))
-        self._tasks.put(task)
+        assert self._channel is not None
+        # A dead worker is noticed by `alive()`; its pages are given back then.
+        with contextlib.suppress(OSError, ValueError):
+            self._channel.send(task)
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived; waits up to `timeout` for the first one."""
@@ -341,7 +407,7 @@ class EngineWorker:
         block = timeout > 0
         while True:
             try:
-                kind, payload = self._results.get(block=block, timeout=timeout if block else None)
+                kind, payload = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 break
             block = False
@@ -359,36 +425,26 @@ class EngineWorker:
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the worker to finish, then terminate and reap it within `timeout`."""
-        if self._process.pid is None:
+        """Close the worker's input (it finishes what it has), then TERM/KILL and reap."""
+        process = self._process
+        if process is None:
             return
-        with contextlib.suppress(Exception):
-            self._tasks.put(None)
-        self._process.join(timeout=min(timeout, 2.0))
-        if self._process.is_alive():
-            log.info("engine worker %s: sending SIGTERM", self._process.pid)
-            self._process.terminate()
-            self._process.join(timeout=timeout)
-        if self._process.is_alive():
-            log.warning("engine worker %s did not stop; sending SIGKILL", self._process.pid)
-            self._process.kill()
-            self._process.join()
-        self._tasks.cancel_join_thread()
-        self._results.cancel_join_thread()
-        self._tasks.close()
-        self._results.close()
-        log.info("engine worker %s stopped (exit %s)", self._process.pid, self._process.exitcode)
-
-
-def stop_resource_tracker() -> None:
-    """Stop multiprocessing's resource tracker once every worker is gone.
-
-    It would exit by itself after ocrvl does, but systemd (KillMode=mixed) kills leftovers
-    the moment the main process exits and logs a SIGKILL for it on every stop.
-    """
-    from multiprocessing import resource_tracker
-
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # private, 3.10-3.13
-    if stop is not None:
-        with contextlib.suppress(Exception):
-            stop()
+        with contextlib.suppress(OSError, ValueError):
+            assert process.stdin is not None
+            process.stdin.close()
+        try:
+            process.wait(min(timeout, 2.0))
+        except subprocess.TimeoutExpired:
+            log.info("engine worker %s: sending SIGTERM", process.pid)
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("engine worker %s did not stop; sending SIGKILL", process.pid)
+                process.kill()
+                process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        assert process.stdout is not None
+        process.stdout.close()
+        log.info("engine worker %s stopped (exit %s)", process.pid, process.returncode)

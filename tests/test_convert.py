@@ -18,7 +18,7 @@ from ocrvl_daemon.testing.documents import (
     make_pdf,
     page_width,
 )
-from ocrvl_daemon.testing.harness import FakeServerProcess, free_port
+from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, start_fake_server
 from ocrvl_daemon.testing.runner import managed_fake_server, run_ocrvl, write_config
 
 SCALE = 2  # ocrvl renders PDF pages at scale 2.0, like PaddleOCR
@@ -188,3 +188,16 @@ def test_any_openai_compatible_server_without_health_endpoint_works(tmp_path):
         thread.join()
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "book.md").read_text("utf-8").count("plain server saw OCR:") == 2
+
+
+def test_each_page_is_sent_to_the_server_exactly_once(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    with start_fake_server(free_port(), "--step-t0-ms", "20", "--request-log", str(log)) as srv:
+        book = make_pdf(tmp_path / "book.pdf", 24)
+        config = write_config(tmp_path / "config.yaml",
+                              pipeline={"max_concurrency": 8, "adaptive_concurrency": False})
+        result = run_ocrvl("convert", "--config", config, "--server-url", srv.api_url, book)
+    assert result.returncode == 0, result.stderr
+    assert "failed (attempt" not in result.stderr, "pages failed while requests started together"
+    digests = [json.loads(line)["digest"] for line in log.read_text().splitlines()]
+    assert len(digests) == 24 and len(set(digests)) == 24, "some pages were recognised twice"
