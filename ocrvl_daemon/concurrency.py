@@ -107,6 +107,7 @@ class ConcurrencyController:
         self._backoff_at = -math.inf
         self._shifts = 0
         self._pages_per_token: float | None = None
+        self._server_load: float | None = None  # running + waiting at the last scrape
 
     # --- public -------------------------------------------------------------------------
 
@@ -156,6 +157,8 @@ class ConcurrencyController:
         )
         if m.preemptions_total is not None:
             self._preemptions = m.preemptions_total
+        if m.running is not None:
+            self._server_load = m.running + (m.waiting or 0.0)
         kv_full = m.kv_cache_usage is not None and m.kv_cache_usage > KV_FULL
         if (preempted or kv_full) and now - self._backoff_at >= self.settle_seconds:
             self._backoff_at = now
@@ -199,6 +202,8 @@ class ConcurrencyController:
         if now - self._changed_at < self.settle_seconds:
             return
         win = self._window
+        if win is None and self._server_load is not None and self._server_load < 0.9 * self.limit:
+            return  # pages are still being rendered: the server does not have them all yet
         if win is None:
             win = self._window = _Window(now, completed)
             return  # the sample that arrived now may predate the window

@@ -232,3 +232,16 @@ def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
                 wait_until(lambda: True, 0.1)
         finally:
             missing.close()
+
+
+def test_no_window_while_the_server_has_not_received_the_work_yet() -> None:
+    """At a cold start the client is still rendering pages: the server runs far fewer than the
+    limit, and a window measured then would make the limit look bad."""
+    ctl = ConcurrencyController(4, 256, True)
+    srv = SyntheticServer(ctl, peaked(64))
+    srv.waiting_when = lambda n: (n / 3, 0.0)
+    srv.run(60)
+    assert ctl.rate is None and set(srv.limits) == {64}
+    srv.waiting_when = None
+    srv.run(300)
+    assert ctl.phase == "hold" and 48 <= ctl.limit <= 90
