@@ -38,6 +38,9 @@ ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
 WORKER_RESTART_SECONDS = 10.0
+# Queued jobs are looked up this often (and at once after `wake()`): other processes
+# (`ocrvl retry`) and backoff timers add work without telling us.
+ACTIVATION_INTERVAL = 1.0
 
 
 class ServerHandle(Protocol):
@@ -100,6 +103,8 @@ class Converter:
         self.completed_pages = 0
         self._recent: deque[float] = deque(maxlen=256)
         self.finished_jobs: list[int] = []
+        self._wake = True
+        self._next_activation = 0.0
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -108,21 +113,31 @@ class Converter:
         now = time.monotonic() if now is None else now
         self._collect()
         self._maintain_workers(now)
-        self._activate()
+        if self._wake or now >= self._next_activation:
+            self._wake = False
+            self._next_activation = now + ACTIVATION_INTERVAL
+            self._activate()
         self._dispatch()
         in_flight = self.in_flight
         self.server.note_progress(in_flight, self.completed_pages)
         metrics = self._server_metrics.latest(want=self.concurrency.adaptive and in_flight > 0)
         self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
 
+    def wake(self) -> None:
+        """A job was queued: look at the queue on the next tick, not the next interval."""
+        self._wake = True
+
+    def wait(self, timeout: float) -> None:
+        """Block until the engine has results, or `timeout` passes (the loop's pause)."""
+        if self._worker is not None:
+            self._worker.wait(timeout)
+        else:
+            time.sleep(timeout)
+
     @property
     def in_flight(self) -> int:
         """Pages at the engine right now."""
         return sum(len(d.in_flight) for d in self.active.values())
-
-    def idle(self) -> bool:
-        """Nothing active and nothing queued that could start now."""
-        return not self.active and not self._runnable_jobs(1)
 
     def _backlog(self) -> int:
         return sum(len(d.pending) for d in self.active.values())

@@ -28,7 +28,10 @@ from ocrvl_daemon.watcher import InboxWatcher
 
 log = logging.getLogger(__name__)
 
+# The loop wakes when results arrive, else after this long (longer when there is no work).
 TICK_SECONDS = 0.1
+IDLE_TICK_SECONDS = 0.5
+STATUS_SECONDS = 1.0
 # How much more time to ask systemd for, each time, while the model server starts.
 EXTEND_SECONDS = 90.0
 PUBLISH_SECONDS = 2.0
@@ -47,6 +50,7 @@ class Daemon:
         self._ready_sent = False
         self._last_publish = 0.0
         self._last_extend = 0.0
+        self._last_status = 0.0
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
@@ -95,7 +99,7 @@ class Daemon:
             self.converter.tick(now)
             self._report(now)
             self.notifier.tick(now)
-            time.sleep(TICK_SECONDS)
+            self.converter.wait(TICK_SECONDS if self.converter.active else IDLE_TICK_SECONDS)
 
     def _take(self, path: Path) -> None:
         try:
@@ -103,6 +107,7 @@ class Daemon:
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
             return
+        self.converter.wake()
         if job.state is JobState.QUEUED:
             log.info("%s: queued", path)
         else:  # the start-up scan sees every converted file again
@@ -122,6 +127,9 @@ class Daemon:
             elif now - self._last_extend >= EXTEND_SECONDS / 3:
                 self._last_extend = now
                 self.notifier.extend_timeout(EXTEND_SECONDS)
+        if now - self._last_status < STATUS_SECONDS:
+            return  # counting jobs is a query; once a second is plenty for a status line
+        self._last_status = now
         progress = self.converter.progress()
         state = server.state
         if state is ServerState.STOPPED and not self._ready_sent:

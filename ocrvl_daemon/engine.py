@@ -349,6 +349,7 @@ class EngineWorker:
         self._process: subprocess.Popen[bytes] | None = None
         self._channel: _Channel | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._arrived = threading.Event()
         self._reader: threading.Thread | None = None
         self.in_flight: set[tuple[int, int]] = set()
         self.pages_done = 0
@@ -374,6 +375,7 @@ class EngineWorker:
         try:
             while (message := self._channel.receive()) is not None:
                 self._inbox.put(message)
+                self._arrived.set()
         except (OSError, ValueError, pickle.UnpicklingError) as exc:
             log.warning("engine worker %s: broken result stream: %s", self.pid, exc)
 
@@ -400,6 +402,12 @@ class EngineWorker:
         # A dead worker is noticed by `alive()`; its pages are given back then.
         with contextlib.suppress(OSError, ValueError):
             self._channel.send(task)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a message arrives (or `timeout`); `collect` then takes it."""
+        if self._inbox.empty():
+            self._arrived.wait(timeout)
+        self._arrived.clear()
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived; waits up to `timeout` for the first one."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlparse
@@ -95,7 +94,7 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
                 return {p: str(server.error) for j, p in jobs.items() if not _succeeded(store, j)}
             if all(_settled(store, j) for j in jobs):
                 break
-            time.sleep(TICK_SECONDS)
+            converter.wait(TICK_SECONDS)
     finally:
         converter.stop(STOP_TIMEOUT)
         server.stop()
