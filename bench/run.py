@@ -53,7 +53,7 @@ SIM_ARGS = (
     "--step-t0-ms", "6.1",
     "--step-t1-ms", "0.074",
     "--prefill-ms-per-image", "30",
-    "--output-tokens", "lognormal:1000:0.5",
+    "--output-tokens", "lognormal:1000:0.4",
     "--max-num-seqs", "256",
     "--kv-capacity-tokens", "150000",
     "--max-model-len", "16384",

@@ -34,7 +34,9 @@ token per running sequence and takes t0 + t1*running ms, plus prefill-ms-per-ima
 image_tokens/1300 for every sequence admitted in that step. A sequence holds prompt +
 produced tokens of KV cache and is only admitted if that fits; when the running sequences
 outgrow ``--kv-capacity-tokens`` (default max_num_seqs*2048, or the KV size of the fake
-VRAM model) the newest is preempted to the head of the queue and prefilled again later.
+VRAM model) the newest is preempted to the head of the queue and, when readmitted,
+recomputed: its image and every token it had produced are prefilled again (vLLM's
+recompute preemption), so throughput falls once the batch outgrows the KV cache.
 
 Fake VRAM model (``--fake-vram-gib G``, ``--fake-vram-used-gib U``), utilization u:
 ``free-memory`` failure if u*G > G-U; else kv = u*G - weights (``--fake-weights-gib``,
@@ -1012,7 +1014,11 @@ class FakeServer:
             self.waiting.popleft()
             self.running.append(seq)
             held += seq.held
-            prefill_ms += self.cfg.prefill_ms_per_image * seq.image_tokens / PREFILL_UNIT_TOKENS
+            # A preempted sequence is recomputed, as vLLM does: its image and everything it
+            # had generated are prefilled again. This is what makes too many sequences in
+            # flight slower than the right number.
+            prefill_ms += (self.cfg.prefill_ms_per_image * (seq.image_tokens + seq.produced)
+                           / PREFILL_UNIT_TOKENS)
         return prefill_ms
 
     def _preempt(self) -> None:
