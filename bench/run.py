@@ -1,8 +1,8 @@
 """ocrvl's throughput benchmark: one command, one table.
 
-    /work/venv/bin/python bench/run.py            # everything (~15 min on 2 cores)
-    /work/venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
-    /work/venv/bin/python -m bench --only a,b     # some scenarios
+    .venv/bin/python bench/run.py            # everything (~15 min on 2 cores)
+    .venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
+    .venv/bin/python -m bench --only a,b     # some scenarios
 
 A simulated continuous-batching vLLM (ocrvl_daemon.testing.fake_server, parameters in
 SIM_ARGS, explained in bench/README.md) serves every contender in turn:

@@ -7,7 +7,6 @@ exactly. The daemon tests at the end check the token-limit handling end to end.
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 import time
@@ -25,7 +24,7 @@ from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.scheduler import pick_pages
 from ocrvl_daemon.store import Job, JobState
-from ocrvl_daemon.testing.documents import make_pdf, make_random_bytes
+from ocrvl_daemon.testing.documents import deny_reading, make_pdf, make_random_bytes
 from ocrvl_daemon.testing.harness import wait_until
 
 
@@ -213,14 +212,7 @@ def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
     """Root reads everything, so `open` raises EACCES for this one file."""
     locked = make_pdf(policy.folder / "locked.pdf", 1)
-    real_open = Path.open
-
-    def guarded(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        if self == locked:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "open", guarded)
+    deny_reading(monkeypatch, locked)
     with pytest.raises(InputFileError):
         enqueue_file(policy.store, locked, policy.config.model.name)
     monkeypatch.undo()

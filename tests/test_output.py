@@ -20,7 +20,7 @@ from ocrvl_daemon import output, pdf
 from ocrvl_daemon.errors import InputFileError, NotOursError, OutputError
 from ocrvl_daemon.output import Page, outputs_for, read_header, write_document
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.testing.documents import make_gigantic_page_pdf, make_pdf
+from ocrvl_daemon.testing.documents import deny_reading, make_gigantic_page_pdf, make_pdf
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 
@@ -180,14 +180,7 @@ def test_an_unreadable_file_is_a_permanent_input_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """EACCES cannot be produced as root, so `open` is made to raise it."""
     locked = make_pdf(tmp_path / "locked.pdf", 1)
-    real_open = Path.open
-
-    def guarded(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        if self == locked:
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "open", guarded)
+    deny_reading(monkeypatch, locked)
     for read in (pdf.file_identity, pdf.page_count):
         with pytest.raises(InputFileError, match="permission denied") as caught:
             read(locked)

@@ -6,10 +6,12 @@ it received) tells which page's text landed where.
 
 from __future__ import annotations
 
+import errno
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw
 
@@ -150,3 +152,17 @@ def make_bad_input_corpus(folder: Path) -> list[BadInput]:
         BadInput(make_pdf(folder / "Ünïcödé – 日本語.pdf", 1, seed=16), None),
         BadInput(make_pdf(folder / "$(touch pwned) `x`; ..pdf", 1, seed=17), None),
     ]
+
+
+def deny_reading(monkeypatch: Any, path: Path) -> None:
+    """Make opening `path` fail with EACCES (root reads everything, so chmod cannot)."""
+
+
+    real_open = Path.open
+
+    def guarded(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self == path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", guarded)
