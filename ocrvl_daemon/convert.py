@@ -28,7 +28,7 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
-from ocrvl_daemon.server_metrics import MetricsPoller
+from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics
 from ocrvl_daemon.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ WORKER_RESTART_SECONDS = 10.0
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
+# Metrics older than this say nothing about the pages in flight now.
+METRICS_FRESH = 5.0
 
 
 class ServerHandle(Protocol):
@@ -105,6 +107,7 @@ class Converter:
         self.finished_jobs: list[int] = []
         self._wake = True
         self._next_activation = 0.0
+        self._preparing = 0.0  # pages in flight that have not reached the server yet
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -122,6 +125,21 @@ class Converter:
         self.server.note_progress(in_flight, self.completed_pages)
         metrics = self._server_metrics.latest(want=self.concurrency.adaptive and in_flight > 0)
         self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
+        self._track_client_side(now, in_flight, metrics)
+
+    def _track_client_side(self, now: float, in_flight: int, metrics: ServerMetrics | None
+                           ) -> None:
+        """Estimate how many of our pages are still being prepared (rendered, laid out,
+        encoded) rather than at the server, from what the server reports it holds.
+
+        The concurrency limit is meant for the server; pages on their way there would
+        otherwise keep its batch smaller than the limit.
+        """
+        if metrics is None or metrics.running is None or now - metrics.taken_at > METRICS_FRESH:
+            return
+        at_server = metrics.running + (metrics.waiting or 0.0)
+        preparing = max(0.0, in_flight - at_server)
+        self._preparing = 0.7 * self._preparing + 0.3 * preparing
 
     def wake(self) -> None:
         """A job was queued: look at the queue on the next tick, not the next interval."""
@@ -276,7 +294,8 @@ class Converter:
         worker = self._worker
         if worker is None or not worker.ready or not self.server.is_ready():
             return
-        slots = self.concurrency.limit - self.in_flight
+        limit = self.concurrency.limit
+        slots = limit + min(round(self._preparing), limit // 2) - self.in_flight
         docs = [self.active[j] for j in sorted(self.active)]
         for doc, page in pick_pages(docs, slots):
             job = self._jobs[doc.job_id]
