@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -243,7 +243,7 @@ class _Channel:
 
     _HEADER = struct.Struct(">I")
 
-    def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
+    def __init__(self, reader: IO[bytes], writer: IO[bytes]) -> None:
         self._reader = reader
         self._writer = writer
         self._lock = threading.Lock()
