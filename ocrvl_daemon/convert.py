@@ -252,7 +252,8 @@ class Converter:
         worker = self._worker
         if worker is not None and (not worker.alive() or worker.failure):
             self.worker_failure = worker.failure or f"engine worker exited ({worker.pid})"
-            log.error("engine worker failed: %s", self.worker_failure)
+            log.error("engine worker failed: %s%s", self.worker_failure,
+                      _worker_fix(self.worker_failure))
             self._requeue_lost(worker, crash=self.worker_failure)
             worker.stop()
             self._worker = None
@@ -491,6 +492,17 @@ class Converter:
             worker.stop()
         self._worker = None
         self._retiring.clear()
+
+
+def _worker_fix(failure: str) -> str:
+    """The fix for the usual reasons the pipeline cannot start."""
+    if "model hosting" in failure or "model hoster" in failure:
+        return (". Fix: the layout model (PP-DocLayout) is downloaded once on first use: let "
+                "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
+                "false")
+    if "No module named" in failure or "DependencyError" in failure:
+        return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
+    return ""
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
