@@ -27,6 +27,7 @@ from ocrvl_daemon.errors import (
     OcrvlError,
     PagesFailedError,
 )
+from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics
 from ocrvl_daemon.store import Job, JobState, Store
@@ -101,10 +102,8 @@ class Converter:
         self._worker: EngineWorker | None = None
         self._retiring: list[EngineWorker] = []
         self._worker_retry_at = 0.0
-        self.worker_failure: str | None = None
         self.completed_pages = 0
         self._recent: deque[float] = deque(maxlen=256)
-        self.finished_jobs: list[int] = []
         self._wake = True
         self._next_activation = 0.0
         self._preparing = 0.0  # pages in flight that have not reached the server yet
@@ -239,7 +238,6 @@ class Converter:
             )
             output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
-        self.finished_jobs.append(job.id)
 
     # --- the engine worker --------------------------------------------------------------
 
@@ -251,10 +249,9 @@ class Converter:
                 self._retiring.remove(old)
         worker = self._worker
         if worker is not None and (not worker.alive() or worker.failure):
-            self.worker_failure = worker.failure or f"engine worker exited ({worker.pid})"
-            log.error("engine worker failed: %s%s", self.worker_failure,
-                      _worker_fix(self.worker_failure))
-            self._requeue_lost(worker, crash=self.worker_failure)
+            failure = worker.failure or f"engine worker exited ({worker.pid})"
+            log.error("engine worker failed: %s%s", failure, _worker_fix(failure))
+            self._requeue_lost(worker, crash=failure)
             worker.stop()
             self._worker = None
             self._worker_retry_at = now + WORKER_RESTART_SECONDS
@@ -422,8 +419,6 @@ class Converter:
         self._jobs.pop(job_id)
         self.store.set_done(job_id)
         output.remove_error_note(job.path)
-        self.finished_jobs.append(job_id)
-        took = time.time() - (self.store.job(job_id) or job).created
         log.info(
             "%s: done, %d pages -> %s",
             job.path.name,
@@ -431,7 +426,7 @@ class Converter:
             output.outputs_for(job.path)[0].name,
             extra=_fields(job),
         )
-        log.debug("%s took %.1f s since it was queued", job.path.name, took)
+        log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
@@ -506,11 +501,8 @@ def _worker_fix(failure: str) -> str:
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
-    """Structured journald fields for a log line about `job` (and `page`)."""
-    fields: dict[str, object] = {"OCRVL_PDF": str(job.path), "OCRVL_JOB": job.id}
-    if page is not None:
-        fields["OCRVL_PAGE"] = page + 1
-    return fields
+    """Structured journald fields for a log line about `job` (and 0-based `page`)."""
+    return doc_fields(job.path, None if page is None else page + 1, job.id)
 
 
 def _unexpected(exc: Exception) -> OcrvlError:
@@ -538,6 +530,16 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
     even when the store has never seen the file (a new state dir, a moved inbox).
     """
+    known = store.job_for_path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    # The start-up scan hands over every PDF again: a version already identified (same size,
+    # mtime and model) is not hashed again, which would read whole libraries at each start.
+    if (known is not None and known.sha256 and known.model == model and stat is not None
+            and (known.size, known.mtime) == (stat.st_size, stat.st_mtime)):
+        return known
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:

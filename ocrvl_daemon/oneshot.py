@@ -92,7 +92,8 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
             converter.tick()
             if server.error is not None:
                 return {p: str(server.error) for j, p in jobs.items() if not _succeeded(store, j)}
-            if all(_settled(store, j) for j in jobs):
+            # A job being converted is not settled: ask the store only when none is.
+            if not converter.active and all(_settled(store, j) for j in jobs):
                 break
             converter.wait(TICK_SECONDS)
     finally:

@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import pytest
 from test_systemd_notify import Message, NotifySocket
 
 from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port, process_alive, wait_until
+from ocrvl_daemon.testing.harness import answers_health, free_port, process_alive, wait_until
 from ocrvl_daemon.testing.runner import DaemonProcess, managed_fake_server, write_config
 
 pytestmark = pytest.mark.slow
@@ -122,10 +121,7 @@ def notified(tmp_path: Path) -> Iterator[Callable[..., NotifiedDaemon]]:
 
 def health_ok(port: int) -> bool:
     """Whether the fake server answers /health with 200 right now."""
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return answers_health(f"http://127.0.0.1:{port}")
 
 
 def sighup(running: NotifiedDaemon) -> tuple[int, int]:

@@ -16,13 +16,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from systemd_user import UserManager, cgroup_pids, cgroup_roots, unavailable_reason, user_manager
 
 from ocrvl_daemon.service import UNIT_NAME, install_service
 from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port, process_alive
+from ocrvl_daemon.testing.harness import answers_health, free_port, process_alive
 from ocrvl_daemon.testing.runner import PACKAGE_ROOT, managed_fake_server, write_config
 
 pytestmark = pytest.mark.slow
@@ -62,10 +61,7 @@ def have_systemd_python() -> bool:
 
 def health_ok(port: int) -> bool:
     """Whether the fake server answers /health with 200 right now."""
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return answers_health(f"http://127.0.0.1:{port}")
 
 
 def cmdline(pid: int) -> list[str]:

@@ -86,6 +86,14 @@ def process_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
+def answers_health(url: str) -> bool:
+    """Whether the server at ``url`` (its root) answers ``/health`` with 200 right now."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def fake_server_command(*args: str, python: str | None = None) -> list[str]:
     """The argv that runs the fake server (e.g. for ocrvl's ``server.command``)."""
     return [python or sys.executable, "-m", "ocrvl_daemon.testing.fake_server", *args]
@@ -182,10 +190,7 @@ class FakeServerProcess:
 
     def healthy(self) -> bool:
         """Whether ``/health`` answers 200 right now (False on refused connections)."""
-        try:
-            return self.get("/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers_health(self.url)
 
     def stats(self) -> dict[str, Any]:
         """The fake server's ``/fake/stats``."""
