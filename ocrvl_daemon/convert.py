@@ -250,7 +250,7 @@ class Converter:
         worker = self._worker
         if worker is not None and (not worker.alive() or worker.failure):
             failure = worker.failure or f"engine worker exited ({worker.pid})"
-            log.error("engine worker failed: %s%s", failure, _worker_fix(failure))
+            log.error("engine worker failed: %s%s", failure.rstrip("."), _worker_fix(failure))
             self._requeue_lost(worker, crash=failure)
             worker.stop()
             self._worker = None
