@@ -13,7 +13,13 @@ flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded o
 * The search is a one-dimensional pattern search in log space: from the current best limit
   try `best * f` (then `best / f`); a probe that beats the best by more than `IMPROVEMENT`
   becomes the best and the search goes on in that direction; when neither direction helps,
-  `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best.
+  `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best. At the
+  upper bound (the default start: 64, where real vLLM peaks) the search cannot look up,
+  and the peak is most likely at or above the bound; the curve is steep below its peak, so
+  the first step down is small (`MIN_FACTOR`) and steps grow only once one has won. A
+  limit that lost against the current best is not probed again. A probe runs only while
+  `PROBE_BACKLOG` times the limit in pages is waiting: on a short queue it would cost more
+  than whatever it could find (the search resumes when a bigger queue comes).
 * Holding, it keeps measuring; when throughput at the same limit shifts by more than
   `SHIFT` (two windows in a row) the workload changed and the search starts again.
 * Safety first, throughput second: any new preemption or a KV cache above `KV_FULL`
@@ -51,6 +57,7 @@ WAITING_SAMPLES = 2  # consecutive scrapes with requests waiting before the cap 
 SETTLE_SECONDS = 2.0
 WINDOW_SECONDS = 4.0
 MIN_WINDOW_PAGES = 16  # completions-based windows (no metrics) count at least this many
+PROBE_BACKLOG = 3  # probe only with this many limits' worth of pages waiting
 
 
 def feed_margin(cap: int) -> int:
@@ -97,6 +104,7 @@ class ConcurrencyController:
         self._direction = 1
         self._moved = False
         self._tried_other = False
+        self._lost: set[int] = set()  # limits that lost against the current best
         self._changed_at: float | None = None
         self._window: _Window | None = None
         self._saturated = False
@@ -108,6 +116,7 @@ class ConcurrencyController:
         self._shifts = 0
         self._pages_per_token: float | None = None
         self._server_load: float | None = None  # running + waiting at the last scrape
+        self._backlog = 0
 
     # --- public -------------------------------------------------------------------------
 
@@ -125,6 +134,7 @@ class ConcurrencyController:
             self.limit = self.maximum
             return
         self.limit = self._clamp(self.limit)
+        self._backlog = backlog
         saturated = backlog > 0 and in_flight >= self.limit
         if saturated and not self._saturated:
             self._changed_at = now  # the batch ramps up again: settle first
@@ -259,7 +269,9 @@ class ConcurrencyController:
             )
             self._best_limit, self._best_score, self._best_rate = self.limit, score, rate
             self._moved = True
+            self._lost.clear()
         else:
+            self._lost.add(self.limit)
             log.debug(
                 "concurrency %d: %.2f pages/s, no better than %.2f at %d",
                 self.limit,
@@ -274,11 +286,14 @@ class ConcurrencyController:
         self._propose(now, rate)
 
     def _propose(self, now: float, rate: float) -> None:
+        if self._backlog < PROBE_BACKLOG * self._best_limit:
+            if self.limit != self._best_limit:
+                self._set(self._best_limit, now)
+            return  # not worth a probe: measure again at the best
         upper = self._upper()
         while self._factor >= MIN_FACTOR:
-            step = self._factor if self._direction > 0 else 1 / self._factor
-            candidate = min(upper, self._clamp(round(self._best_limit * step)))
-            if candidate == self._best_limit:
+            candidate = min(upper, self._clamp(round(self._best_limit * self._step())))
+            if candidate == self._best_limit or candidate in self._lost:
                 if self._moved or self._tried_other:
                     self._shrink()
                 else:
@@ -307,6 +322,13 @@ class ConcurrencyController:
         else:
             log.info("concurrency holds at %d (%.2f pages/s)", self.limit, self._best_rate or rate)
 
+    def _step(self) -> float:
+        if self._direction > 0:
+            return self._factor
+        if not self._moved and self._best_limit >= self._upper():
+            return 1 / min(self._factor, MIN_FACTOR)
+        return 1 / self._factor
+
     def _hold(self, now: float, score: float, rate: float) -> None:
         best = self._best_score or score
         if abs(score - best) > SHIFT * best:
@@ -333,6 +355,7 @@ class ConcurrencyController:
         self._best_limit, self._best_score, self._best_rate = limit, None, None
         self._direction, self._factor = direction, factor
         self._moved = self._tried_other = False
+        self._lost.clear()
         self._set(limit, now)
 
     def _shrink(self) -> None:

@@ -13,13 +13,14 @@ from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics, parse_metr
 TOKENS_PER_PAGE = 1000.0
 
 
-def peaked(peak: int = 64, top: float = 11.2) -> Callable[[int], float]:
-    """Pages/s against concurrency shaped like real vLLM: steep below the peak, gentle above."""
+def peaked(peak: int = 64, top: float = 11.2, fall: float = 0.12) -> Callable[[int], float]:
+    """Pages/s against concurrency shaped like real vLLM: steep below the peak, gentle above
+    (`fall`: the share lost per doubling past the peak)."""
 
     def curve(n: int) -> float:
         if n <= peak:
             return top * (n / peak) ** 0.6
-        return top * (1 - 0.12 * math.log2(n / peak))
+        return top * (1 - fall * math.log2(n / peak))
 
     return curve
 
@@ -97,7 +98,28 @@ def test_default_start_at_the_maximum_probes_down_and_comes_back() -> None:
     srv.run(200)
     assert ctl.phase == "hold"
     assert ctl.limit == 64
-    assert min(srv.limits) >= 64 / 1.5 - 1  # probes stay close
+    # At the bound the peak is most likely at or above it: one small step down, no more.
+    assert set(srv.limits) == {64, round(64 / 1.15)}, sorted(set(srv.limits))
+
+
+def test_from_the_maximum_a_winning_small_step_down_goes_on_to_a_lower_peak() -> None:
+    ctl = ConcurrencyController(4, 64, True)
+    srv = SyntheticServer(ctl, peaked(24, 6.0, fall=0.3))  # e.g. prefill-bound past 24
+    srv.run(400)
+    assert ctl.phase == "hold"
+    assert 16 <= ctl.limit <= 36, srv.limits[::50]
+
+
+def test_a_short_queue_is_not_worth_a_probe_and_a_long_one_is() -> None:
+    ctl = ConcurrencyController(4, 256, True)
+    srv = SyntheticServer(ctl, peaked(128))
+    srv.backlog = 100  # under three limits' worth of pages: a probe would not pay off
+    srv.run(120)
+    assert set(srv.limits) == {64}
+    assert ctl.rate is not None  # it does measure
+    srv.backlog = 10_000
+    srv.run(300)
+    assert ctl.limit > 64, "with a long queue the search climbs towards the peak at 128"
 
 
 def test_finds_a_low_peak() -> None:
