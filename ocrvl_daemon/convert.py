@@ -28,8 +28,8 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.scheduler import DocumentPages, pick_pages
-from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics
+from ocrvl_daemon.scheduler import DocumentPages, pick_pages, ready_margin
+from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ WORKER_RESTART_SECONDS = 10.0
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
-# Metrics older than this say nothing about the pages in flight now.
-METRICS_FRESH = 5.0
 
 
 class ServerHandle(Protocol):
@@ -106,7 +104,6 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
-        self._preparing = 0.0  # pages in flight that have not reached the server yet
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -124,21 +121,6 @@ class Converter:
         self.server.note_progress(in_flight, self.completed_pages)
         metrics = self._server_metrics.latest(want=self.concurrency.adaptive and in_flight > 0)
         self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
-        self._track_client_side(now, in_flight, metrics)
-
-    def _track_client_side(self, now: float, in_flight: int, metrics: ServerMetrics | None
-                           ) -> None:
-        """Estimate how many of our pages are still being prepared (rendered, laid out,
-        encoded) rather than at the server, from what the server reports it holds.
-
-        The concurrency limit is meant for the server; pages on their way there would
-        otherwise keep its batch smaller than the limit.
-        """
-        if metrics is None or metrics.running is None or now - metrics.taken_at > METRICS_FRESH:
-            return
-        at_server = metrics.running + (metrics.waiting or 0.0)
-        preparing = max(0.0, in_flight - at_server)
-        self._preparing = 0.7 * self._preparing + 0.3 * preparing
 
     def wake(self) -> None:
         """A job was queued: look at the queue on the next tick, not the next interval."""
@@ -155,6 +137,10 @@ class Converter:
     def in_flight(self) -> int:
         """Pages at the engine right now."""
         return sum(len(d.in_flight) for d in self.active.values())
+
+    def _at_server(self) -> int:
+        """Pages whose request has left for the server."""
+        return sum(len(w.sent) for w in (self._worker, *self._retiring) if w is not None)
 
     def _backlog(self) -> int:
         return sum(len(d.pending) for d in self.active.values())
@@ -285,6 +271,7 @@ class Converter:
             else:
                 self._page_failed(doc, page, crash)
         worker.in_flight.clear()
+        worker.sent.clear()
 
     # --- pages --------------------------------------------------------------------------
 
@@ -292,8 +279,13 @@ class Converter:
         worker = self._worker
         if worker is None or not worker.ready or not self.server.is_ready():
             return
-        limit = self.concurrency.limit
-        slots = limit + min(round(self._preparing), limit // 2) - self.in_flight
+        # `limit` pages at the server, and a few more being prepared (rendered, laid out,
+        # encoded) to replace the next ones that finish. No more than that: a page of a
+        # letter dropped now must not queue behind a book's pages inside the worker.
+        limit, in_flight = self.concurrency.limit, self.in_flight
+        margin = ready_margin(limit)
+        preparing = in_flight - self._at_server()
+        slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
         for doc, page in pick_pages(docs, slots):
             job = self._jobs[doc.job_id]

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.process_group import die_with_parent
+from ocrvl_daemon.scheduler import ready_margin
 from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
@@ -122,9 +124,11 @@ class _Locked:
 
 
 class _Completions(threading.local):
-    """The chat completions (futures) requested on this thread during one page."""
+    """The chat completions (futures) requested on this thread during one page, and how to
+    tell the converter once the page's first request leaves for the server."""
 
     started: list[Any] | None = None
+    announce: Callable[[], None] | None = None
 
 
 _COMPLETIONS = _Completions()
@@ -142,6 +146,9 @@ def _track_completions(pipeline: Any) -> None:
     create = client.create_chat_completion
 
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
+        announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
+        if announce is not None:
+            announce()
         started = create(messages, return_future=return_future, **kwargs)
         if _COMPLETIONS.started is not None:
             _COMPLETIONS.started.append(started)
@@ -219,8 +226,11 @@ def serve() -> None:
     _track_completions(pipeline)
     _start_request_loop()
     channel.send(("ready", os.getpid()))
-    p = config.pipeline
-    with ThreadPoolExecutor(max_workers=p.max_concurrency, thread_name_prefix="page") as pool:
+    # Enough threads for every page the converter may send: `max_concurrency` waiting on the
+    # server (PaddleX's request gate is `vl_rec_max_concurrency`) and the ready margin being
+    # rendered meanwhile. A smaller pool would queue pages unseen, behind the gate's back.
+    threads = config.pipeline.max_concurrency + ready_margin(config.pipeline.max_concurrency)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
         while (task := channel.receive()) is not None:
             pool.submit(_run_page, pipeline, config, server_url, task, channel)
 
@@ -275,6 +285,7 @@ def _run_page(
     started = time.monotonic()
     result = PageResult(task.job_id, task.page)
     path = Path(task.pdf)
+    _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
     try:
         check_unchanged(path, task.size, task.mtime)
         image = render_page(
@@ -296,7 +307,7 @@ def _run_page(
         result.error = f"{type(exc).__name__}: {exc}"
         result.error_kind = "server" if _is_server_down(exc) else "page"
     finally:
-        _COMPLETIONS.started = None
+        _COMPLETIONS.started = _COMPLETIONS.announce = None
     result.seconds = time.monotonic() - started
     channel.send(("page", result))
 
@@ -352,6 +363,7 @@ class EngineWorker:
         self._arrived = threading.Event()
         self._reader: threading.Thread | None = None
         self.in_flight: set[tuple[int, int]] = set()
+        self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
         self.pages_done = 0
         self.ready = False
         self.failure: str | None = None
@@ -426,8 +438,12 @@ class EngineWorker:
                 )
             elif kind == "failed":
                 self.failure = payload
+            elif kind == "sent":
+                if payload in self.in_flight:
+                    self.sent.add(payload)
             else:
                 self.in_flight.discard((payload.job_id, payload.page))
+                self.sent.discard((payload.job_id, payload.page))
                 self.pages_done += 1
                 out.append(payload)
         return out

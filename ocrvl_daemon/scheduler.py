@@ -3,13 +3,24 @@
 Pages of all active documents interleave: the next free slot goes to the document with the
 fewest pages in flight, then the fewest pages left, then the oldest. A 2-page letter dropped
 behind a 600-page book therefore gets its pages in at the next free slots and is done in about
-one page's time, while two books share the server evenly. How many pages may be in flight is
-`ConcurrencyController.limit`, which adapts to the server.
+one page's time, while two books share the server evenly. How many pages may be at the
+server is `ConcurrencyController.limit`, which adapts to the server; `ready_margin` more are
+being prepared in the engine, so a finished request is replaced at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def ready_margin(limit: int) -> int:
+    """Pages in flight beyond `limit`: being prepared (rendered, laid out, encoded) while
+    `limit` pages are at the server, so a finished request is replaced at once.
+
+    Small on purpose: a page of a letter dropped now is prepared after these (the renderer
+    and the request gate serve first come, first served), so each one delays it.
+    """
+    return max(2, limit // 16)
 
 
 @dataclass

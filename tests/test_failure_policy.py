@@ -133,7 +133,7 @@ def test_a_page_that_kills_the_worker_every_time_does_not_loop_forever(policy: P
     policy.send()
     policy.answer(job, 0)
     for _ in range(3):
-        worker = SimpleNamespace(in_flight={(job.id, 1)})
+        worker = SimpleNamespace(in_flight={(job.id, 1)}, sent={(job.id, 1)})
         policy.converter._requeue_lost(worker, crash="engine worker exited (-11)")  # type: ignore[arg-type]
         policy.send()
     policy.converter._collect()

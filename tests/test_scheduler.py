@@ -1,10 +1,19 @@
-"""Fair page picking across documents (pure logic, no processes)."""
+"""Fair page picking across documents, and how many pages the converter hands the engine
+(pure logic and a real store, no processes)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
-from ocrvl_daemon.scheduler import DocumentPages, pick_pages
+from test_failure_policy import ReadyServer
+
+from ocrvl_daemon import status
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.engine import PageTask
+from ocrvl_daemon.scheduler import DocumentPages, pick_pages, ready_margin
+from ocrvl_daemon.testing.documents import make_pdf
 
 
 def doc(job_id: int, pages: int) -> DocumentPages:
@@ -103,3 +112,63 @@ def test_fairness_over_a_whole_run() -> None:
         if letter is not None and letter.finished and letter_done_at is None:
             letter_done_at = step
     assert letter_done_at is not None and letter_done_at - 10 <= 16 + 2
+
+
+class RecordingWorker:
+    """Stands in for the engine worker: records what is handed to it."""
+
+    ready = True
+
+    def __init__(self) -> None:
+        self.in_flight: set[tuple[int, int]] = set()
+        self.sent: set[tuple[int, int]] = set()
+        self.order: list[tuple[int, int]] = []
+
+    def submit(self, task: PageTask) -> None:
+        self.in_flight.add((task.job_id, task.page))
+        self.order.append((task.job_id, task.page))
+
+    def reach_server(self) -> None:
+        self.sent |= self.in_flight
+
+    def finish(self, key: tuple[int, int], converter: Converter) -> None:
+        self.in_flight.discard(key)
+        self.sent.discard(key)
+        converter.active[key[0]].in_flight.discard(key[1])
+
+
+def test_the_engine_gets_the_limit_plus_a_small_ready_margin_so_a_letter_never_waits_behind_a_book(
+    tmp_path: Path,
+) -> None:
+    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
+    store = status.open_store(config)
+    converter = Converter(config, store, ReadyServer())
+    worker = RecordingWorker()
+    converter._worker = worker  # type: ignore[assignment]
+    limit = converter.concurrency.limit
+    margin = ready_margin(limit)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    converter._activate()
+
+    converter._dispatch()
+    assert len(worker.in_flight) == margin, "pages not yet at the server are capped at the margin"
+    while len(worker.in_flight) < limit + margin:
+        worker.reach_server()
+        before = len(worker.in_flight)
+        converter._dispatch()
+        assert len(worker.in_flight) > before, "the ramp stalled"
+    worker.reach_server()
+    converter._dispatch()
+    assert len(worker.in_flight) == limit + margin, "never more than limit + margin in flight"
+
+    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
+    converter._activate()
+    converter._dispatch()
+    assert not any(j == letter.id for j, _ in worker.order), "no free slot yet"
+    for key in sorted(worker.sent)[:2]:
+        worker.finish(key, converter)
+    converter._dispatch()
+    assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], (
+        "the letter's pages must take the next free slots, ahead of the book's"
+    )
+    store.close()

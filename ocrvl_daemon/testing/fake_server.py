@@ -850,6 +850,7 @@ class FakeServer:
         else:
             self.failed += 1
         record["status"] = response.status
+        record["done"] = time.time()
         self._log_request(record)
         return response
 
