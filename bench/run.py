@@ -1,6 +1,6 @@
 """ocrvl's throughput benchmark: one command, one table.
 
-    .venv/bin/python bench/run.py            # everything (~15 min on 2 cores)
+    .venv/bin/python bench/run.py            # everything (~30 min on 2 cores)
     .venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
     .venv/bin/python -m bench --only a,b     # some scenarios
 
@@ -411,6 +411,7 @@ def run_scenario_c(server: Server, book: Path, smalls: list[Path],
         measured(server, run, before, t0, timeline)
         busy = {n: done[n] - dropped[n] for n in dropped}
         ratios = sorted(busy[n] / alone[n] for n in busy)
+        worst = sorted(busy, key=lambda n: busy[n] / alone[n])[-3:]
         info = {
             "solo_median_s": statistics.median(alone.values()),
             "busy_median_s": statistics.median(busy.values()),
@@ -418,6 +419,10 @@ def run_scenario_c(server: Server, book: Path, smalls: list[Path],
             "ratio_median": statistics.median(ratios),
             "ratio_p90": ratios[int(0.9 * (len(ratios) - 1))],
             "ratio_max": ratios[-1],
+            "worst": [
+                f"{n}: dropped {dropped[n] - t0:.1f} s after the book, {busy[n]:.1f} s "
+                f"(alone {alone[n]:.1f} s)" for n in reversed(worst)
+            ],
             "daemon_cpu_ms_per_page": (cpu1 - cpu0) * 1000 / pages,
             "concurrency": [line.split("] ")[-1] for line in daemon.grep("concurrency")],
         }
@@ -563,7 +568,8 @@ def report(res: dict[str, Any]) -> str:
             f"- while the book runs: median {c['busy_median_s']:.2f} s, "
             f"max {c['busy_max_s']:.2f} s",
             f"- each against its own time alone: median {c['ratio_median']:.2f}x, "
-            f"p90 {c['ratio_p90']:.2f}x, worst {c['ratio_max']:.2f}x",
+            f"p90 {c['ratio_p90']:.2f}x, worst {c['ratio_max']:.2f}x "
+            f"({'; '.join(c['worst'])})",
             f"- daemon CPU outside the worker: {c['daemon_cpu_ms_per_page']:.1f} ms per page",
             "",
         ]

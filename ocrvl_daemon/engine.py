@@ -233,6 +233,10 @@ def serve() -> None:
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
         while (task := channel.receive()) is not None:
             pool.submit(_run_page, pipeline, config, server_url, task, channel)
+    # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
+    # nothing to save; `ocrvl convert` would only wait for it.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start_request_loop() -> None:
