@@ -194,7 +194,8 @@ def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
     Messages are length-prefixed pickles: the first one from the parent is the configuration,
-    then `PageTask`s until end of input; this side answers "ready"/"failed" and "page" results.
+    then `PageTask`s until end of input; this side answers "ready"/"failed", "sent" (a page's
+    first request left for the server) and "page" results.
     """
     die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
     if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
