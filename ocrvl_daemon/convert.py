@@ -284,7 +284,7 @@ class Converter:
         # letter dropped now must not queue behind a book's pages inside the worker.
         limit, in_flight = self.concurrency.limit, self.in_flight
         margin = ready_margin(limit)
-        preparing = in_flight - self._at_server()
+        preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
         for doc, page in pick_pages(docs, slots):
