@@ -282,6 +282,8 @@ class Converter:
         # `limit` pages at the server, and a few more being prepared (rendered, laid out,
         # encoded) to replace the next ones that finish. No more than that: a page of a
         # letter dropped now must not queue behind a book's pages inside the worker.
+        # Prepared pages wait at PaddleX's request gate (`max_concurrency`), so at the
+        # maximum the server holds exactly `limit`; below it, up to `margin` more.
         limit, in_flight = self.concurrency.limit, self.in_flight
         margin = ready_margin(limit)
         preparing = max(0, in_flight - self._at_server())
