@@ -48,7 +48,7 @@ from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config  # n
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 PAGE_HEIGHT = 792  # points: a 400..1380 x 792 pt page, 800..2760 x 1584 px at 2x
 # The simulated server: a data-centre GPU's shape (peak near 64 in flight, lower beyond)
-# at ~0.37x its speed, i.e. an RTX-4060-class card sped up ~1.5x (see bench/README.md).
+# at ~0.37x its speed, i.e. an RTX-4060-class card sped up ~1.7x (see bench/README.md).
 SIM_ARGS = (
     "--step-t0-ms", "7.92",
     "--step-t1-ms", "0.0554",
