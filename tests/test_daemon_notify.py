@@ -119,11 +119,6 @@ def notified(tmp_path: Path) -> Iterator[Callable[..., NotifiedDaemon]]:
         yield start
 
 
-def health_ok(port: int) -> bool:
-    """Whether the fake server answers /health with 200 right now."""
-    return answers_health(f"http://127.0.0.1:{port}")
-
-
 def sighup(running: NotifiedDaemon) -> tuple[int, int]:
     """SIGHUP; returns the indices of RELOADING=1 and of the READY=1 that ends the reload,
     checking MONOTONIC_USEC and that nothing but STATUS/WATCHDOG comes in between."""
@@ -152,7 +147,7 @@ def test_ready_only_once_server_answers_then_status_watchdog_and_stopping(notifi
     running = notified("--startup-delay", str(STARTUP_DELAY))
     ready = running.expect("READY=1", lambda t: t.startswith("READY=1"))
     ready_at = running.sock.messages[ready].at
-    assert health_ok(running.port), \
+    assert answers_health(f"http://127.0.0.1:{running.port}"), \
         "ocrvl said READY=1 while the model server's /health did not answer 200"
     assert ready_at - running.started_at >= STARTUP_DELAY, \
         f"READY=1 came {ready_at - running.started_at:.1f}s after start, before the fake " \
@@ -257,7 +252,8 @@ def test_watchdog_pings_stop_while_the_main_loop_is_stuck(notified) -> None:
         assert process_alive(running.pid), "ocrvl died instead of being stuck"
         threads = len(os.listdir(f"/proc/{running.pid}/task"))
         assert threads > 1, "ocrvl's other threads should still be alive"
-        assert health_ok(running.port), "the model server should still be up"
+        assert answers_health(f"http://127.0.0.1:{running.port}"), \
+            "the model server should still be up"
         released_at = time.monotonic()
     finally:
         lock.execute("ROLLBACK")

@@ -59,11 +59,6 @@ def have_systemd_python() -> bool:
     return True
 
 
-def health_ok(port: int) -> bool:
-    """Whether the fake server answers /health with 200 right now."""
-    return answers_health(f"http://127.0.0.1:{port}")
-
-
 def cmdline(pid: int) -> list[str]:
     """A process's argv ([] once it is gone)."""
     try:
@@ -89,7 +84,7 @@ def wait_until_active(manager: UserManager, port: int) -> None:
     def active() -> bool:
         state = manager.show(UNIT_NAME, "ActiveState")
         status = manager.show(UNIT_NAME, "StatusText")
-        samples.append((state, status, health_ok(port)))
+        samples.append((state, status, answers_health(f"http://127.0.0.1:{port}")))
         if state == "failed" or manager.show(UNIT_NAME, "SubState") == "auto-restart":
             raise AssertionError(f"ocrvl.service failed to start:\n"
                                  f"{manager.journal('-o', 'cat', UNIT_MATCH)[-4000:]}")

@@ -156,8 +156,6 @@ def make_bad_input_corpus(folder: Path) -> list[BadInput]:
 
 def deny_reading(monkeypatch: Any, path: Path) -> None:
     """Make opening `path` fail with EACCES (root reads everything, so chmod cannot)."""
-
-
     real_open = Path.open
 
     def guarded(self: Path, *args: Any, **kwargs: Any) -> Any:
