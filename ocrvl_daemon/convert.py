@@ -39,6 +39,9 @@ ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
 WORKER_RESTART_SECONDS = 10.0
+# A worker that cannot even start (no network for the layout model, a broken install) is
+# retried ever less often: the cause rarely goes away by itself within seconds.
+WORKER_RESTART_MAX_SECONDS = 300.0
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -76,12 +79,22 @@ class Progress:
 
 
 class Converter:
-    """Drives queued jobs of `store` through the engine; `only` limits it to some jobs."""
+    """Drives queued jobs of `store` through the engine; `only` limits it to some jobs.
+
+    A worker that fails to start is started again, ever less often, until `engine_starts`
+    starts in a row have failed (None: forever, as the daemon does).
+    """
 
     def __init__(
-        self, config: Config, store: Store, server: ServerHandle, only: set[int] | None = None
+        self,
+        config: Config,
+        store: Store,
+        server: ServerHandle,
+        only: set[int] | None = None,
+        engine_starts: int | None = None,
     ) -> None:
         self.config = config
+        self.engine_starts = engine_starts
         self.store = store
         self.server = server
         self.only = only
@@ -100,6 +113,9 @@ class Converter:
         self._worker: EngineWorker | None = None
         self._retiring: list[EngineWorker] = []
         self._worker_retry_at = 0.0
+        # Workers that failed before becoming ready, in a row, and why the last one did.
+        self.engine_start_failures = 0
+        self.engine_error: str | None = None
         self.completed_pages = 0
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
@@ -234,13 +250,30 @@ class Converter:
                 old.stop()
                 self._retiring.remove(old)
         worker = self._worker
+        if worker is not None and worker.ready and self.engine_start_failures:
+            log.info("engine worker %s started after %d failed start(s)", worker.pid,
+                     self.engine_start_failures)
+            self.engine_start_failures, self.engine_error = 0, None
         if worker is not None and (not worker.alive() or worker.failure):
             failure = worker.failure or f"engine worker exited ({worker.pid})"
-            log.error("engine worker failed: %s%s", failure.rstrip("."), _worker_fix(failure))
+            delay = WORKER_RESTART_SECONDS
+            if worker.ready:
+                log.error("engine worker failed: %s; starting another in %.0f s",
+                          failure.rstrip("."), delay)
+            else:
+                self.engine_start_failures += 1
+                delay = min(WORKER_RESTART_MAX_SECONDS,
+                            delay * 2 ** (self.engine_start_failures - 1))
+                self.engine_error = (f"The recognition pipeline could not start: "
+                                     f"{failure.rstrip('.')}{_worker_fix(failure)}")
+                if self.engine_gave_up:
+                    delay = float("inf")
+                log.error("%s (failed start %d; %s)", self.engine_error, self.engine_start_failures,
+                          "giving up" if self.engine_gave_up else f"trying again in {delay:.0f} s")
             self._requeue_lost(worker, crash=failure)
             worker.stop()
             self._worker = None
-            self._worker_retry_at = now + WORKER_RESTART_SECONDS
+            self._worker_retry_at = now + delay
         if self._worker is None and now >= self._worker_retry_at:
             self._worker = EngineWorker(self.config, self.config.server.base_url)
             self._worker.start()
@@ -254,6 +287,11 @@ class Converter:
             self._retiring.append(self._worker)
             self._worker = EngineWorker(self.config, self.config.server.base_url)
             self._worker.start()
+
+    @property
+    def engine_gave_up(self) -> bool:
+        """Whether `engine_starts` starts in a row failed: no worker will be started again."""
+        return self.engine_starts is not None and self.engine_start_failures >= self.engine_starts
 
     def _should_recycle(self, worker: EngineWorker) -> bool:
         p = self.config.pipeline
@@ -491,7 +529,7 @@ def _worker_fix(failure: str) -> str:
                 "false")
     if "No module named" in failure or "DependencyError" in failure:
         return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
-    return ""
+    return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:

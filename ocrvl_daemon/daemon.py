@@ -146,6 +146,7 @@ class Daemon:
             queued=max(0, progress.queued),
             done=progress.done,
             failed=progress.failed,
+            engine_failed_starts=self.converter.engine_start_failures,
         )
         self.notifier.status(format_status(snap), now)
         if now - self._last_publish >= PUBLISH_SECONDS:
@@ -161,6 +162,7 @@ class Daemon:
                 "pages_per_s": round(rate, 3),
                 "in_flight": self.converter.in_flight,
                 "concurrency": self.converter.concurrency.limit,
+                "engine_error": self.converter.engine_error,
                 "server": {
                     "state": server.state.value,
                     "phase": server.phase,

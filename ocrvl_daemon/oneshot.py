@@ -26,6 +26,9 @@ EXTERNAL_PROBE_SECONDS = 10.0
 TICK_SECONDS = 0.05
 # Transient failures (server gone, disk full) are retried this often before giving up.
 MAX_ATTEMPTS = 3
+# A recognition pipeline that failed to start this often in a row will not start in this
+# run; the daemon keeps trying (the network may come back, the install be repaired).
+ENGINE_START_ATTEMPTS = 2
 STOP_TIMEOUT = 30.0
 
 
@@ -73,7 +76,7 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
-    converter = Converter(config, store, server, only=set(jobs))
+    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS)
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
@@ -91,7 +94,9 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         while not stop_requested:
             converter.tick()
             if server.error is not None:
-                return {p: str(server.error) for j, p in jobs.items() if not _succeeded(store, j)}
+                return _unfinished(store, jobs, str(server.error))
+            if converter.engine_gave_up:
+                return _unfinished(store, jobs, converter.engine_error or "")
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break
@@ -108,6 +113,11 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
+
+
+def _unfinished(store: Store, jobs: dict[int, Path], reason: str) -> dict[Path, str]:
+    """`reason` for every file not converted yet."""
+    return {path: reason for job_id, path in jobs.items() if not _succeeded(store, job_id)}
 
 
 def _succeeded(store: Store, job_id: int) -> bool:

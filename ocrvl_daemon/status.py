@@ -81,6 +81,8 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
         if server.get("diagnosis"):
             lines.append(f"  likely cause: {server['diagnosis']}")
+        if daemon.get("engine_error"):
+            lines.append(f"engine: {daemon['engine_error']}")
     else:
         lines.append("daemon: not running (start it with `systemctl --user start ocrvl`)")
     docs = status["documents"]

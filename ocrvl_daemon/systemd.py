@@ -154,6 +154,7 @@ class StatusSnapshot:
     queued: int = 0  # documents waiting, not counting current_doc
     done: int = 0
     failed: int = 0
+    engine_failed_starts: int = 0  # recognition workers that failed to start, in a row
 
 
 def format_status(snap: StatusSnapshot) -> str:
@@ -167,6 +168,10 @@ def format_status(snap: StatusSnapshot) -> str:
         details = [f"attempt {snap.server_attempt}"] if snap.server_attempt else []
         details += [snap.server_diagnosis] if snap.server_diagnosis else []
         line = f"server {snap.server_state}" + (f" ({', '.join(details)})" if details else "")
+        return _join(line, queue, failed)
+    if snap.engine_failed_starts:
+        starts = f"{snap.engine_failed_starts} failed start" + "s" * (snap.engine_failed_starts > 1)
+        line = f"recognition pipeline cannot start ({starts}; see journalctl --user -u ocrvl)"
         return _join(line, queue, failed)
     if snap.current_doc:
         pages = f"p.{snap.page_done}" + (f"/{snap.page_total}" if snap.page_total else "")

@@ -19,7 +19,12 @@ from ocrvl_daemon.testing.documents import (
     page_width,
 )
 from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, start_fake_server
-from ocrvl_daemon.testing.runner import managed_fake_server, run_ocrvl, write_config
+from ocrvl_daemon.testing.runner import (
+    broken_paddleocr,
+    managed_fake_server,
+    run_ocrvl,
+    write_config,
+)
 
 SCALE = 2  # ocrvl renders PDF pages at scale 2.0, like PaddleOCR
 
@@ -113,6 +118,24 @@ def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):
     assert f"Cannot reach the model server at {url}" in result.stderr
     assert "vllm serve" in result.stderr
     assert not (tmp_path / "book.md").exists()
+
+
+def test_a_pipeline_that_cannot_start_ends_the_run_with_the_fix_instead_of_waiting(
+    tmp_path, fake_server
+):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    env = broken_paddleocr(tmp_path / "shadow")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=120, **env)
+    assert result.returncode == 1, "a conversion that cannot happen must not report success"
+    reason = ("The recognition pipeline could not start: ModuleNotFoundError: No module named "
+              "'paddlex'. Fix: reinstall ocrvl with its extras")
+    assert reason in result.stderr, f"the reason or its fix is missing:\n{result.stderr}"
+    assert "failed start 2; giving up" in result.stderr, (
+        f"`ocrvl convert` should give up after one retry:\n{result.stderr}"
+    )
+    assert pdf.exists() and not (tmp_path / "book.md").exists()
 
 
 def test_server_serving_another_model_is_reported(tmp_path, fake_server):

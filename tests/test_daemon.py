@@ -23,6 +23,7 @@ from ocrvl_daemon.testing.documents import make_encrypted_pdf, make_pdf
 from ocrvl_daemon.testing.harness import free_port, wait_until
 from ocrvl_daemon.testing.runner import (
     DaemonProcess,
+    broken_paddleocr,
     managed_fake_server,
     run_ocrvl,
     write_config,
@@ -175,6 +176,30 @@ def test_small_letter_dropped_after_a_big_book_does_not_wait_for_it(tmp_path: Pa
         wait_for_markdown(letter)
         assert not book.with_suffix(".md").exists(), "the letter waited for the whole book"
         wait_for_markdown(book, timeout=120)
+
+
+def test_a_pipeline_that_cannot_start_keeps_documents_queued_until_the_install_is_fixed(
+    setup: Setup,
+):
+    shadow = setup.root / "shadow"
+    with DaemonProcess(setup.config, **broken_paddleocr(shadow)) as daemon:
+        daemon.wait_ready()
+        pdf = make_pdf(setup.inbox / "book.pdf", 2)
+        wait_until(lambda: "failed start 1" in daemon.log(), 60,
+                   what="the worker's failed start to be logged")
+        assert "No module named 'paddlex'. Fix: reinstall ocrvl" in daemon.log()
+        status = wait_until(lambda: (s := setup.status())["daemon"].get("engine_error") and s,
+                            30, what="`ocrvl status` to show why nothing converts")
+        assert "could not start" in status["daemon"]["engine_error"]
+        assert [d["state"] for d in status["documents"]] != ["failed"], (
+            "the document was failed although only the installation is broken"
+        )
+        text = run_ocrvl("status", "--config", setup.config, timeout=60).stdout
+        assert "engine: The recognition pipeline could not start" in text
+
+        shutil.rmtree(shadow / "paddleocr")  # the user repairs the installation
+        wait_for_markdown(pdf)
+        assert "started after 1 failed start(s)" in daemon.log()
 
 
 def test_status_shows_failures_and_retry_requeues_them(setup: Setup):

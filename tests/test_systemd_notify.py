@@ -224,6 +224,9 @@ def test_child_env_drops_notify_variables() -> None:
     (StatusSnapshot(server_state="failed", server_diagnosis="CUDA driver missing"),
      "server failed (CUDA driver missing)"),
     (StatusSnapshot(server_state="external", done=1), "idle, 1 done, 0 queued"),
+    (StatusSnapshot(engine_failed_starts=2, current_doc="book.pdf", queued=3),
+     "recognition pipeline cannot start (2 failed starts; see journalctl --user -u ocrvl) · "
+     "3 queued"),
 ])
 def test_format_status(snap: StatusSnapshot, line: str) -> None:
     assert format_status(snap) == line

@@ -40,6 +40,19 @@ def ocrvl_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def broken_paddleocr(root: Path) -> dict[str, str]:
+    """Environment for an `ocrvl` child whose engine worker cannot import paddleocr, like a
+    broken install: a `paddleocr` package under `root` that fails on import shadows the real
+    one until `root / "paddleocr"` is removed."""
+    package = root / "paddleocr"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'paddlex'\", name='paddlex')\n",
+        encoding="utf-8",
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(root), str(PACKAGE_ROOT)])}
+
+
 def ocrvl_argv(*args: str | Path) -> list[str]:
     """The argv that runs `ocrvl ARGS` with this interpreter."""
     return [sys.executable, "-m", "ocrvl_daemon", *map(str, args)]
