@@ -26,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon import autotune, gpu
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.server import ENDPOINT_ABSENT
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -368,10 +369,15 @@ def _server_check(config: Config) -> Check:
             return Check("server", "fail", f"{root} does not answer ({type(exc).__name__})",
                          "start the server, or correct server.url")
         return Check("server", "info", f"not running at {root} (ocrvl starts it when needed)")
-    if health.status_code != 200:
+    absent = external and health.status_code in ENDPOINT_ABSENT  # not every server has /health
+    if health.status_code != 200 and not absent:
         return Check("server", "fail" if external else "warn",
                      f"{root}/health answers {health.status_code}: the engine is not serving",
                      "restart the server" if external else "ocrvl restarts it; see its log")
+    if external and models.status_code in ENDPOINT_ABSENT:
+        return Check("server", "warn", f"{root} answers but does not list its models "
+                     f"(/v1/models: {models.status_code}), so serving {config.model.name} "
+                     "cannot be checked", "nothing, if it serves PaddleOCR-VL under that name")
     try:
         served = [m["id"] for m in models.json()["data"]]
     except (ValueError, KeyError, TypeError):

@@ -50,6 +50,9 @@ REPORT_LINES = 30  # shown when a crash loop is reported
 CRASH_LOOP_FAILURES = 3
 CRASH_LOOP_WINDOW = 600.0
 UNHEALTHY_PROBES = 3  # consecutive failed /health probes that mean "down"
+# How a server without vLLM's /health or /v1/models answers for them: only chat completions
+# are needed from an external OpenAI-compatible server.
+ENDPOINT_ABSENT = (404, 405)
 STARTUP_POLL = 1.0  # upper bound on the probe interval while starting
 PROBE_SECONDS = 5.0
 PROBE_TIMEOUT = httpx.Timeout(PROBE_SECONDS, connect=2.0)
@@ -301,6 +304,7 @@ class _Probe:
         self.model = config.model.name
         self.external = server.mode == "external"
         self.last_error = ""
+        self._unlisted = False  # /v1/models is missing: warned once
 
     def close(self) -> None:
         self._client.close()
@@ -324,6 +328,13 @@ class _Probe:
             raise ServerConfigError(
                 f"The server at {self.url} rejected ocrvl's API key (HTTP 401).",
                 "set server.api_key to the key the server expects")
+        if response.status_code in ENDPOINT_ABSENT and self.external:
+            # An OpenAI-compatible server that does not list its models: requests tell.
+            if not self._unlisted:
+                log.warning("%s/models answered %d: cannot check that it serves %s; "
+                            "assuming it does", self.url, response.status_code, self.model)
+                self._unlisted = True
+            return True
         if response.status_code != 200:
             self.last_error = f"/v1/models answered {response.status_code}"
             return False
@@ -792,7 +803,7 @@ class ServerSupervisor:
             status = probe.health()
             # Not every OpenAI-compatible server has vLLM's /health: then /v1/models decides.
             if (status == 200 and (ready or probe.serves_model())) or (
-                    status in (404, 405) and probe.serves_model()):
+                    status in ENDPOINT_ABSENT and probe.serves_model()):
                 failed_probes = 0
                 if not ready:
                     with self._cond:

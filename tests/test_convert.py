@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
 import socket
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from ocrvl_daemon.testing.documents import (
     page_width,
 )
 from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, start_fake_server
+from ocrvl_daemon.testing.plain_server import plain_openai_server
 from ocrvl_daemon.testing.runner import (
     broken_paddleocr,
     managed_fake_server,
@@ -162,53 +161,13 @@ def test_without_server_url_a_managed_server_is_started_and_stopped(tmp_path):
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the managed server outlived convert"
 
 
-class _PlainOpenAIServer(http.server.ThreadingHTTPServer):
-    """The least an OpenAI-compatible server offers: /v1/models and chat completions, no
-    /health and no /metrics (not vLLM, not our fake)."""
-
-    daemon_threads = True
-
-
-class _PlainHandler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def _send(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": "PaddleOCR-VL-1.6-0.9B"}]})
-        else:
-            self._send(404, {"detail": "Not Found"})
-
-    def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        text = f"plain server saw {request['messages'][0]['content'][1]['text']}"
-        self._send(200, {"id": "1", "object": "chat.completion", "created": 0,
-                         "model": request["model"], "usage": {"prompt_tokens": 1,
-                         "completion_tokens": 1, "total_tokens": 2},
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": text}}]})
-
-
-def test_any_openai_compatible_server_without_health_endpoint_works(tmp_path):
-    server = _PlainOpenAIServer(("127.0.0.1", 0), _PlainHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        pdf = make_pdf(tmp_path / "book.pdf", 2)
-        config = write_config(tmp_path / "config.yaml")
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+@pytest.mark.parametrize("lists_models", [True, False], ids=["models", "no-models"])
+def test_any_openai_compatible_server_without_health_endpoint_works(tmp_path, lists_models):
+    """Only chat completions are needed: /health, /metrics and even /v1/models may be missing."""
+    pdf = make_pdf(tmp_path / "book.pdf", 2)
+    config = write_config(tmp_path / "config.yaml")
+    with plain_openai_server(lists_models=lists_models) as url:
         result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf)
-    finally:
-        server.shutdown()
-        thread.join()
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "book.md").read_text("utf-8").count("plain server saw OCR:") == 2
 

@@ -15,6 +15,7 @@ import yaml
 from ocrvl_daemon import doctor, gpu
 from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
+from ocrvl_daemon.testing.plain_server import plain_openai_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 MODEL = "PaddleOCR-VL-1.6-0.9B"
@@ -139,6 +140,21 @@ def test_no_gpu_is_info_for_an_external_server(tmp_path: Path, gpu_env: Any,
     assert by_name(report, "GPU").status == "info"
     server = by_name(report, "server")
     assert server.status == "ok" and MODEL in server.detail
+    assert not report.blocking, render_text(report)
+
+
+@pytest.mark.parametrize("lists_models", [True, False], ids=["models", "no-models"])
+def test_external_server_without_vllms_endpoints_does_not_block(
+    tmp_path: Path, gpu_env: Any, lists_models: bool
+) -> None:
+    """No /health (and maybe no /v1/models): `ocrvl convert` works with such a server, so
+    doctor must not call it broken."""
+    gpu_env("nogpu")
+    with plain_openai_server(lists_models=lists_models) as url:
+        config = write_config(tmp_path, server={"mode": "external", "url": url})
+        report = run_doctor(config, osrelease=NOT_WSL)
+    server = by_name(report, "server")
+    assert server.status == ("ok" if lists_models else "warn"), server
     assert not report.blocking, render_text(report)
 
 
