@@ -320,9 +320,10 @@ class Converter:
         # `limit` pages at the server, and a few more being prepared (rendered, laid out,
         # encoded) to replace the next ones that finish. No more than that: a page of a
         # letter dropped now must not queue behind a book's pages inside the worker.
-        # Prepared pages wait at PaddleX's request gate (`max_concurrency`), so at the
-        # maximum the server holds exactly `limit`; below it, up to `margin` more.
+        # Prepared pages wait at the worker's request gate, which follows `limit`, so the
+        # server holds exactly `limit` requests.
         limit, in_flight = self.concurrency.limit, self.in_flight
+        worker.set_limit(limit)
         margin = ready_margin(limit)
         preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)

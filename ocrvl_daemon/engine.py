@@ -123,6 +123,43 @@ class _Locked:
         return getattr(self._target, name)
 
 
+class RequestGate:
+    """At most `limit` chat requests at the server at once.
+
+    PaddleX's own request semaphore is fixed at `max_concurrency` when the pipeline is built;
+    this one follows the converter's concurrency search, so a probe or a back-off below the
+    maximum is exactly what the server sees.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition()
+        self._limit = max(1, limit)
+        self._open = 0
+
+    def resize(self, limit: int) -> None:
+        """New bound; requests already sent above it finish, no new one starts until below."""
+        with self._cond:
+            self._limit = max(1, limit)
+            self._cond.notify_all()
+
+    def acquire(self) -> None:
+        """Wait for a free place, then take it."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._open < self._limit)
+            self._open += 1
+
+    def release(self, *_: object) -> None:
+        """Give a place back (also usable as a future's done-callback)."""
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+
+    @property
+    def open(self) -> int:
+        """Requests at the server now."""
+        return self._open
+
+
 class _Completions(threading.local):
     """The chat completions (futures) requested on this thread during one page, and how to
     tell the converter once the page's first request leaves for the server."""
@@ -134,8 +171,8 @@ class _Completions(threading.local):
 _COMPLETIONS = _Completions()
 
 
-def _track_completions(pipeline: Any) -> None:
-    """Record every chat completion on the thread that asked for it.
+def _track_completions(pipeline: Any, gate: RequestGate) -> None:
+    """Pass every chat completion through `gate` and record it on the thread that asked.
 
     PaddleX keeps only `choices[0].message.content`, so whether an answer was cut off at
     the token limit is lost. The request runs on PaddleX's event-loop thread, where the page
@@ -146,10 +183,19 @@ def _track_completions(pipeline: Any) -> None:
     create = client.create_chat_completion
 
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
+        gate.acquire()
         announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
         if announce is not None:
             announce()
-        started = create(messages, return_future=return_future, **kwargs)
+        try:
+            started = create(messages, return_future=return_future, **kwargs)
+        except BaseException:
+            gate.release()
+            raise
+        if return_future:
+            started.add_done_callback(gate.release)  # also called when cancelled
+        else:
+            gate.release()
         if _COMPLETIONS.started is not None:
             _COMPLETIONS.started.append(started)
         return started
@@ -194,8 +240,9 @@ def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
     Messages are length-prefixed pickles: the first one from the parent is the configuration,
-    then `PageTask`s until end of input; this side answers "ready"/"failed", "sent" (a page's
-    first request left for the server) and "page" results.
+    then `PageTask`s and ("limit", n) (the requests allowed at the server) until end of input;
+    this side answers "ready"/"failed", "sent" (a page's first request left for the server)
+    and "page" results.
     """
     die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
     if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
@@ -224,16 +271,20 @@ def serve() -> None:
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
             setattr(inner, name, _Locked(getattr(inner, name), lock))
-    _track_completions(pipeline)
+    gate = RequestGate(config.pipeline.max_concurrency)
+    _track_completions(pipeline, gate)
     _start_request_loop()
     channel.send(("ready", os.getpid()))
-    # Enough threads for every page the converter may send: `max_concurrency` waiting on the
-    # server (PaddleX's request gate is `vl_rec_max_concurrency`) and the ready margin being
-    # rendered meanwhile. A smaller pool would queue pages unseen, behind the gate's back.
+    # Enough threads for every page the converter may send: up to `max_concurrency` waiting on
+    # the server and the ready margin being rendered meanwhile. A smaller pool would queue
+    # pages unseen, behind the gate's back.
     threads = config.pipeline.max_concurrency + ready_margin(config.pipeline.max_concurrency)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
-        while (task := channel.receive()) is not None:
-            pool.submit(_run_page, pipeline, config, server_url, task, channel)
+        while (message := channel.receive()) is not None:
+            if isinstance(message, PageTask):
+                pool.submit(_run_page, pipeline, config, server_url, message, channel)
+            else:
+                gate.resize(message[1])
     # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
@@ -370,6 +421,7 @@ class EngineWorker:
         self.in_flight: set[tuple[int, int]] = set()
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
         self.pages_done = 0
+        self.limit: int | None = None  # the request gate's size, once told
         self.ready = False
         self.failure: str | None = None
         self.started_at = time.monotonic()
@@ -419,6 +471,14 @@ class EngineWorker:
         # A dead worker is noticed by `alive()`; its pages are given back then.
         with contextlib.suppress(OSError, ValueError):
             self._channel.send(task)
+
+    def set_limit(self, limit: int) -> None:
+        """How many requests the worker may have at the server (sent only when it changes)."""
+        if limit != self.limit:
+            self.limit = limit
+            assert self._channel is not None
+            with contextlib.suppress(OSError, ValueError):
+                self._channel.send(("limit", limit))
 
     def wait(self, timeout: float) -> None:
         """Block until a message arrives (or `timeout`); `collect` then takes it."""

@@ -123,6 +123,10 @@ class RecordingWorker:
         self.in_flight: set[tuple[int, int]] = set()
         self.sent: set[tuple[int, int]] = set()
         self.order: list[tuple[int, int]] = []
+        self.limit: int | None = None
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
 
     def submit(self, task: PageTask) -> None:
         self.in_flight.add((task.job_id, task.page))
@@ -151,6 +155,7 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_so_a_letter_never_w
     converter._activate()
 
     converter._dispatch()
+    assert worker.limit == limit, "the worker's request gate was not told the limit"
     assert len(worker.in_flight) == margin, "pages not yet at the server are capped at the margin"
     while len(worker.in_flight) < limit + margin:
         worker.reach_server()
