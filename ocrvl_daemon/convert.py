@@ -338,6 +338,7 @@ class Converter:
                     self.config.model.effective_max_new_tokens,
                     job.size,
                     job.mtime,
+                    len(doc.in_flight),
                 )
             )
 

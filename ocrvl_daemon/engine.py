@@ -11,7 +11,9 @@ for the model, the next is rendered and laid out. paddleocr's host memory grows 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import io
+import itertools
 import logging
 import os
 import pickle
@@ -64,6 +66,9 @@ class PageTask:
     # of the file must not be checkpointed under this version's hash.
     size: int
     mtime: float
+    # Pages of its document in flight when it was sent: the request gate lets the page with
+    # the fewest through first, so a letter's pages pass the book pages already waiting.
+    priority: int = 0
 
 
 @dataclass
@@ -124,7 +129,8 @@ class _Locked:
 
 
 class RequestGate:
-    """At most `limit` chat requests at the server at once.
+    """At most `limit` chat requests at the server at once; waiting ones go in order of
+    priority (lower first), then of arrival.
 
     PaddleX's own request semaphore is fixed at `max_concurrency` when the pipeline is built;
     this one follows the converter's concurrency search, so a probe or a back-off below the
@@ -135,6 +141,8 @@ class RequestGate:
         self._cond = threading.Condition()
         self._limit = max(1, limit)
         self._open = 0
+        self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self._arrivals = itertools.count()
 
     def resize(self, limit: int) -> None:
         """New bound; requests already sent above it finish, no new one starts until below."""
@@ -142,22 +150,31 @@ class RequestGate:
             self._limit = max(1, limit)
             self._cond.notify_all()
 
-    def acquire(self) -> None:
-        """Wait for a free place, then take it."""
+    def acquire(self, priority: int = 0) -> None:
+        """Wait for a free place and for every request ahead in line, then take the place."""
         with self._cond:
-            self._cond.wait_for(lambda: self._open < self._limit)
+            ticket = (priority, next(self._arrivals))
+            heapq.heappush(self._waiting, ticket)
+            self._cond.wait_for(lambda: self._open < self._limit and self._waiting[0] == ticket)
+            heapq.heappop(self._waiting)
             self._open += 1
+            self._cond.notify_all()  # the next in line may fit too
 
     def release(self, *_: object) -> None:
         """Give a place back (also usable as a future's done-callback)."""
         with self._cond:
             self._open -= 1
-            self._cond.notify()
+            self._cond.notify_all()
 
     @property
     def open(self) -> int:
         """Requests at the server now."""
         return self._open
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place."""
+        return len(self._waiting)
 
 
 class _Completions(threading.local):
@@ -166,6 +183,7 @@ class _Completions(threading.local):
 
     started: list[Any] | None = None
     announce: Callable[[], None] | None = None
+    priority = 0
 
 
 _COMPLETIONS = _Completions()
@@ -183,7 +201,7 @@ def _track_completions(pipeline: Any, gate: RequestGate) -> None:
     create = client.create_chat_completion
 
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
-        gate.acquire()
+        gate.acquire(_COMPLETIONS.priority)
         announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
         if announce is not None:
             announce()
@@ -342,6 +360,7 @@ def _run_page(
     result = PageResult(task.job_id, task.page)
     path = Path(task.pdf)
     _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
+    _COMPLETIONS.priority = task.priority
     try:
         check_unchanged(path, task.size, task.mtime)
         image = render_page(

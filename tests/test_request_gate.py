@@ -42,6 +42,30 @@ def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
     assert gate.open == 0, "a place was not given back"
 
 
+def test_a_letters_request_passes_the_book_pages_already_waiting() -> None:
+    """Waiting requests go fewest-pages-of-their-document-in-flight first, then in order."""
+    gate = RequestGate(1)
+    gate.acquire()  # the server is full
+    order: list[str] = []
+
+    def request(name: str, priority: int) -> None:
+        gate.acquire(priority)
+        order.append(name)
+        gate.release()
+
+    threads = []
+    for n, (name, priority) in enumerate((("book p.65", 64), ("book p.66", 64), ("letter p.1", 1))):
+        threads.append(threading.Thread(target=request, args=(name, priority), daemon=True))
+        threads[-1].start()
+        wait_until(lambda n=n: gate.waiting == n + 1, 5, what=f"{name} to wait")
+    gate.release()
+    for t in threads:
+        t.join(5)
+    assert order == ["letter p.1", "book p.65", "book p.66"], (
+        f"the letter's request should pass the book's waiting ones: {order}"
+    )
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The most intervals open at one instant."""
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])

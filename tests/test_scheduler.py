@@ -124,6 +124,7 @@ class RecordingWorker:
         self.sent: set[tuple[int, int]] = set()
         self.order: list[tuple[int, int]] = []
         self.limit: int | None = None
+        self.priorities: dict[int, int] = {}  # job -> the priority of its last page sent
 
     def set_limit(self, limit: int) -> None:
         self.limit = limit
@@ -131,6 +132,7 @@ class RecordingWorker:
     def submit(self, task: PageTask) -> None:
         self.in_flight.add((task.job_id, task.page))
         self.order.append((task.job_id, task.page))
+        self.priorities[task.job_id] = task.priority
 
     def reach_server(self) -> None:
         self.sent |= self.in_flight
@@ -175,5 +177,9 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_so_a_letter_never_w
     converter._dispatch()
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], (
         "the letter's pages must take the next free slots, ahead of the book's"
+    )
+    book = worker.order[0][0]
+    assert worker.priorities[letter.id] < worker.priorities[book], (
+        "the letter's pages must also pass the book's at the worker's request gate"
     )
     store.close()
