@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.testing.documents import make_encrypted_pdf, make_pdf
-from ocrvl_daemon.testing.harness import free_port, wait_until
+from ocrvl_daemon.testing.harness import free_port, process_alive, wait_until
 from ocrvl_daemon.testing.runner import (
     DaemonProcess,
     broken_paddleocr,
@@ -74,11 +73,6 @@ class Setup:
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Setup]:
     yield Setup(tmp_path)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_for_markdown(*pdfs: Path, timeout: float = 90) -> None:
@@ -136,10 +130,12 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         daemon.wait_ready()
         shutil.copyfile(reference, book)
         wait_until(lambda: setup.checkpointed_pages() >= 12, 90, what="12 pages checkpointed")
+        server_pid = int(re.findall(r"started server, pid (\d+)", daemon.log())[-1])
         daemon.kill()
         # The worker and the server die with the daemon, a moment later: only then is the
-        # request log final for the first run.
-        wait_until(lambda: not port_open(setup.port), 30, what="the first run's server to die")
+        # request log final for the first run. Not when its port closes: the requests in
+        # flight are answered (500) and logged after that.
+        wait_until(lambda: not process_alive(server_pid), 30, what="the first run's server to die")
         done_before_kill = setup.checkpointed_pages()
         requested_before_kill = setup.requests_by_digest()
         assert done_before_kill < pages, "the book finished before the kill; slow the server"
