@@ -383,6 +383,7 @@ def _run_page(
         result.error_kind = "server" if _is_server_down(exc) else "page"
     finally:
         _COMPLETIONS.started = _COMPLETIONS.announce = None
+        _COMPLETIONS.priority = 0
     result.seconds = time.monotonic() - started
     channel.send(("page", result))
 

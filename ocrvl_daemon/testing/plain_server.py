@@ -9,7 +9,7 @@ import json
 import threading
 from collections.abc import Iterator
 
-MODEL = "PaddleOCR-VL-1.6-0.9B"
+from ocrvl_daemon.models import DEFAULT_MODEL
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -28,7 +28,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models" and self.lists_models:
-            self._send(200, {"object": "list", "data": [{"id": MODEL}]})
+            self._send(200, {"object": "list", "data": [{"id": DEFAULT_MODEL}]})
         else:
             self._send(404, {"detail": "Not Found"})
 
