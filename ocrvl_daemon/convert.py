@@ -395,16 +395,14 @@ class Converter:
         if result.error_kind == "input":
             self._fail(job, InputVanishedError(result.error or "the file changed"))
             return
+        if result.error_kind == "damaged":  # the same every time: no retries
+            self._give_up_page(doc, result.page, result.error or "the page is damaged", None)
+            return
         self._page_failed(doc, result.page, result.error or "unknown error")
 
     def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
-        """Count a failed attempt at `page`: send it again, or give up on it.
-
-        A page given up on becomes a visible placeholder and the book still completes,
-        unless `pipeline.fail_on_page_error` asks for the whole document to fail.
-        """
+        """Count a failed attempt at `page`: send it again, or give up on it."""
         job = self._jobs[doc.job_id]
-        fields = _fields(job, page)
         attempts = doc.attempts.get(page, 0) + 1
         doc.attempts[page] = attempts
         if attempts <= self.config.pipeline.page_retries:
@@ -414,19 +412,32 @@ class Converter:
                 page + 1,
                 attempts,
                 error,
-                extra=fields,
+                extra=_fields(job, page),
             )
             doc.give_back(page)
             return
-        note = f"page {page + 1} could not be recognised after {attempts} attempts: {error}."
-        redo = f"ocrvl retry --pages {page + 1} {pdf.shell_quote(job.path)}"
-        if self.config.pipeline.fail_on_page_error:
-            self._fail(job, PagesFailedError(note, f"check the page, then run: {redo}"))
-            return
-        log.error("%s: %s Redo it with: %s", job.path.name, note, redo, extra=fields)
-        self.store.save_page(
-            job.sha256, self.model, page, "", {}, note=f"{note} Redo it with: {redo}", failed=True
+        note = (
+            f"page {page + 1} could not be recognised after {attempts} attempts: "
+            f"{error.rstrip('.')}."
         )
+        redo = f"ocrvl retry --pages {page + 1} {pdf.shell_quote(job.path)}"
+        self._give_up_page(doc, page, note, redo)
+
+    def _give_up_page(self, doc: DocumentPages, page: int, note: str, redo: str | None) -> None:
+        """Record `page` as failed: a visible placeholder, and the book still completes.
+
+        Unless `pipeline.fail_on_page_error` asks for the whole document to fail. `redo` is
+        the command that tries the page again, when trying again can help.
+        """
+        job = self._jobs[doc.job_id]
+        if self.config.pipeline.fail_on_page_error:
+            fix = f"check the page, then run: {redo}" if redo else None
+            self._fail(job, PagesFailedError(note, fix))
+            return
+        if redo:
+            note = f"{note} Redo it with: {redo}"
+        log.error("%s: %s", job.path.name, note, extra=_fields(job, page))
+        self.store.save_page(job.sha256, self.model, page, "", {}, note=note, failed=True)
         doc.in_flight.discard(page)
         doc.done += 1
 

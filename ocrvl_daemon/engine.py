@@ -80,7 +80,7 @@ class PageResult:
     markdown: str = ""
     images: dict[str, bytes] = field(default_factory=dict)
     error: str | None = None
-    error_kind: str | None = None  # "server", "input", "page"
+    error_kind: str | None = None  # "server", "input", "damaged" (the page itself), "page"
     seconds: float = 0.0
     # Set when the model's answer was still cut off at the token limit (finish_reason
     # "length") after any retry with a larger limit: the limit that cut it off.
@@ -353,7 +353,7 @@ class _Channel:
 def _run_page(
     pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
 ) -> None:
-    from ocrvl_daemon.errors import OcrvlError
+    from ocrvl_daemon.errors import OcrvlError, PageDamagedError
     from ocrvl_daemon.pdf import check_unchanged, render_page
 
     started = time.monotonic()
@@ -376,6 +376,8 @@ def _run_page(
             buf = io.BytesIO()
             img.convert("RGB").save(buf, format="JPEG", quality=92)
             result.images[name] = buf.getvalue()
+    except PageDamagedError as exc:
+        result.error, result.error_kind = str(exc), "damaged"
     except OcrvlError as exc:
         result.error, result.error_kind = str(exc), "input"
     except Exception as exc:

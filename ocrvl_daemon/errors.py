@@ -88,6 +88,12 @@ class PageError(OcrvlError):
     """One page could not be recognised."""
 
 
+class PageDamagedError(PageError):
+    """A page of the PDF itself cannot be rendered; trying it again cannot help."""
+
+    permanent = True
+
+
 class PagesFailedError(PageError):
     """A page failed every attempt and `pipeline.fail_on_page_error` is set."""
 

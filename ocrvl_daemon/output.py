@@ -159,7 +159,7 @@ def _page_block(page: Page, text: str, *, first: bool) -> str:
     if text.strip():
         lines.append(text.strip())
     elif page.note:
-        lines.append(f"*[ocrvl: page {page.index + 1}: {_comment(page.note)}]*")
+        lines.append(f"*[ocrvl: {_comment(page.note)}]*")
     return "\n" + "\n\n".join(lines) + "\n"
 
 

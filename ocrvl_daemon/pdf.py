@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pypdfium2 as pdfium
 
-from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
+from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError, PageDamagedError
 
 # PDFium is not thread-safe; every call into it goes through this lock.
 PDFIUM_LOCK = threading.RLock()
@@ -160,7 +160,10 @@ def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.nda
                 raise InputVanishedError(
                     f"{path} no longer has a page {index + 1}; it changed while being converted."
                 )
-            page = doc[index]
+            try:
+                page = doc[index]
+            except pdfium.PdfiumError as exc:
+                raise damaged_page(path, index, exc) from exc
             try:
                 width, height = page.get_size()
                 bitmap = page.render(scale=render_scale(width, height, scale, max_pixels))
@@ -168,7 +171,19 @@ def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.nda
                 if image.shape[2] == 4:  # BGRx: drop the padding channel
                     image = image[:, :, :3]
                 return np.ascontiguousarray(image)
+            except pdfium.PdfiumError as exc:
+                raise damaged_page(path, index, exc) from exc
             finally:
                 page.close()
         finally:
             doc.close()
+
+
+def damaged_page(path: Path, index: int, exc: pdfium.PdfiumError) -> PageDamagedError:
+    """A page PDFium counts but cannot load or draw: the file is damaged at that page."""
+    return PageDamagedError(
+        f"page {index + 1} is damaged in the PDF and cannot be rendered "
+        f"(PDFium: {str(exc).rstrip('.')}).",
+        f"repair the file (e.g. qpdf {shell_quote(path)} fixed.pdf, or print it to a new PDF) "
+        "and convert the repaired copy",
+    )

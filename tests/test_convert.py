@@ -11,6 +11,7 @@ import pytest
 
 from ocrvl_daemon.output import read_header
 from ocrvl_daemon.testing.documents import (
+    make_damaged_page_pdf,
     make_empty_pdf,
     make_encrypted_pdf,
     make_pdf,
@@ -106,6 +107,22 @@ def test_each_bad_file_gets_one_clear_line_and_the_good_one_still_converts(tmp_p
     assert "missing.pdf does not exist" in text
     for bad in (not_pdf, encrypted, empty):
         assert not bad.with_suffix(".md").exists()
+
+
+def test_a_damaged_page_becomes_a_placeholder_at_once_and_the_rest_still_converts(
+    tmp_path, fake_server
+):
+    book = make_damaged_page_pdf(tmp_path / "book.pdf")
+    result = convert(tmp_path, fake_server, book)
+    assert result.returncode == 0, result.stderr
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    assert page_widths(markdown) == [page_width(0) * SCALE, page_width(2) * SCALE], (
+        "the pages around the damaged one are missing"
+    )
+    assert "*[ocrvl: page 2 is damaged in the PDF and cannot be rendered" in markdown
+    assert "qpdf" in markdown, "the placeholder does not say how to repair the file"
+    assert "failed (attempt" not in result.stderr, "a damaged page was tried again"
+    assert "ocrvl retry" not in markdown, "retrying cannot help a damaged page"
 
 
 def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):

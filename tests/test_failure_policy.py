@@ -99,7 +99,9 @@ def test_a_page_that_keeps_failing_becomes_a_placeholder_and_can_be_redone(polic
         policy.send()
     md = book.with_suffix(".md").read_text("utf-8")
     assert "<!-- ocrvl: page 2 could not be recognised after 3 attempts" in md
-    assert "*[ocrvl: page 2:" in md, "the placeholder must be visible, not only a comment"
+    assert "*[ocrvl: page 2 could not be recognised" in md, (
+        "the placeholder must be visible, not only a comment"
+    )
     assert "text of page 3" in md, "the book stopped at the bad page"
     assert policy.view(book)["failed_pages"] == [2]
 
@@ -124,6 +126,28 @@ def test_fail_on_page_error_fails_the_document_until_retried(tmp_path: Path):
     assert "page 2 could not be recognised" in (failed.last_error or "")
     assert "ocrvl retry --pages 2" in note_of(book)
     assert not book.with_suffix(".md").exists()
+    policy.store.close()
+
+
+@pytest.mark.parametrize("fail_on_page_error", [False, True])
+def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
+    tmp_path: Path, fail_on_page_error: bool
+):
+    damaged = "page 2 is damaged in the PDF and cannot be rendered. Fix: repair the file"
+    policy = Policy(tmp_path, page_retries=3, fail_on_page_error=fail_on_page_error)
+    book = make_pdf(policy.folder / "book.pdf", 2)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)
+    policy.answer(job, 1, damaged, kind="damaged")
+    assert policy.send() == [], "a damaged page was sent again"
+    if fail_on_page_error:
+        failed = policy.job(job)
+        assert failed is not None and failed.state is JobState.FAILED
+        assert "repair the file" in note_of(book) and "--pages" not in note_of(book)
+    else:
+        md = book.with_suffix(".md").read_text("utf-8")
+        assert f"*[ocrvl: {damaged}]*" in md and "text of page 1" in md
     policy.store.close()
 
 

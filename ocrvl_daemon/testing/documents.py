@@ -99,6 +99,23 @@ def make_damaged_xref_pdf(path: Path) -> Path:
     return path
 
 
+def make_damaged_page_pdf(path: Path) -> Path:
+    """A 3-page PDF whose second page object is not a page: PDFium counts it, cannot load it."""
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.generic import TextStringObject
+
+    plain = make_pdf(path.with_name(path.stem + ".plain.pdf"), 3, seed=23)
+    writer = PdfWriter()
+    for page in PdfReader(plain).pages:
+        writer.add_page(page)
+    kids = writer.root_object["/Pages"]["/Kids"]  # type: ignore[index]
+    kids[1] = writer._add_object(TextStringObject("not a page"))
+    with path.open("wb") as f:
+        writer.write(f)
+    plain.unlink()
+    return path
+
+
 def make_blank_pages_pdf(path: Path, pages: int, width: float, height: float) -> Path:
     """`pages` blank pages of `width` x `height` points (cheap at any size or count)."""
     from pypdf import PdfWriter
@@ -142,6 +159,7 @@ def make_bad_input_corpus(folder: Path) -> list[BadInput]:
         BadInput(make_html_as_pdf(folder / "login.pdf"), "is an HTML page"),
         BadInput(make_truncated_pdf(folder / "truncated.pdf"), "damaged beyond repair"),
         BadInput(make_damaged_xref_pdf(folder / "bad-xref.pdf"), None),
+        BadInput(make_damaged_page_pdf(folder / "torn-page.pdf"), None),  # with a placeholder
         BadInput(make_encrypted_pdf(folder / "locked.pdf"), "encrypted with a password"),
         BadInput(make_empty_pdf(folder / "no-pages.pdf"), "damaged beyond repair or has no pages"),
         BadInput(make_gigantic_page_pdf(folder / "poster.pdf"), None),
