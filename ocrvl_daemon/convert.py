@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,13 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.scheduler import DocumentPages, pick_pages, ready_margin
+from ocrvl_daemon.scheduler import (
+    SHORT_EXTRA,
+    SHORT_OF_PAGES,
+    DocumentPages,
+    pick_pages,
+    ready_margin,
+)
 from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, Store
 
@@ -322,13 +328,20 @@ class Converter:
         # letter dropped now must not queue behind a book's pages inside the worker.
         # Prepared pages wait at the worker's request gate, which follows `limit`, so the
         # server holds exactly `limit` requests.
+        # Pages of a document short of pages in flight go at once, a few beyond that: the gate
+        # lets them bump a young request of a document that has many.
         limit, in_flight = self.concurrency.limit, self.in_flight
         worker.set_limit(limit)
         margin = ready_margin(limit)
         preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
-        for doc, page in pick_pages(docs, slots):
+        chosen = pick_pages(docs, slots)
+        room = limit + margin + SHORT_EXTRA - self.in_flight
+        chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
+        later = Counter(doc.job_id for doc, _ in chosen)
+        for doc, page in chosen:
+            later[doc.job_id] -= 1
             job = self._jobs[doc.job_id]
             worker.submit(
                 PageTask(
@@ -338,7 +351,8 @@ class Converter:
                     self.config.model.effective_max_new_tokens,
                     job.size,
                     job.mtime,
-                    len(doc.in_flight),
+                    # its document's pages in flight before it
+                    len(doc.in_flight) - 1 - later[doc.job_id],
                 )
             )
 

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -35,7 +35,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.process_group import die_with_parent
-from ocrvl_daemon.scheduler import ready_margin
+from ocrvl_daemon.scheduler import SHORT_EXTRA, SHORT_OF_PAGES, ready_margin
 from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,22 @@ class _Locked:
         return getattr(self._target, name)
 
 
+# How long a request short of pages waits for a place before it bumps one (RequestGate).
+BUMP_AFTER = 1.0
+
+
+@dataclass(eq=False)
+class GatePlace:
+    """One request's place at the server."""
+
+    priority: int
+    since: float
+    # Cancels the request to free the place for a more urgent one; None until it is sent,
+    # and for requests that must not be bumped.
+    bump: Callable[[], object] | None = None
+    bumped: bool = False
+
+
 class RequestGate:
     """At most `limit` chat requests at the server at once; waiting ones go in order of
     priority (lower first), then of arrival.
@@ -135,14 +151,31 @@ class RequestGate:
     PaddleX's own request semaphore is fixed at `max_concurrency` when the pipeline is built;
     this one follows the converter's concurrency search, so a probe or a back-off below the
     maximum is exactly what the server sees.
+
+    A request of a document short of pages in flight (priority below
+    scheduler.SHORT_OF_PAGES) does not wait long for a place when the server is full: after
+    `bump_after` seconds it bumps the youngest request of a document with BUMP_GAP more
+    pages in flight, if that one started within BUMP_MAX_AGE seconds. The bumped one is
+    sent again first, as soon as a place is free. Why: pages that start together end
+    together, so after a book's first batch no place frees for several seconds; a letter
+    dropped then would wait all that time. A bump costs what the bumped page had decoded
+    and its prefill, hence the patience: once pages end at different times, a finishing
+    one lets the letter in sooner.
     """
 
-    def __init__(self, limit: int) -> None:
-        self._cond = threading.Condition()
+    BUMP_GAP = 8
+    BUMP_MAX_AGE = 5.0
+    RESEND_PRIORITY = -1  # a bumped request goes before everything waiting
+
+    def __init__(self, limit: int, bump_after: float = BUMP_AFTER) -> None:
+        # Re-entrant: bumping cancels a request, whose callback gives its place back here.
+        self._cond = threading.Condition(threading.RLock())
         self._limit = max(1, limit)
-        self._open = 0
+        self._bump_after = bump_after
+        self._open: list[GatePlace] = []
         self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
         self._arrivals = itertools.count()
+        self.bumps = 0
 
     def resize(self, limit: int) -> None:
         """New bound; requests already sent above it finish, no new one starts until below."""
@@ -150,31 +183,116 @@ class RequestGate:
             self._limit = max(1, limit)
             self._cond.notify_all()
 
-    def acquire(self, priority: int = 0) -> None:
+    def acquire(self, priority: int = 0) -> GatePlace:
         """Wait for a free place and for every request ahead in line, then take the place."""
         with self._cond:
             ticket = (priority, next(self._arrivals))
             heapq.heappush(self._waiting, ticket)
-            self._cond.wait_for(lambda: self._open < self._limit and self._waiting[0] == ticket)
+            may_bump_at = time.monotonic() + self._bump_after
+            while not (len(self._open) < self._limit and self._waiting[0] == ticket):
+                patience = may_bump_at - time.monotonic()
+                victim = None
+                if self._waiting[0] == ticket and patience <= 0:
+                    victim = self._victim(priority)
+                if victim is None:
+                    self._cond.wait(patience if patience > 0 else None)
+                    continue
+                victim.bumped = True
+                self.bumps += 1
+                assert victim.bump is not None
+                victim.bump()  # gives the place back (now or once the cancel lands)
             heapq.heappop(self._waiting)
-            self._open += 1
+            place = GatePlace(priority, time.monotonic())
+            self._open.append(place)
             self._cond.notify_all()  # the next in line may fit too
+            return place
 
-    def release(self, *_: object) -> None:
-        """Give a place back (also usable as a future's done-callback)."""
+    def _victim(self, priority: int) -> GatePlace | None:
+        """The request to bump for one of `priority`, if any (the lock is held)."""
+        if priority >= SHORT_OF_PAGES or priority == self.RESEND_PRIORITY:
+            return None
+        if any(p.bumped for p in self._open):
+            return None  # a place is being freed already
+        oldest = time.monotonic() - self.BUMP_MAX_AGE
+        candidates = [
+            p for p in self._open
+            if p.bump is not None and p.priority >= priority + self.BUMP_GAP and p.since >= oldest
+        ]  # fmt: skip
+        return max(candidates, key=lambda p: p.since, default=None)
+
+    def release(self, place: GatePlace) -> None:
+        """Give a place back."""
         with self._cond:
-            self._open -= 1
+            self._open.remove(place)
             self._cond.notify_all()
 
     @property
     def open(self) -> int:
         """Requests at the server now."""
-        return self._open
+        return len(self._open)
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for a place."""
-        return len(self._waiting)
+        """Requests waiting for a place (each has decided whether to bump, for now)."""
+        with self._cond:
+            return len(self._waiting)
+
+
+class GatedRequest:
+    """One chat request through the gate, sent again if the gate bumps it.
+
+    `future` is what PaddleX waits on: it ends with the answer of whichever attempt was not
+    bumped. Cancelling it cancels the request at the server.
+    """
+
+    def __init__(self, gate: RequestGate, start: Callable[[], Future[Any]], priority: int):
+        self.future: Future[Any] = Future()
+        self._gate = gate
+        self._start = start
+        self._priority = priority
+        self._sent: Future[Any] | None = None
+        self.future.add_done_callback(self._on_cancel)
+
+    def send(self, priority: int | None = None) -> None:
+        """Wait for a place at the server and send the request (raises if it cannot start)."""
+        place = self._gate.acquire(self._priority if priority is None else priority)
+        try:
+            sent = self._start()
+        except BaseException:
+            self._gate.release(place)
+            raise
+        self._sent = sent
+        if priority is None:  # a request sent again is not bumped twice
+            place.bump = sent.cancel
+        sent.add_done_callback(lambda done: self._on_done(done, place))
+
+    def _on_done(self, sent: Future[Any], place: GatePlace) -> None:
+        self._gate.release(place)
+        if self.future.done():
+            return
+        if sent.cancelled():
+            if place.bumped:
+                threading.Thread(target=self._send_again, name="bumped-request",
+                                 daemon=True).start()
+            else:
+                self.future.cancel()
+            return
+        with contextlib.suppress(InvalidStateError):  # PaddleX cancelled it meanwhile
+            if (exc := sent.exception()) is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(sent.result())
+
+    def _send_again(self) -> None:
+        try:
+            self.send(RequestGate.RESEND_PRIORITY)
+        except BaseException as exc:
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_exception(exc)
+
+    def _on_cancel(self, future: Future[Any]) -> None:
+        if future.cancelled() and self._sent is not None:
+            self._sent.cancel()
 
 
 class _Completions(threading.local):
@@ -201,22 +319,18 @@ def _track_completions(pipeline: Any, gate: RequestGate) -> None:
     create = client.create_chat_completion
 
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
-        gate.acquire(_COMPLETIONS.priority)
+        request = GatedRequest(
+            gate,
+            lambda: create(messages, return_future=True, **kwargs),
+            _COMPLETIONS.priority,
+        )
+        request.send()
         announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
         if announce is not None:
             announce()
-        try:
-            started = create(messages, return_future=return_future, **kwargs)
-        except BaseException:
-            gate.release()
-            raise
-        if return_future:
-            started.add_done_callback(gate.release)  # also called when cancelled
-        else:
-            gate.release()
         if _COMPLETIONS.started is not None:
-            _COMPLETIONS.started.append(started)
-        return started
+            _COMPLETIONS.started.append(request.future)
+        return request.future if return_future else request.future.result()
 
     client.create_chat_completion = tracked
 
@@ -294,9 +408,10 @@ def serve() -> None:
     _start_request_loop()
     channel.send(("ready", os.getpid()))
     # Enough threads for every page the converter may send: up to `max_concurrency` waiting on
-    # the server and the ready margin being rendered meanwhile. A smaller pool would queue
-    # pages unseen, behind the gate's back.
-    threads = config.pipeline.max_concurrency + ready_margin(config.pipeline.max_concurrency)
+    # the server, the ready margin being rendered meanwhile, and the pages of documents short
+    # of pages. A smaller pool would queue pages unseen, behind the gate's back.
+    most = config.pipeline.max_concurrency
+    threads = most + ready_margin(most) + SHORT_EXTRA
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
         while (message := channel.receive()) is not None:
             if isinstance(message, PageTask):

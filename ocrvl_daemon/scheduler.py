@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A document with fewer pages than this in flight (a letter, a book just dropped) is short of
+# pages: its next pages are sent to the engine at once, up to SHORT_EXTRA beyond `limit` plus
+# the ready margin, and at the worker's request gate they may bump a young request of a
+# document with many pages in flight instead of waiting for one to finish.
+SHORT_OF_PAGES = 4
+SHORT_EXTRA = 4
+
 
 def ready_margin(limit: int) -> int:
     """Pages in flight beyond `limit`: being prepared (rendered, laid out, encoded) while
@@ -47,15 +54,22 @@ class DocumentPages:
             self.pending.sort()
 
 
-def pick_pages(documents: list[DocumentPages], slots: int) -> list[tuple[DocumentPages, int]]:
+def pick_pages(
+    documents: list[DocumentPages], slots: int, *, short_of: int | None = None
+) -> list[tuple[DocumentPages, int]]:
     """Choose up to `slots` pages to send now, fairly across `documents` (oldest first in list).
 
-    Marks the chosen pages in flight.
+    Marks the chosen pages in flight. With `short_of`, only documents with fewer pages than
+    that in flight take part.
     """
     chosen: list[tuple[DocumentPages, int]] = []
     ready = [d for d in documents if d.pending]
     order = {id(d): n for n, d in enumerate(documents)}
-    while slots > 0 and ready:
+    while slots > 0:
+        if short_of is not None:
+            ready = [d for d in ready if len(d.in_flight) < short_of]
+        if not ready:
+            break
         doc = min(ready, key=lambda d: (len(d.in_flight), len(d.pending), order[id(d)]))
         page = doc.pending.pop(0)
         doc.in_flight.add(page)

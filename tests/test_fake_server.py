@@ -388,6 +388,29 @@ def test_continuous_batching_queues_beyond_max_num_seqs() -> None:
         assert srv.metric("vllm:request_success_total", finished_reason="stop") == 16
 
 
+def test_a_client_that_goes_away_aborts_its_request_like_vllm(tmp_path: Path) -> None:
+    log = tmp_path / "requests.jsonl"
+    args = ("--step-t0-ms", "20", "--output-tokens", "fixed:500", "--request-log", str(log))
+    with start_fake_server(free_port(), *args) as srv:
+
+        async def abandon() -> None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+                request = asyncio.create_task(
+                    client.post(CHAT, json=chat_payload(make_test_jpeg(7, (64, 64)))))
+                while srv.stats()["running"] == 0:
+                    await asyncio.sleep(0.05)
+                request.cancel()  # the connection closes with the request unanswered
+
+        asyncio.run(abandon())
+        stats = wait_until(
+            lambda: (s := srv.stats())["requests_aborted"] == 1 and s["running"] == 0 and s,
+            10, what="the abandoned request to leave the batch")
+        assert stats["requests_completed"] == 0
+        assert stats["generation_tokens"] < 400, "the server went on decoding for nobody"
+        (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+        assert record["status"] == 499
+
+
 def test_kv_capacity_preempts() -> None:
     args = (
         "--step-t0-ms", "2", "--max-num-seqs", "8",

@@ -4,12 +4,17 @@ search allows, also below `max_concurrency` (a probe or a back-off)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
+
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask, RequestGate
-from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.engine import EngineWorker, GatedRequest, PageResult, PageTask, RequestGate
+from ocrvl_daemon.scheduler import SHORT_OF_PAGES
+from ocrvl_daemon.testing.documents import make_pdf, page_width
 from ocrvl_daemon.testing.harness import free_port, start_fake_server, wait_until
 
 
@@ -19,10 +24,10 @@ def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
     entered: list[int] = []
 
     def request(n: int) -> None:
-        gate.acquire()
+        place = gate.acquire()
         entered.append(n)
         done.wait(10)
-        gate.release()
+        gate.release(place)
 
     threads = [threading.Thread(target=request, args=(n,), daemon=True) for n in range(6)]
     for t in threads:
@@ -45,25 +50,113 @@ def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
 def test_a_letters_request_passes_the_book_pages_already_waiting() -> None:
     """Waiting requests go fewest-pages-of-their-document-in-flight first, then in order."""
     gate = RequestGate(1)
-    gate.acquire()  # the server is full
+    first = gate.acquire()  # the server is full
     order: list[str] = []
 
     def request(name: str, priority: int) -> None:
-        gate.acquire(priority)
+        place = gate.acquire(priority)
         order.append(name)
-        gate.release()
+        gate.release(place)
 
     threads = []
     for n, (name, priority) in enumerate((("book p.65", 64), ("book p.66", 64), ("letter p.1", 1))):
         threads.append(threading.Thread(target=request, args=(name, priority), daemon=True))
         threads[-1].start()
         wait_until(lambda n=n: gate.waiting == n + 1, 5, what=f"{name} to wait")
-    gate.release()
+    gate.release(first)
     for t in threads:
         t.join(5)
     assert order == ["letter p.1", "book p.65", "book p.66"], (
         f"the letter's request should pass the book's waiting ones: {order}"
     )
+
+
+class Server:
+    """Requests as futures that a test answers by hand, in the order they were sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Future[str]]] = []
+
+    def request(self, gate: RequestGate, name: str, priority: int) -> GatedRequest:
+        def start() -> Future[str]:
+            future: Future[str] = Future()
+            self.sent.append((name, future))
+            return future
+
+        request = GatedRequest(gate, start, priority)
+        threading.Thread(target=request.send, daemon=True).start()
+        return request
+
+    def answer_all(self) -> None:
+        for name, future in self.sent:
+            if not future.done():
+                future.set_result(f"answer to {name}")
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.sent]
+
+
+def test_a_letter_does_not_wait_for_a_full_batch_of_young_book_pages() -> None:
+    gate, server = RequestGate(2, bump_after=0.0), Server()
+    old = server.request(gate, "book p.1", 64)
+    wait_until(lambda: gate.open == 1, 5, what="book p.1 to be sent")
+    young = server.request(gate, "book p.2", 64)
+    wait_until(lambda: gate.open == 2, 5, what="book p.2 to be sent")
+    waiting = server.request(gate, "book p.3", 64)
+    wait_until(lambda: gate.waiting == 1, 5, what="book p.3 to wait for a place")
+
+    letter = server.request(gate, "letter p.1", 0)
+    wait_until(lambda: "letter p.1" in server.names(), 5,
+               what="the letter's request to be sent while the server is full")
+    assert gate.open == 2, "the letter went past the limit instead of taking a bumped place"
+    assert server.sent[1][1].cancelled(), "the youngest book request was not the one bumped"
+    assert not old.future.done() and not young.future.done()
+
+    server.sent[0][1].set_result("answer to book p.1")  # a place frees: the bumped one first
+    wait_until(lambda: server.names().count("book p.2") == 2, 5,
+               what="the bumped request to be sent again")
+    assert "book p.3" not in server.names(), "the bumped request lost its turn"
+    server.answer_all()
+    wait_until(lambda: "book p.3" in server.names(), 5, what="book p.3 to be sent at last")
+    server.answer_all()
+    assert young.future.result(5) == "answer to book p.2", "the bumped page lost its answer"
+    for request in (old, waiting, letter):
+        assert request.future.result(5).startswith("answer to")
+    assert gate.bumps == 1 and gate.open == 0
+
+
+@pytest.mark.parametrize(
+    "letter_priority, book_priority, book_age, bump_after, why",
+    [
+        (SHORT_OF_PAGES, 64, 0.0, 0.0, "a document with several pages in flight bumped"),
+        (0, RequestGate.BUMP_GAP - 1, 0.0, 0.0, "a request of a nearly as short document bumped"),
+        (0, 64, RequestGate.BUMP_MAX_AGE + 1, 0.0, "a request that had run for long was bumped"),
+        (0, 64, 0.0, 60.0, "the letter bumped at once instead of waiting for a place a moment"),
+    ],
+)
+def test_requests_are_bumped_only_for_a_short_document_only_when_young_and_not_at_once(
+    letter_priority: int, book_priority: int, book_age: float, bump_after: float, why: str
+) -> None:
+    gate, server = RequestGate(1, bump_after=bump_after), Server()
+    book = server.request(gate, "book p.1", book_priority)
+    wait_until(lambda: gate.open == 1 and server.names(), 5, what="the book request to be sent")
+    gate._open[0].since -= book_age
+    server.request(gate, "letter p.1", letter_priority)
+    wait_until(lambda: gate.waiting == 1, 5, what="the letter's request to wait")
+    assert not book.future.done() and gate.bumps == 0, why
+    server.answer_all()
+    wait_until(lambda: "letter p.1" in server.names(), 5, what="the letter's request once free")
+    server.answer_all()
+
+
+def test_a_cancelled_request_gives_its_place_back_and_is_not_sent_again() -> None:
+    gate, server = RequestGate(1), Server()
+    request = server.request(gate, "book p.1", 64)
+    wait_until(lambda: gate.open == 1, 5, what="the request to be sent")
+    request.future.cancel()  # PaddleX cancels what is pending when a page fails
+    assert server.sent[0][1].cancelled(), "the request at the server was not cancelled"
+    wait_until(lambda: gate.open == 0, 5, what="the place to be given back")
+    assert server.names() == ["book p.1"]
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -107,3 +200,52 @@ def test_the_server_never_holds_more_requests_than_the_limit_below_the_maximum(
     overlap = max_overlap([(r["t"], r["done"]) for r in records])
     assert overlap <= 3, f"{overlap} requests were at the server at once with a limit of 3"
     assert overlap == 3, f"only {overlap} at once: the limit of 3 was not used"
+
+
+def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
+    tmp_path: Path,
+) -> None:
+    """A real worker with a full batch of young book pages: the letter's page bumps one of them
+    (aborted at the server, sent again later), and every page still comes back right."""
+    log = tmp_path / "requests.jsonl"
+    book = make_pdf(tmp_path / "book.pdf", 6)
+    letter = make_pdf(tmp_path / "letter.pdf", 1, seed=1)
+    config = Config.model_validate({
+        "state_dir": str(tmp_path / "state"),
+        "pipeline": {"use_layout_detection": False, "max_concurrency": 4},
+    })
+    with start_fake_server(free_port(), "--step-t0-ms", "20", "--output-tokens", "fixed:150",
+                           "--request-log", str(log)) as srv:
+        worker = EngineWorker(config, srv.api_url)
+        worker.start()
+        try:
+            wait_until(lambda: worker.collect() == [] and worker.ready, 120,
+                       what="the engine worker to start")
+            for page in range(6):
+                stat = book.stat()
+                worker.submit(PageTask(1, str(book), page, 1024, stat.st_size, stat.st_mtime,
+                                       priority=64))
+            wait_until(lambda: srv.stats()["running"] == 4, 30,
+                       what="four book pages at the server")
+            stat = letter.stat()
+            worker.submit(PageTask(2, str(letter), 0, 1024, stat.st_size, stat.st_mtime))
+            results: list[PageResult] = []
+            wait_until(lambda: results.extend(worker.collect()) or len(results) == 7, 120,
+                       what="all seven pages back")
+        finally:
+            worker.stop()
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
+    letter_md = next(r.markdown for r in results if r.job_id == 2)
+    letter_digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
+    letter_sent = next(r["t"] for r in records if r["digest"] == letter_digest)
+    first_book_done = min(r["done"] for r in records if r["status"] == 200)
+    assert letter_sent < first_book_done, (
+        "the letter's page waited for a book page to finish instead of starting at once"
+    )
+    assert [r["status"] for r in records].count(499) == 1, "no book request was bumped"
+    for res in results:
+        pdf = book if res.job_id == 1 else letter
+        assert f"fake-ocr OCR {page_width(res.page) * 2}x" in res.markdown, (
+            f"{pdf.name} p.{res.page + 1} came back with another page's text"
+        )

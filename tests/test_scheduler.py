@@ -12,7 +12,7 @@ from ocrvl_daemon import status
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageTask
-from ocrvl_daemon.scheduler import DocumentPages, pick_pages, ready_margin
+from ocrvl_daemon.scheduler import SHORT_EXTRA, DocumentPages, pick_pages, ready_margin
 from ocrvl_daemon.testing.documents import make_pdf
 
 
@@ -143,7 +143,7 @@ class RecordingWorker:
         converter.active[key[0]].in_flight.discard(key[1])
 
 
-def test_the_engine_gets_the_limit_plus_a_small_ready_margin_so_a_letter_never_waits_behind_a_book(
+def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_at_once(
     tmp_path: Path,
 ) -> None:
     config = Config.model_validate({"state_dir": str(tmp_path / "state")})
@@ -171,15 +171,26 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_so_a_letter_never_w
     letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
     converter._activate()
     converter._dispatch()
-    assert not any(j == letter.id for j, _ in worker.order), "no free slot yet"
-    for key in sorted(worker.sent)[:2]:
-        worker.finish(key, converter)
-    converter._dispatch()
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], (
-        "the letter's pages must take the next free slots, ahead of the book's"
+        "a letter's pages must go to the engine at once, not wait until a book page finishes"
     )
+    assert len(worker.in_flight) == limit + margin + 2
     book = worker.order[0][0]
-    assert worker.priorities[letter.id] < worker.priorities[book], (
-        "the letter's pages must also pass the book's at the worker's request gate"
+    assert worker.priorities[letter.id] == 1 < worker.priorities[book], (
+        "the letter's pages must be marked as its first two in flight, so that the worker's "
+        "request gate lets them bump or pass the book's"
+    )
+    memo = enqueue_file(store, make_pdf(tmp_path / "memo.pdf", 5), config.model.name)
+    converter._activate()
+    converter._dispatch()
+    assert sum(job == memo.id for job, _ in worker.order) == SHORT_EXTRA - 2, (
+        "documents short of pages may only go a few pages beyond limit + margin"
+    )
+    for key in sorted(worker.sent)[:SHORT_EXTRA]:
+        worker.finish(key, converter)
+    worker.reach_server()
+    converter._dispatch()
+    assert [job for job, _ in worker.order[-2:]] == [memo.id, memo.id], (
+        "the memo's pages must take the next free slots, ahead of the book's"
     )
     store.close()

@@ -38,6 +38,9 @@ VRAM model) the newest is preempted to the head of the queue and, when readmitte
 recomputed: its image and every token it had produced are prefilled again (vLLM's
 recompute preemption), so throughput falls once the batch outgrows the KV cache.
 
+A client that goes away (closes the connection) aborts its request, as vLLM does: it leaves
+the batch or the queue, is logged with status 499 and counted in ``requests_aborted``.
+
 Fake VRAM model (``--fake-vram-gib G``, ``--fake-vram-used-gib U``), utilization u:
 ``free-memory`` failure if u*G > G-U; else kv = u*G - weights (``--fake-weights-gib``,
 1.9) - spike (max_num_seqs*0.004 + 0.5 GiB, the profiling peak) and ``oom-kv`` if kv <= 0;
@@ -552,6 +555,7 @@ class FakeServer:
         self.completed = 0
         self.failed = 0
         self.hung = 0
+        self.aborted = 0  # requests whose client went away before the answer
         self.by_digest: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.prompt_tokens_total = 0
@@ -626,7 +630,8 @@ class FakeServer:
                 )
                 return 1
             self.port = sock.getsockname()[1]
-            runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.25)
+            runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.25,
+                                   handler_cancellation=True)
             await runner.setup()
             await web.SockSite(runner, sock, backlog=1024).start()
             if cfg.simulate:
@@ -840,6 +845,11 @@ class FakeServer:
             response = await self._complete(request, number, record)
         except RequestError as exc:
             response = exc.response()
+        except asyncio.CancelledError:  # the client went away: vLLM aborts the request too
+            self.aborted += 1
+            record.update(status=499, done=time.time())
+            self._log_request(record)
+            raise
         if response.status == 200:
             self.completed += 1
             if (
@@ -950,10 +960,9 @@ class FakeServer:
         self.hung += 1
         record["status"] = "hung"
         self._log_request(record)
-        try:
-            await self._dead_event.wait()
-        finally:
-            self.hung -= 1
+        # A client that gives up does not unstick the engine: the request stays "running".
+        await self._dead_event.wait()
+        self.hung -= 1
         raise _engine_error()
 
     def _log_request(self, record: dict[str, Any]) -> None:
@@ -1079,6 +1088,7 @@ class FakeServer:
             "requests_completed": self.completed,
             "requests_failed": self.failed,
             "requests_hung": self.hung,
+            "requests_aborted": self.aborted,
             "requests_by_digest": dict(self.by_digest),
             "running": self.num_running(),
             "waiting": len(self.waiting),
