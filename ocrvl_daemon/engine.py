@@ -66,8 +66,9 @@ class PageTask:
     # of the file must not be checkpointed under this version's hash.
     size: int
     mtime: float
-    # Pages of its document in flight when it was sent: the request gate lets the page with
-    # the fewest through first, so a letter's pages pass the book pages already waiting.
+    # Pages of its document in flight before it: the request gate lets the page with the
+    # fewest through first (a letter's pages pass the book pages already waiting), and lets
+    # one of a document short of pages bump a young request of a document with many.
     priority: int = 0
 
 
@@ -256,6 +257,9 @@ class GatedRequest:
     def send(self, priority: int | None = None) -> None:
         """Wait for a place at the server and send the request (raises if it cannot start)."""
         place = self._gate.acquire(self._priority if priority is None else priority)
+        if self.future.done():  # cancelled while it waited to be sent again
+            self._gate.release(place)
+            return
         try:
             sent = self._start()
         except BaseException:

@@ -159,6 +159,20 @@ def test_a_cancelled_request_gives_its_place_back_and_is_not_sent_again() -> Non
     assert server.names() == ["book p.1"]
 
 
+def test_a_bumped_request_cancelled_before_it_is_sent_again_is_not_sent_again() -> None:
+    gate, server = RequestGate(1, bump_after=0.0), Server()
+    book = server.request(gate, "book p.1", 64)
+    wait_until(lambda: server.names() == ["book p.1"], 5, what="the book request to be sent")
+    server.request(gate, "letter p.1", 0)
+    wait_until(lambda: "letter p.1" in server.names() and gate.waiting == 1, 5,
+               what="the letter to bump the book request, which waits to be sent again")
+    book.future.cancel()  # its page failed meanwhile
+    server.answer_all()
+    wait_until(lambda: gate.open == 0 and gate.waiting == 0, 5,
+               what="the cancelled request to leave the line without a place")
+    assert server.names() == ["book p.1", "letter p.1"], "a cancelled request was sent again"
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The most intervals open at one instant."""
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
