@@ -162,19 +162,17 @@ def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.nda
                 )
             try:
                 page = doc[index]
+                try:
+                    width, height = page.get_size()
+                    bitmap = page.render(scale=render_scale(width, height, scale, max_pixels))
+                    image = bitmap.to_numpy()
+                    if image.shape[2] == 4:  # BGRx: drop the padding channel
+                        image = image[:, :, :3]
+                    return np.ascontiguousarray(image)
+                finally:
+                    page.close()
             except pdfium.PdfiumError as exc:
                 raise damaged_page(path, index, exc) from exc
-            try:
-                width, height = page.get_size()
-                bitmap = page.render(scale=render_scale(width, height, scale, max_pixels))
-                image = bitmap.to_numpy()
-                if image.shape[2] == 4:  # BGRx: drop the padding channel
-                    image = image[:, :, :3]
-                return np.ascontiguousarray(image)
-            except pdfium.PdfiumError as exc:
-                raise damaged_page(path, index, exc) from exc
-            finally:
-                page.close()
         finally:
             doc.close()
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,35 @@ def test_a_bumped_request_cancelled_before_it_is_sent_again_is_not_sent_again() 
     assert server.names() == ["book p.1", "letter p.1"], "a cancelled request was sent again"
 
 
+@contextmanager
+def running_worker(config: Config, server_url: str) -> Iterator[EngineWorker]:
+    """A real engine worker, started and ready; stopped afterwards."""
+    worker = EngineWorker(config, server_url)
+    worker.start()
+    try:
+        wait_until(lambda: worker.collect() == [] and worker.ready, 120,
+                   what="the engine worker to start")
+        yield worker
+    finally:
+        worker.stop()
+
+
+def submit_pages(worker: EngineWorker, job: int, pdf: Path, pages: int, priority: int = 0) -> None:
+    stat = pdf.stat()
+    for page in range(pages):
+        worker.submit(PageTask(job, str(pdf), page, 1024, stat.st_size, stat.st_mtime,
+                               priority=priority))
+
+
+def results_of(worker: EngineWorker, count: int) -> list[PageResult]:
+    """Wait for `count` page results; each must have succeeded."""
+    results: list[PageResult] = []
+    wait_until(lambda: results.extend(worker.collect()) or len(results) == count, 120,
+               what=f"all {count} pages back")
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    return results
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The most intervals open at one instant."""
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
@@ -193,23 +224,14 @@ def test_the_server_never_holds_more_requests_than_the_limit_below_the_maximum(
         "state_dir": str(tmp_path / "state"),
         "pipeline": {"use_layout_detection": False, "max_concurrency": 8},
     })
-    stat = pdf.stat()
-    with start_fake_server(free_port(), "--step-t0-ms", "5", "--output-tokens", "fixed:40",
-                           "--request-log", str(log)) as srv:
-        worker = EngineWorker(config, srv.api_url)
-        worker.start()
-        try:
-            wait_until(lambda: worker.collect() == [] and worker.ready, 120,
-                       what="the engine worker to start")
-            worker.set_limit(3)
-            for page in range(12):
-                worker.submit(PageTask(1, str(pdf), page, 1024, stat.st_size, stat.st_mtime))
-            results: list[PageResult] = []
-            wait_until(lambda: results.extend(worker.collect()) or len(results) == 12, 120,
-                       what="all 12 pages back")
-        finally:
-            worker.stop()
-    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    with (
+        start_fake_server(free_port(), "--step-t0-ms", "5", "--output-tokens", "fixed:40",
+                          "--request-log", str(log)) as srv,
+        running_worker(config, srv.api_url) as worker,
+    ):
+        worker.set_limit(3)
+        submit_pages(worker, 1, pdf, 12)
+        results_of(worker, 12)
     records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
     overlap = max_overlap([(r["t"], r["done"]) for r in records])
     assert overlap <= 3, f"{overlap} requests were at the server at once with a limit of 3"
@@ -228,27 +250,15 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
         "state_dir": str(tmp_path / "state"),
         "pipeline": {"use_layout_detection": False, "max_concurrency": 4},
     })
-    with start_fake_server(free_port(), "--step-t0-ms", "20", "--output-tokens", "fixed:150",
-                           "--request-log", str(log)) as srv:
-        worker = EngineWorker(config, srv.api_url)
-        worker.start()
-        try:
-            wait_until(lambda: worker.collect() == [] and worker.ready, 120,
-                       what="the engine worker to start")
-            for page in range(6):
-                stat = book.stat()
-                worker.submit(PageTask(1, str(book), page, 1024, stat.st_size, stat.st_mtime,
-                                       priority=64))
-            wait_until(lambda: srv.stats()["running"] == 4, 30,
-                       what="four book pages at the server")
-            stat = letter.stat()
-            worker.submit(PageTask(2, str(letter), 0, 1024, stat.st_size, stat.st_mtime))
-            results: list[PageResult] = []
-            wait_until(lambda: results.extend(worker.collect()) or len(results) == 7, 120,
-                       what="all seven pages back")
-        finally:
-            worker.stop()
-    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    with (
+        start_fake_server(free_port(), "--step-t0-ms", "20", "--output-tokens", "fixed:150",
+                          "--request-log", str(log)) as srv,
+        running_worker(config, srv.api_url) as worker,
+    ):
+        submit_pages(worker, 1, book, 6, priority=64)
+        wait_until(lambda: srv.stats()["running"] == 4, 30, what="four book pages at the server")
+        submit_pages(worker, 2, letter, 1)
+        results = results_of(worker, 7)
     records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
     letter_md = next(r.markdown for r in results if r.job_id == 2)
     letter_digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
