@@ -36,7 +36,7 @@ from ocrvl_daemon.scheduler import (
     ready_margin,
 )
 from ocrvl_daemon.server_metrics import MetricsPoller
-from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 
@@ -451,7 +451,8 @@ class Converter:
         if redo:
             note = f"{note} Redo it with: {redo}"
         log.error("%s: %s", job.path.name, note, extra=_fields(job, page))
-        self.store.save_page(job.sha256, self.model, page, "", {}, note=note, failed=True)
+        failure = PageFailure.RETRYABLE if redo else PageFailure.DAMAGED
+        self.store.save_page(job.sha256, self.model, page, "", {}, note=note, failure=failure)
         doc.in_flight.discard(page)
         doc.done += 1
 

@@ -182,6 +182,13 @@ def damaged_page(path: Path, index: int, exc: pdfium.PdfiumError) -> PageDamaged
     return PageDamagedError(
         f"page {index + 1} is damaged in the PDF and cannot be rendered "
         f"(PDFium: {str(exc).rstrip('.')}).",
+        repair_fix(path),
+    )
+
+
+def repair_fix(path: Path) -> str:
+    """What to do about a page damaged in the PDF: retrying cannot help, repairing can."""
+    return (
         f"repair the file (e.g. qpdf {shell_quote(path)} fixed.pdf, or print it to a new PDF) "
-        "and convert the repaired copy",
+        "and convert the repaired copy"
     )

@@ -11,7 +11,8 @@ from typing import Any
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
-from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.pdf import repair_fix
+from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
         "attempts": job.attempts,
         "error": job.last_error,
         "failed_pages": [p + 1 for p in store.failed_pages(job.sha256, job.model)],
+        "damaged_pages": [
+            p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
+        ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
     }
     if job.state is JobState.RUNNING and total and rate > 0:
@@ -105,6 +109,12 @@ def render_status(config: Config, *, as_json: bool) -> str:
                     f"         pages that {what}: {pages_list} "
                     f"(redo: ocrvl retry --pages {pages_list} {shlex.quote(doc['path'])})"
                 )
+        if doc["damaged_pages"]:
+            pages_list = ",".join(map(str, doc["damaged_pages"]))
+            lines.append(
+                f"         pages damaged in the PDF: {pages_list} (retrying cannot help: "
+                f"{repair_fix(Path(doc['path']))})"
+            )
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,14 @@ class JobState(str, Enum):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+
+
+class PageFailure(IntEnum):
+    """How a page ended, as stored in `pages.failed`."""
+
+    NONE = 0
+    RETRYABLE = 1  # every attempt failed; another may succeed (`ocrvl retry --pages`)
+    DAMAGED = 2  # the page is damaged in the PDF itself: only a repaired file can help
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,7 @@ class Store:
         images: dict[str, bytes],
         *,
         note: str | None = None,
-        failed: bool = False,
+        failure: PageFailure = PageFailure.NONE,
     ) -> None:
         """Checkpoint one page durably (Markdown and images in one transaction)."""
         now = time.time()
@@ -271,7 +279,7 @@ class Store:
             )
             db.execute(
                 "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sha256, model, page, markdown, note, int(failed), now),
+                (sha256, model, page, markdown, note, int(failure), now),
             )
             db.executemany(
                 "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
@@ -285,11 +293,13 @@ class Store:
         )
         return {r[0] for r in rows}
 
-    def failed_pages(self, sha256: str, model: str) -> list[int]:
-        """Pages that ended as placeholders."""
+    def failed_pages(
+        self, sha256: str, model: str, failure: PageFailure = PageFailure.RETRYABLE
+    ) -> list[int]:
+        """Pages that ended as placeholders for this reason."""
         rows = self._db.execute(
-            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=1 ORDER BY page",
-            (sha256, model),
+            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=? ORDER BY page",
+            (sha256, model, int(failure)),
         )
         return [r[0] for r in rows]
 

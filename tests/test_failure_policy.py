@@ -148,6 +148,16 @@ def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
     else:
         md = book.with_suffix(".md").read_text("utf-8")
         assert f"*[ocrvl: {damaged}]*" in md and "text of page 1" in md
+        view = policy.view(book)
+        assert view["damaged_pages"] == [2] and view["failed_pages"] == [], (
+            "status must tell a damaged page from one that may succeed if tried again"
+        )
+        shown = status.render_status(policy.config, as_json=False)
+        assert "pages damaged in the PDF: 2 (retrying cannot help: repair the file" in shown
+        assert "--pages" not in shown, "status offered `ocrvl retry` for a damaged page"
+        status.retry(policy.config, [], failed=True, pages=None)
+        policy.converter._activate()
+        assert policy.send() == [], "`ocrvl retry --failed` sent a damaged page again"
     policy.store.close()
 
 

@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.store import JobState, Store
+from ocrvl_daemon.store import JobState, PageFailure, Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ocrvl_daemon"
 MODEL = "PaddleOCR-VL-1.6-0.9B"
@@ -59,10 +59,12 @@ def test_states_counts_and_page_flags(tmp_path: Path) -> None:
         assert store.enqueue(tmp_path / "b.pdf", "sha-b2", 1, 3.0, MODEL).state is JobState.QUEUED
         store.save_page("sha-a", MODEL, 0, "ok", {})
         store.save_page("sha-a", MODEL, 1, "half", {}, note="cut off")
-        store.save_page("sha-a", MODEL, 2, "", {}, note="failed", failed=True)
+        store.save_page("sha-a", MODEL, 2, "", {}, note="failed", failure=PageFailure.RETRYABLE)
         assert store.flagged_pages("sha-a", MODEL) == [1]
+        store.save_page("sha-a", MODEL, 3, "", {}, note="damaged", failure=PageFailure.DAMAGED)
         assert store.failed_pages("sha-a", MODEL) == [2]
-        assert store.count_pages("sha-a", MODEL) == 3
+        assert store.failed_pages("sha-a", MODEL, PageFailure.DAMAGED) == [3]
+        assert store.count_pages("sha-a", MODEL) == 4
         assert store.recover_running() == 1
         assert store.job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
     finally:
