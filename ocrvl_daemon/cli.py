@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     retry.add_argument(
         "--pages",
         metavar="LIST",
-        help="only these pages, e.g. 3,7-9 (default: the pages that failed, or "
-        "the whole document if none did)",
+        help="only these pages, e.g. 3,7-9 (default: the pages that failed, not those "
+        "damaged in the PDF; the whole document if none did)",
     )
 
     doctor = sub.add_parser(
