@@ -34,7 +34,13 @@ def images(count: int) -> list[bytes]:
 
 
 async def _measure(
-    url: str, model: str, jpegs: list[bytes], concurrency: int, warmup: float, seconds: float
+    url: str,
+    model: str,
+    jpegs: list[bytes],
+    concurrency: int,
+    warmup: float,
+    seconds: float,
+    max_tokens: int,
 ) -> Point:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -45,7 +51,8 @@ async def _measure(
         async def worker() -> None:
             while not stop.is_set():
                 n = next(counter)
-                body = chat_payload(jpegs[n % len(jpegs)], model=model, max_completion_tokens=4096)
+                jpeg = jpegs[n % len(jpegs)]
+                body = chat_payload(jpeg, model=model, max_completion_tokens=max_tokens)
                 r = await client.post("/v1/chat/completions", json=body)
                 r.raise_for_status()
                 done.append(time.monotonic())
@@ -75,7 +82,17 @@ async def _measure(
 
 
 def measure(
-    url: str, model: str, concurrency: int, warmup: float, seconds: float, jpegs: list[bytes]
+    url: str,
+    model: str,
+    concurrency: int,
+    warmup: float,
+    seconds: float,
+    jpegs: list[bytes],
+    max_tokens: int = 4096,
 ) -> Point:
-    """Throughput with `concurrency` requests always in flight (after `warmup` seconds)."""
-    return asyncio.run(_measure(url, model, jpegs, concurrency, warmup, seconds))
+    """Throughput with `concurrency` requests always in flight (after `warmup` seconds).
+
+    `max_tokens` caps each answer: a small cap gives short pages (the calibration's
+    150-token point).
+    """
+    return asyncio.run(_measure(url, model, jpegs, concurrency, warmup, seconds, max_tokens))

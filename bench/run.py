@@ -1,6 +1,6 @@
 """ocrvl's throughput benchmark: one command, one table.
 
-    .venv/bin/python bench/run.py            # everything (~40 min on 2 cores)
+    .venv/bin/python bench/run.py            # everything (~35 min on 2 cores)
     .venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
     .venv/bin/python -m bench --only a,b     # some scenarios
 
@@ -63,6 +63,11 @@ SIM_ARGS = (
     "--disable-uvicorn-access-log",
 )  # fmt: skip
 CURVE = (1, 8, 16, 32, 64, 96, 128, 256)
+# Real vLLM 0.26.0 serving PaddleOCR-VL on a data-centre GPU (shared/DESIGN.md): pages/s with
+# N whole-page requests (1,000 output tokens) always in flight, and 150-token requests at best.
+REAL_PAGES_PER_S = {1: 0.24, 16: 4.6, 64: 11.2, 256: 9.5}
+REAL_SHORT_PAGES_PER_S = 17.0
+SHORT_TOKENS = 150
 MIN_QUEUED_SECONDS = 10.0  # a shorter span with work queued is not judged against the maximum
 
 
@@ -507,16 +512,48 @@ def _pages(path: Path) -> int:
     return _PAGES[path]
 
 
+def warmup_seconds(concurrency: int) -> float:
+    return min(30.0, 4.0 + concurrency * 0.12)
+
+
 def curve(server: Server, points: tuple[int, ...], seconds: float) -> list[Any]:
     jpegs = images(200)
     out = []
     for c in points:
         wait_until(server.idle, 300, what="an idle server")
-        warm = min(30.0, 4.0 + c * 0.12)
-        p = measure(server.url, MODEL, c, warm, seconds, jpegs)
+        p = measure(server.url, MODEL, c, warmup_seconds(c), seconds, jpegs)
         log(f"curve: {c} in flight: {p.tokens_per_s:.0f} tokens/s, occupancy {p.occupancy:.3f}")
         out.append(p)
     return out
+
+
+def short_pages_per_s(seconds: float) -> float:
+    """Pages/s with SHORT_TOKENS-token answers, 64 in flight, on a simulator of its own (its
+    short pages must not count in the main one's tokens per page)."""
+    with start_fake_server(free_port(), *SIM_ARGS, ready_timeout=30) as srv:
+        p = measure(srv.url, MODEL, 64, warmup_seconds(64), seconds, images(200), SHORT_TOKENS)
+    log(f"curve: 64 in flight, {SHORT_TOKENS}-token answers: {p.pages_per_s:.2f} pages/s")
+    return p.tokens_per_s / SHORT_TOKENS
+
+
+def calibration(res: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(shape, real vLLM, simulator) for each shape of DESIGN.md the curve can be held to."""
+    sim = {p.concurrency: p.tokens_per_s / res["tokens_per_page"] for p in res["curve"]}
+    real = REAL_PAGES_PER_S
+    rows = []
+    if 16 in sim and 64 in sim:
+        rows.append(("pages/s at 64 in flight / at 16", real[64] / real[16], sim[64] / sim[16]))
+    if 256 in sim and 64 in sim:
+        rows.append(("pages/s at 256 in flight / at 64", real[256] / real[64], sim[256] / sim[64]))
+    if 1 in sim and 64 in sim:
+        rows.append(("pages/s at 64 in flight / at 1", real[64] / real[1], sim[64] / sim[1]))
+        rows.append(("a page's time at 64 in flight / alone", 64 * real[1] / real[64],
+                     64 * sim[1] / sim[64]))  # fmt: skip
+    if res.get("short_pages_per_s") and 64 in sim:
+        short = res["short_pages_per_s"] / sim[64]
+        rows.append((f"pages/s of {SHORT_TOKENS}-token pages / whole pages, 64 in flight",
+                     REAL_SHORT_PAGES_PER_S / real[64], short))  # fmt: skip
+    return rows
 
 
 # --- the report -------------------------------------------------------------------------
@@ -548,6 +585,17 @@ def report(res: dict[str, Any]) -> str:
                 f"| {p.occupancy:.3f} | {p.preemptions} |"
             )
         lines += ["", f"Mean output: {tpp:.0f} tokens per page.", ""]
+        rows = calibration(res)
+        if rows:
+            lines += [
+                "Calibration: the simulator's shapes against real vLLM 0.26.0 (DESIGN.md; "
+                "ratios, so the speed of the GPU cancels out):",
+                "",
+                "| shape | real vLLM | simulator |",
+                "|---|---:|---:|",
+                *(f"| {what} | {real:.2f} | {sim:.2f} |" for what, real, sim in rows),
+                "",
+            ]
     peak = res.get("peak_pages_per_s")
     lines += [
         "## Scenarios",
@@ -719,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(srv)
             if "curve" in parts:
                 res["curve"] = curve(server, (16, 64, 128) if q else CURVE, 6 if q else 12)
+                res["short_pages_per_s"] = short_pages_per_s(6 if q else 12)
                 best = max(res["curve"], key=lambda p: p.tokens_per_s)
                 res["peak_tokens_per_s"] = best.tokens_per_s
             for name in ("a", "b"):
@@ -753,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"(c) {info}")
             final = server.stats()
             res["tokens_per_page"] = (
-                final["generation_tokens"] / final["requests_completed"]
+                final["completion_tokens"] / final["requests_completed"]
                 if final["requests_completed"] else 1000.0
             )  # fmt: skip
         if res.get("peak_tokens_per_s"):

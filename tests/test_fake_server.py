@@ -380,6 +380,7 @@ def test_continuous_batching_queues_beyond_max_num_seqs() -> None:
         assert max_waiting > 0
         stats: dict[str, Any] = srv.stats()
         assert stats["requests_completed"] == 16
+        assert stats["completion_tokens"] == stats["generation_tokens"] > 0
         assert stats["max_active"] == 8
         assert stats["max_waiting"] >= max_waiting
         assert 0.5 < stats["occupancy"] <= 1.0
@@ -407,6 +408,7 @@ def test_a_client_that_goes_away_aborts_its_request_like_vllm(tmp_path: Path) ->
             10, what="the abandoned request to leave the batch")
         assert stats["requests_completed"] == 0
         assert stats["generation_tokens"] < 400, "the server went on decoding for nobody"
+        assert stats["completion_tokens"] == 0, "an abandoned request counted as answered"
         (record,) = [json.loads(line) for line in log.read_text().splitlines()]
         assert record["status"] == 499
 

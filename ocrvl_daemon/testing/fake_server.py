@@ -560,6 +560,7 @@ class FakeServer:
         self.finished: Counter[str] = Counter()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.completion_tokens_total = 0  # in answers given (aborted requests' tokens are not)
         self.preemptions = 0
         # scheduler state
         self.running: list[SimSequence] = []
@@ -909,6 +910,7 @@ class FakeServer:
         finish = "length" if drawn > max_tokens else "stop"
         self.finished[finish] += 1
         self.prompt_tokens_total += prompt_tokens
+        self.completion_tokens_total += produced
         if not cfg.simulate:  # simulated: counted per decode step, like vLLM
             self.generation_tokens_total += produced
         return web.json_response(
@@ -1102,6 +1104,7 @@ class FakeServer:
             "preemptions": self.preemptions,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
+            "completion_tokens": self.completion_tokens_total,
             "kv_capacity_tokens": self.kv_capacity,
             "engine_dead": self._dead,
             "engine_pid": self.engine.pid if self.engine is not None else None,
