@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -372,6 +373,21 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     return max(0, min(lengths, default=0) - overhead)
 
 
+WORKER_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def _plain_paddlex_log() -> None:
+    """Keep PaddleX's warnings, in the worker's plain format, and drop its INFO lines.
+
+    PaddleX logs "Creating model: ..." at every worker start, coloured with escape codes
+    that journald shows as garbage.
+    """
+    paddlex_log = logging.getLogger("paddlex")
+    paddlex_log.setLevel(logging.WARNING)
+    for handler in paddlex_log.handlers:
+        handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
+
+
 def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
@@ -387,14 +403,18 @@ def serve() -> None:
     # fd 1 carries the protocol; anything a library prints goes to stderr instead.
     channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=WORKER_LOG_FORMAT)
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Paddle warns at import, at every worker start, that ccache is missing: it compiles
+    # nothing here, so that line would only be noise in the journal.
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
         from paddleocr import PaddleOCRVL
 
+        _plain_paddlex_log()
         pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(("failed", f"{type(exc).__name__}: {exc}"))

@@ -52,6 +52,10 @@ def test_multi_page_book_comes_out_with_every_page_in_order(tmp_path, fake_serve
     assert read_header(tmp_path / "book.md")["model"] == "PaddleOCR-VL-1.6-0.9B"
     leftovers = [p.name for p in tmp_path.iterdir() if "ocrvl-tmp" in p.name]
     assert not leftovers, f"temporary files left behind: {leftovers}"
+    assert "\x1b[" not in result.stderr, "colour escape codes would garble the journal"
+    assert "ccache" not in result.stderr and "Creating model" not in result.stderr, (
+        "library noise from the engine worker reaches the log"
+    )
 
 
 NAMES = ["my book.pdf", "Ünïcödé ßuch – 日本語.pdf", 'it\'s "quoted".pdf']
