@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -131,6 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader left early (`ocrvl status | head`): quietly, like any Unix tool. Python
+        # would complain again while flushing stdout at exit, so stdout goes nowhere now.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return int(ExitCode.OUTPUT_CLOSED)
 
 
 def _setup_fallback_logging() -> None:

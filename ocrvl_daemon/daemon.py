@@ -208,6 +208,8 @@ class Daemon:
         self.watcher.stop()
         self.converter.stop(DRAIN_SECONDS)
         self.server.stop()
+        # `ocrvl status` must not go on showing the last published state as running.
+        self.store.put_meta("daemon", {"pid": os.getpid(), "stopped": time.time()})
         self.store.close()
         log.info("stopped")
 

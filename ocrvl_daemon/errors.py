@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     DEPENDENCY = 6
     PROBLEMS_FOUND = 7  # `ocrvl doctor` found something that blocks conversion
     INTERRUPTED = 130
+    OUTPUT_CLOSED = 141  # the reader of stdout left early, as after SIGPIPE (128 + 13)
 
 
 class OcrvlError(Exception):

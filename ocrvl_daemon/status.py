@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
 from ocrvl_daemon.pdf import repair_fix
@@ -58,7 +60,11 @@ def collect_status(config: Config) -> dict[str, Any]:
     try:
         daemon = store.get_meta("daemon") or {}
         rate = float(daemon.get("pages_per_s") or 0.0)
-        alive = bool(daemon) and time.time() - float(daemon.get("updated", 0)) < 30
+        alive = (
+            "updated" in daemon
+            and time.time() - float(daemon["updated"]) < 30
+            and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
+        )
         jobs = [_job_view(store, j, rate) for j in store.jobs()]
     finally:
         store.close()

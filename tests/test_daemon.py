@@ -136,6 +136,9 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         # request log final for the first run. Not when its port closes: the requests in
         # flight are answered (500) and logged after that.
         wait_until(lambda: not process_alive(server_pid), 30, what="the first run's server to die")
+        assert setup.status()["daemon"]["running"] is False, (
+            "`ocrvl status` shows a killed daemon as running"
+        )
         done_before_kill = setup.checkpointed_pages()
         requested_before_kill = setup.requests_by_digest()
         assert done_before_kill < pages, "the book finished before the kill; slow the server"
@@ -227,6 +230,8 @@ def test_status_shows_failures_and_retry_requeues_them(setup: Setup):
         wait_until(lambda: not (setup.inbox / "locked.ocrvl-error.txt").exists(), 30,
                    what="the stale error note to be removed")
         assert not failed()
+    text = run_ocrvl("status", "--config", setup.config, timeout=60).stdout
+    assert "daemon: not running" in text, "`ocrvl status` shows a stopped daemon as running"
 
 
 def test_renamed_or_moved_file_is_not_recognised_again(setup: Setup):
