@@ -164,6 +164,9 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
                     "put it in an inbox folder; it is picked up by itself",
                 )
             targets.append(job)
+        if not targets:
+            log.info("nothing to retry: no document or page failed (pages damaged in the PDF "
+                     "are left out: only a repaired file can help them)")
         for job in targets:
             redo = parse_pages(pages) if pages else store.failed_pages(job.sha256, job.model)
             if redo:

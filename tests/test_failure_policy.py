@@ -8,6 +8,7 @@ exactly. The daemon tests at the end check the token-limit handling end to end.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -131,7 +132,7 @@ def test_fail_on_page_error_fails_the_document_until_retried(tmp_path: Path):
 
 @pytest.mark.parametrize("fail_on_page_error", [False, True])
 def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
-    tmp_path: Path, fail_on_page_error: bool
+    tmp_path: Path, fail_on_page_error: bool, caplog: pytest.LogCaptureFixture
 ):
     damaged = "page 2 is damaged in the PDF and cannot be rendered. Fix: repair the file"
     policy = Policy(tmp_path, page_retries=3, fail_on_page_error=fail_on_page_error)
@@ -155,7 +156,9 @@ def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
         shown = status.render_status(policy.config, as_json=False)
         assert "pages damaged in the PDF: 2 (retrying cannot help: repair the file" in shown
         assert "--pages" not in shown, "status offered `ocrvl retry` for a damaged page"
-        status.retry(policy.config, [], failed=True, pages=None)
+        with caplog.at_level(logging.INFO, logger="ocrvl_daemon.status"):
+            status.retry(policy.config, [], failed=True, pages=None)
+        assert "nothing to retry" in caplog.text, "`ocrvl retry --failed` said nothing"
         policy.converter._activate()
         assert policy.send() == [], "`ocrvl retry --failed` sent a damaged page again"
     policy.store.close()
