@@ -144,7 +144,10 @@ def sighup(running: NotifiedDaemon) -> tuple[int, int]:
 
 def test_ready_only_once_server_answers_then_status_watchdog_and_stopping(notified) -> None:
     """Start-up, work and stop as systemd sees them, in order."""
-    running = notified("--startup-delay", str(STARTUP_DELAY))
+    # Pages take ~2 s each, so the book is still converting at the daemon's next status tick
+    # (answered at once, it could finish between two ticks and never show progress).
+    running = notified("--startup-delay", str(STARTUP_DELAY),
+                       "--step-t0-ms", "10", "--output-tokens", "fixed:200")
     ready = running.expect("READY=1", lambda t: t.startswith("READY=1"))
     ready_at = running.sock.messages[ready].at
     assert answers_health(f"http://127.0.0.1:{running.port}"), \
