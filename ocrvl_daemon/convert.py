@@ -376,8 +376,8 @@ class Converter:
                 note = (
                     f"page {result.page + 1} was cut off at {result.truncated_at} tokens "
                     "(the server's max-model-len allows no more); its end may be missing. "
-                    "Raise server.vllm_args.max-model-len, then: "
-                    f"ocrvl retry --pages {result.page + 1} {pdf.shell_quote(job.path)}"
+                    "Raise server.vllm_args.max-model-len, then: " +
+                    pdf.retry_command(job.path, str(result.page + 1))
                 )
                 log.warning("%s: %s", job.path.name, note, extra=fields)
             self.store.save_page(
@@ -434,7 +434,7 @@ class Converter:
             f"page {page + 1} could not be recognised after {attempts} attempts: "
             f"{error.rstrip('.')}."
         )
-        redo = f"ocrvl retry --pages {page + 1} {pdf.shell_quote(job.path)}"
+        redo = pdf.retry_command(job.path, str(page + 1))
         self._give_up_page(doc, page, note, redo)
 
     def _give_up_page(self, doc: DocumentPages, page: int, note: str, redo: str | None) -> None:

@@ -58,6 +58,11 @@ def shell_quote(path: Path) -> str:
     return shlex.quote(str(path))
 
 
+def retry_command(path: Path, pages: str) -> str:
+    """The command that converts these pages (e.g. "3" or "3,7") of `path` again."""
+    return f"ocrvl retry --pages {pages} {shell_quote(path)}"
+
+
 def input_error(path: Path, exc: OSError) -> OcrvlError:
     """An OSError met while reading an input, as the failure to record."""
     if isinstance(exc, FileNotFoundError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
-from ocrvl_daemon.pdf import repair_fix
+from ocrvl_daemon.pdf import repair_fix, retry_command
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
 
@@ -108,19 +107,15 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
-        for key, what in (("failed_pages", "failed"), ("flagged_pages", "were cut off")):
+        path = Path(doc["path"])
+        for key, what in (("failed_pages", "pages that failed"),
+                          ("flagged_pages", "pages that were cut off"),
+                          ("damaged_pages", "pages damaged in the PDF")):  # fmt: skip
             if doc[key]:
                 pages_list = ",".join(map(str, doc[key]))
-                lines.append(
-                    f"         pages that {what}: {pages_list} "
-                    f"(redo: ocrvl retry --pages {pages_list} {shlex.quote(doc['path'])})"
-                )
-        if doc["damaged_pages"]:
-            pages_list = ",".join(map(str, doc["damaged_pages"]))
-            lines.append(
-                f"         pages damaged in the PDF: {pages_list} (retrying cannot help: "
-                f"{repair_fix(Path(doc['path']))})"
-            )
+                hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
+                        else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
+                lines.append(f"         {what}: {pages_list} ({hint})")
     return "\n".join(lines)
 
 
