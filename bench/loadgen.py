@@ -2,7 +2,8 @@
 
 It measures the simulator's own throughput at each concurrency, without any PDF pipeline
 in the way (so the client costs almost nothing): this is the server's maximum, and its
-curve against concurrency shows the peak.
+curve against concurrency shows the peak. `replay` sends a given list of pages the same
+way: the best any client held to N in flight could do with them.
 """
 
 from __future__ import annotations
@@ -96,3 +97,31 @@ def measure(
     150-token point).
     """
     return asyncio.run(_measure(url, model, jpegs, concurrency, warmup, seconds, max_tokens))
+
+
+async def _replay(url: str, model: str, lengths: list[int], concurrency: int) -> float:
+    jpegs = images(min(len(lengths), 200))
+    bodies = [chat_payload(jpegs[i % len(jpegs)], model=model, max_completion_tokens=n)
+              for i, n in enumerate(lengths)]  # fmt: skip
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        queue = iter(bodies)
+
+        async def worker() -> None:
+            for body in queue:  # shared iterator: each body is sent once, in order
+                r = await client.post("/v1/chat/completions", json=body)
+                r.raise_for_status()
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.monotonic() - t0
+
+
+def replay(url: str, model: str, lengths: list[int], concurrency: int) -> float:
+    """Seconds to send pages whose answers are `lengths` tokens long, in that order, with
+    `concurrency` always in flight and nothing else to do (no PDF work, no gaps).
+
+    The server must answer at least max(lengths) tokens per request (e.g. `fixed:8192`):
+    each request's max tokens then sets its length.
+    """
+    return asyncio.run(_replay(url, model, lengths, concurrency))

@@ -139,6 +139,7 @@ def test_request_log_records_pages(server: FakeServerProcess, request_log: Path)
     assert record["w"] == 64 and record["h"] == 48
     assert record["prompt"] == "OCR:"
     assert record["max_tokens"] == 100
+    assert record["tokens"] == 16  # the default fixed:16 answer: a replay needs its length
     assert record["status"] == 200
     assert record["model"] == DEFAULT_MODEL
     assert server.stats()["requests_by_digest"][digest] == 1

@@ -22,7 +22,7 @@ scaling the image down (aspect kept) to ``mm_processor_kwargs.max_pixels`` (defa
 Output length (``--output-tokens``): ``fixed:N``, ``uniform:A:B`` or ``lognormal:MEAN:SIGMA``
 (MEAN is the distribution's mean), drawn from an RNG seeded with the image digest so the
 same image always gets the same length; capped by the request's max tokens
-(finish_reason ``length``).
+(finish_reason ``length``). ``--request-log`` records each answer's length (``tokens``).
 
 ``POST /fake/reset`` starts the time-weighted statistics of ``/fake/stats`` (occupancy,
 mean and max active) afresh; counters keep counting, so callers take differences.
@@ -908,6 +908,7 @@ class FakeServer:
         if cfg.simulate:
             await self._generate(prompt_tokens, img_tokens, produced)
         finish = "length" if drawn > max_tokens else "stop"
+        record["tokens"] = produced
         self.finished[finish] += 1
         self.prompt_tokens_total += prompt_tokens
         self.completion_tokens_total += produced
