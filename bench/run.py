@@ -1,6 +1,6 @@
 """ocrvl's throughput benchmark: one command, one table.
 
-    .venv/bin/python bench/run.py            # everything (~35 min on 2 cores)
+    .venv/bin/python bench/run.py            # everything (~40 min on 2 cores)
     .venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
     .venv/bin/python -m bench --only a,b     # some scenarios
 
