@@ -180,9 +180,12 @@ class ConcurrencyController:
             self._restart_search(new, now, direction=-1, factor=math.sqrt(START_FACTOR))
             log.info("concurrency %d -> %d: backing off (%s)", old, new, why)
             return True
-        if m.waiting is not None and m.waiting > 0 and saturated:
+        # A request that arrives mid-step waits for the next one: a queue no longer than the
+        # feed margin is what a fed batch looks like, not a cap on running requests.
+        running = int(m.running or 0)
+        if m.waiting is not None and m.waiting > feed_margin(running) and saturated:
             self._waiting_streak += 1
-            self._waiting_running = max(self._waiting_running, m.running or 0.0)
+            self._waiting_running = max(self._waiting_running, running)
             if self._waiting_streak >= WAITING_SAMPLES and self._waiting_running >= 1:
                 cap = int(self._waiting_running)
                 if cap != self.server_cap:

@@ -196,6 +196,16 @@ def test_does_not_grow_past_the_servers_running_cap() -> None:
     assert max(srv.limits[50:]) <= 48 + feed_margin(48)
 
 
+def test_a_request_waiting_for_the_next_step_is_not_a_cap() -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=64)
+    srv = SyntheticServer(ctl, peaked(128))
+    # At every scrape one request has just arrived and waits for the server's next step.
+    srv.waiting_when = lambda n: (n - 1.0, 1.0)
+    srv.run(400)
+    assert ctl.server_cap is None, "a fed batch was taken for a cap on running requests"
+    assert max(srv.limits) > 64 + feed_margin(64), "the search never went past the false cap"
+
+
 def test_searches_again_when_the_workload_changes() -> None:
     ctl = ConcurrencyController(4, 256, True)
     srv = SyntheticServer(ctl, peaked(64))
