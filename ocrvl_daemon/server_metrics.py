@@ -48,14 +48,16 @@ class ServerMetrics:
 
 
 def parse_metrics(text: str, taken_at: float) -> ServerMetrics:
-    """Sum vLLM's samples over their labels (one model, maybe several engines)."""
-    sums: dict[str, float] = {}
+    """vLLM's samples over their labels (one model, maybe several engines): counts add up;
+    a KV cache usage is the fullest engine's (a share, and one full cache preempts)."""
+    samples: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+            samples.setdefault(sample.name, []).append(float(sample.value))
     values: dict[str, float | None] = {}
     for field, names in (_GAUGES | _COUNTERS).items():
-        values[field] = next((sums[n] for n in names if n in sums), None)
+        combine = max if field == "kv_cache_usage" else sum
+        values[field] = next((combine(samples[n]) for n in names if n in samples), None)
     return ServerMetrics(taken_at=taken_at, **values)
 
 

@@ -234,7 +234,8 @@ def test_parse_vllm_metrics() -> None:
         "# TYPE vllm:num_requests_waiting gauge\n"
         'vllm:num_requests_waiting{model_name="m"} 2.0\n'
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
-        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
         "# TYPE vllm:num_preemptions counter\n"
         'vllm:num_preemptions_total{model_name="m"} 7.0\n'
         "# TYPE vllm:generation_tokens counter\n"
