@@ -32,7 +32,7 @@ AUTO = "auto"
 AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
 # vLLM flags that other keys decide; setting them in vllm_args would contradict those.
 RESERVED_VLLM_ARGS = {
-    "host": "server.host", "port": "server.port", "served-model-name": "model.name",
+    "host": "server.host", "port": "server.port", "served-model-name": "model.served_name",
     "model": "model.weights", "api-key": "server.api_key",
 }
 
@@ -79,6 +79,7 @@ class ModelConfig(_Section):
     name: str = DEFAULT_MODEL
     max_new_tokens: int | None = Field(None, ge=16, le=131072)
     weights: str | None = None
+    served_name: str | None = Field(None, min_length=1)
 
     @field_validator("name")
     @classmethod
@@ -88,6 +89,11 @@ class ModelConfig(_Section):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"unknown model; {hint}use one of {', '.join(MODELS)}")
         return value
+
+    @property
+    def served(self) -> str:
+        """The name the server serves the model under and every request asks for."""
+        return self.served_name or self.name
 
     @property
     def vl_model(self) -> VLModel:
@@ -262,6 +268,15 @@ class Config(_Section):
                 None,
                 "server.launcher is 'command' but no command "
                 "is set; set server.command: [program, --port, '{port}', ...]",
+            )
+        served_name = self.model.served_name
+        if (server.mode == "managed" and server.launcher == "genai_server" and served_name
+                and served_name != self.model.name):
+            raise _KeyError(
+                "model.served_name",
+                served_name,
+                "paddleocr genai_server serves the model under model.name only; remove "
+                "model.served_name, or use server.launcher: vllm",
             )
         max_len = server.vllm_args["max-model-len"]
         new_tokens = self.model.effective_max_new_tokens

@@ -26,7 +26,7 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon import autotune, gpu
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import ConfigError
-from ocrvl_daemon.server import ENDPOINT_ABSENT
+from ocrvl_daemon.server import ENDPOINT_ABSENT, served_model_fix
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -376,19 +376,18 @@ def _server_check(config: Config) -> Check:
                      "restart the server" if external else "ocrvl restarts it; see its log")
     if external and models.status_code in ENDPOINT_ABSENT:
         return Check("server", "warn", f"{root} answers but does not list its models "
-                     f"(/v1/models: {models.status_code}), so serving {config.model.name} "
+                     f"(/v1/models: {models.status_code}), so serving {config.model.served} "
                      "cannot be checked", "nothing, if it serves PaddleOCR-VL under that name")
     try:
         served = [m["id"] for m in models.json()["data"]]
     except (ValueError, KeyError, TypeError):
         served = []
-    if config.model.name not in served:
-        fix = (f"serve it with --served-model-name {config.model.name}, or set model.name"
-               if external else f"another server holds port {server.port}: stop it or change "
-               "server.port")
+    if config.model.served not in served:
+        fix = (served_model_fix(config, served) if external else f"another server holds port "
+               f"{server.port}: stop it or change server.port")
         return Check("server", "fail", f"{root} serves {served or 'no models'}, not "
-                     f"{config.model.name}", fix)
-    return Check("server", "ok", f"{root} is up and serves {config.model.name}")
+                     f"{config.model.served}", fix)
+    return Check("server", "ok", f"{root} is up and serves {config.model.served}")
 
 
 def _systemd_checks() -> list[Check]:

@@ -97,7 +97,7 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         "vl_rec_backend": "vllm-server",
         "vl_rec_server_url": server_url,
         # The request's `model` must be exactly what the server serves.
-        "vl_rec_api_model_name": config.model.name,
+        "vl_rec_api_model_name": config.model.served,
         "vl_rec_max_concurrency": p.max_concurrency,
         "use_layout_detection": p.use_layout_detection,
         "use_doc_orientation_classify": p.use_doc_orientation_classify,

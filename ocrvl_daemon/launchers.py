@@ -1,10 +1,10 @@
 """How to start the model server: argv and environment per `server.launcher`.
 
-* `vllm`: `vllm serve <weights> --served-model-name <model.name> ...` (the default).
+* `vllm`: `vllm serve <weights> --served-model-name <model.served> ...` (the default).
 * `genai_server`: `paddleocr genai_server ... --backend_config <yaml>`; needs flash-attn
   and xformers in the server environment.
-* `command`: the user's `server.command` with `{host}`, `{port}`, `{model}`, `{weights}`
-  filled in and a `{vllm_args}` element expanded to the vLLM flags.
+* `command`: the user's `server.command` with `{host}`, `{port}`, `{model}` (the served
+  name), `{weights}` filled in and a `{vllm_args}` element expanded to the vLLM flags.
 
 `server.python` selects a separate virtual environment: its `vllm`/`paddleocr` script runs.
 """
@@ -173,7 +173,7 @@ def _vllm_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
         raise ServerConfigError("The `vllm` command was not found (vLLM is not installed).",
                                 f"{SETUP_FIX}, or set server.python to the python of a virtual "
                                 "environment that has vLLM")
-    return [*prefix, model_source(config), "--served-model-name", config.model.name,
+    return [*prefix, model_source(config), "--served-model-name", config.model.served,
             "--trust-remote-code", "--host", server.host, "--port", str(server.port),
             *vllm_flags(args)]
 
@@ -198,7 +198,7 @@ def _genai_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
 def _command_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
     server = config.server
     assert server.command is not None  # config validation guarantees it
-    values = {"{host}": server.host, "{port}": str(server.port), "{model}": config.model.name,
+    values = {"{host}": server.host, "{port}": str(server.port), "{model}": config.model.served,
               "{weights}": model_source(config)}
     argv: list[str] = []
     for element in server.command:

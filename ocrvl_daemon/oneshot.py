@@ -80,12 +80,13 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
-            reason = str(
+            # A server that answers but cannot serve this configuration has its own fix.
+            reason = str(server.error) if server.error is not None else str(
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
                     f"({server.status().last_error or 'no answer'}).",
                     f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} "
-                    f"--served-model-name {config.model.name} --trust-remote-code --port "
+                    f"--served-model-name {config.model.served} --trust-remote-code --port "
                     f"{urlparse(config.server.base_url).port or 80}`), or run without "
                     "--server-url so ocrvl starts one itself",
                 )

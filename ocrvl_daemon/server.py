@@ -39,6 +39,7 @@ from ocrvl_daemon import autotune, launchers
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError
 from ocrvl_daemon.gpu import GpuReading, read_gpu
+from ocrvl_daemon.models import MODELS
 from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
      "missing_package", "vLLM is not installed in the server environment", _SETUP, True),
     (re.compile(r"The model `[^`]*` does not exist"), "model_mismatch",
      "the server serves another model name",
-     "make the server serve model.name (vLLM: --served-model-name)", True),
+     "make the server serve model.served_name, or model.name when that is unset (vLLM: "
+     "--served-model-name)", True),
 )
 
 
@@ -291,6 +293,22 @@ class _LogPump(threading.Thread):
 # --- probes --------------------------------------------------------------------------------
 
 
+def served_model_fix(config: Config, served: list[str]) -> str:
+    """What to set when an external server serves the model under another name than the one
+    ocrvl asks for: the model it recognises among `served`, or the general way out."""
+    for name in served:
+        known = next((m for m in MODELS.values() if name in (m.name, m.hf_repo)), None)
+        if known is None:
+            continue
+        if known.name == config.model.name:
+            return f"set model.served_name: {name} (the name this server gives {known.name})"
+        return (f"this server serves {known.name}: set model.name: {known.name}"
+                + ("" if name == known.name else f" and model.served_name: {name}"))
+    named = served[0] if len(served) == 1 else "the name it serves the model under"
+    return (f"start that server with --served-model-name {config.model.served}, or set "
+            f"model.served_name: {named} if that is {config.model.name}")
+
+
 class _Probe:
     """HTTP checks against the server root (health, served models, metrics)."""
 
@@ -301,7 +319,8 @@ class _Probe:
         self._client = httpx.Client(base_url=server.root_url, headers=headers,
                                     timeout=PROBE_TIMEOUT, trust_env=server.mode == "external")
         self.url = server.base_url
-        self.model = config.model.name
+        self.config = config
+        self.model = config.model.served
         self.external = server.mode == "external"
         self.last_error = ""
         self._unlisted = False  # /v1/models is missing: warned once
@@ -318,7 +337,7 @@ class _Probe:
             return None
 
     def serves_model(self) -> bool:
-        """Whether `/v1/models` lists model.name; a wrong name is a ServerConfigError."""
+        """Whether `/v1/models` lists the served name; another name is a ServerConfigError."""
         try:
             response = self._client.get("/v1/models")
         except httpx.HTTPError as exc:
@@ -345,12 +364,11 @@ class _Probe:
             return False
         if self.model in served:
             return True
-        fix = (f"start that server with --served-model-name {self.model}, or set model.name to "
-               "the PaddleOCR-VL model it serves" if self.external else
-               f"the server must be started with --served-model-name {self.model}: remove "
-               "served-model-name from server.vllm_args, or pass '{model}' in server.command")
+        fix = (served_model_fix(self.config, served) if self.external else
+               f"the server must be started with --served-model-name {self.model}: pass "
+               "'{model}' in server.command")
         raise ServerConfigError(f"The server at {self.url} serves {', '.join(served) or 'no model'}"
-                                f", but ocrvl needs {self.model} (model.name).", fix)
+                                f", but ocrvl asks for {self.model}.", fix)
 
     def metrics(self) -> tuple[float, float] | None:
         """(requests running + waiting, requests finished) from `/metrics`, if it has them."""

@@ -35,6 +35,12 @@ BAD_CONFIGS = [
         ["max-model-len", f"at least {8192 + MIN_LEN - DEFAULT_MAX_NEW_TOKENS}"],
         id="max-model-len too small for max_new_tokens",
     ),
+    pytest.param(
+        {"model": {"served_name": "PaddlePaddle/PaddleOCR-VL-1.6"},
+         "server": {"launcher": "genai_server"}},
+        ["model.served_name", "'PaddlePaddle/PaddleOCR-VL-1.6'", "server.launcher: vllm"],
+        id="served name with a launcher that cannot serve under it",
+    ),
     pytest.param({"server": {"port": 70000}}, ["server.port", "70000", "65535"], id="bad port"),
     pytest.param({"server": {"port": "http"}}, ["server.port", "'http'"], id="port not a number"),
     pytest.param(

@@ -193,6 +193,25 @@ def test_any_openai_compatible_server_without_health_endpoint_works(tmp_path, li
     assert (tmp_path / "book.md").read_text("utf-8").count("plain server saw OCR:") == 2
 
 
+def test_a_server_serving_the_model_under_its_hugging_face_name_is_usable(tmp_path):
+    """`vllm serve PaddlePaddle/PaddleOCR-VL-1.6` without --served-model-name: the error says
+    which key to set, and with it set the book converts."""
+    pdf = make_pdf(tmp_path / "book.pdf", 2)
+    with plain_openai_server(model="PaddlePaddle/PaddleOCR-VL-1.6") as url:
+        refused = run_ocrvl("convert", "--config", write_config(tmp_path / "config.yaml"),
+                            "--server-url", url, pdf)
+        assert refused.returncode != 0
+        assert "set model.served_name: PaddlePaddle/PaddleOCR-VL-1.6" in refused.stderr, (
+            "the error does not name the key that fixes it:\n" + refused.stderr[-2000:])
+        assert "Cannot reach" not in refused.stderr, "a server that answers was called unreachable"
+
+        config = write_config(tmp_path / "served.yaml",
+                              model={"served_name": "PaddlePaddle/PaddleOCR-VL-1.6"})
+        result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "book.md").read_text("utf-8").count("plain server saw OCR:") == 2
+
+
 def test_each_page_is_sent_to_the_server_exactly_once(tmp_path):
     log = tmp_path / "requests.jsonl"
     with start_fake_server(free_port(), "--step-t0-ms", "20", "--request-log", str(log)) as srv:

@@ -178,6 +178,21 @@ def test_server_serving_another_model_blocks(tmp_path: Path, gpu_env: Any) -> No
     assert check.fix and "--served-model-name" in check.fix
 
 
+def test_server_serving_another_version_under_its_hugging_face_name_names_both_keys(
+        tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    with plain_openai_server(model="PaddlePaddle/PaddleOCR-VL") as url:
+        config = write_config(tmp_path, server={"mode": "external", "url": url})
+        check = by_name(run_doctor(config, osrelease=NOT_WSL), "server")
+        assert check.status == "fail"
+        assert check.fix == ("this server serves PaddleOCR-VL-0.9B: set model.name: "
+                             "PaddleOCR-VL-0.9B and model.served_name: PaddlePaddle/PaddleOCR-VL")
+        fixed = write_config(tmp_path, server={"mode": "external", "url": url},
+                             model={"name": "PaddleOCR-VL-0.9B",
+                                    "served_name": "PaddlePaddle/PaddleOCR-VL"})
+        assert by_name(run_doctor(fixed, osrelease=NOT_WSL), "server").status == "ok"
+
+
 def test_invalid_config_fails_but_the_rest_still_runs(tmp_path: Path, gpu_env: Any) -> None:
     gpu_env("rtx4060")
     path = tmp_path / "config.yaml"

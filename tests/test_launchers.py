@@ -149,6 +149,16 @@ def test_command_placeholders_and_vllm_args(tmp_path: Path) -> None:
     assert flag_value(argv, "--max-num-seqs") == "4"
 
 
+def test_a_served_name_is_what_the_managed_server_serves(tmp_path: Path) -> None:
+    python = fake_venv(tmp_path, "vllm")
+    served = {"model": {"served_name": "books-ocr"}, "state_dir": str(tmp_path / "state")}
+    vllm = validate_config({**served, "server": {"python": str(python)}})
+    assert flag_value(prepare_launch(vllm).argv, "--served-model-name") == "books-ocr"
+    command = validate_config({**served, "server": {"launcher": "command",
+                                                    "command": ["true", "{model}"]}})
+    assert prepare_launch(command).argv == ["true", "books-ocr"]
+
+
 def test_command_without_vllm_args_placeholder_gets_no_flags(tmp_path: Path) -> None:
     config = make_config(tmp_path, launcher="command", command=["true", "{port}"])
     assert prepare_launch(config).argv == ["true", "8118"]

@@ -14,6 +14,7 @@ from ocrvl_daemon.models import DEFAULT_MODEL
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     lists_models = True
+    model = DEFAULT_MODEL
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -28,12 +29,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models" and self.lists_models:
-            self._send(200, {"object": "list", "data": [{"id": DEFAULT_MODEL}]})
+            self._send(200, {"object": "list", "data": [{"id": self.model}]})
         else:
             self._send(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if request["model"] != self.model:  # as vLLM answers
+            self._send(404, {"object": "error", "type": "NotFoundError", "code": 404,
+                             "message": f"The model `{request['model']}` does not exist."})
+            return
         text = f"plain server saw {request['messages'][0]['content'][1]['text']}"
         self._send(200, {"id": "1", "object": "chat.completion", "created": 0,
                          "model": request["model"], "usage": {"prompt_tokens": 1,
@@ -47,10 +52,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def plain_openai_server(*, lists_models: bool = True) -> Iterator[str]:
-    """Serve on a free port; yields the OpenAI base URL (ending in /v1). Each answer is
-    "plain server saw <the prompt>"."""
-    handler = type("Handler", (_Handler,), {"lists_models": lists_models})
+def plain_openai_server(*, lists_models: bool = True,
+                        model: str = DEFAULT_MODEL) -> Iterator[str]:
+    """Serve `model` on a free port; yields the OpenAI base URL (ending in /v1). Each answer
+    is "plain server saw <the prompt>"; a request for another model gets vLLM's 404."""
+    handler = type("Handler", (_Handler,), {"lists_models": lists_models, "model": model})
     server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
