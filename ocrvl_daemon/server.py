@@ -809,6 +809,18 @@ class ServerSupervisor:
         with self._cond:
             self._group = None
 
+    def _refused(self, exc: ServerConfigError) -> None:
+        """External mode: the server answers but cannot serve this configuration (another
+        model name, another API key). FAILED, said once; probing goes on, so fixing the
+        server is enough (ocrvl need not be restarted)."""
+        with self._cond:
+            repeated = self._error is not None and str(self._error) == str(exc)
+            self._error = exc
+            self._last_error = str(exc)
+        if not repeated:
+            log.error("%s (checking again every %.0f s)", exc, self._server.health_interval)
+        self._set(ServerState.FAILED, "")
+
     def _watch_external(self, probe: _Probe) -> None:
         """External mode: no process, readiness and health by probing `server.url`."""
         failed_probes = 0
@@ -816,16 +828,22 @@ class ServerSupervisor:
         self._set(ServerState.STARTING, f"waiting for {self._server.base_url}")
         while True:
             ready = self._state is ServerState.READY
-            self._wait(self._server.health_interval if ready else
+            self._wait(self._server.health_interval if ready or self._error else
                        min(STARTUP_POLL, self._server.health_interval))
             status = probe.health()
-            # Not every OpenAI-compatible server has vLLM's /health: then /v1/models decides.
-            if (status == 200 and (ready or probe.serves_model())) or (
-                    status in ENDPOINT_ABSENT and probe.serves_model()):
+            try:
+                # Not every OpenAI-compatible server has vLLM's /health: /v1/models decides.
+                up = (status == 200 and (ready or probe.serves_model())) or (
+                    status in ENDPOINT_ABSENT and probe.serves_model())
+            except ServerConfigError as exc:
+                self._refused(exc)
+                continue
+            if up:
                 failed_probes = 0
                 if not ready:
                     with self._cond:
                         self._ready_since = time.time()
+                        self._error = None
                     log.info("external server ready at %s", self._server.base_url)
                     self._set(ServerState.READY, "ready")
                 hung = self._check_stall(probe)

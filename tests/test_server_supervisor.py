@@ -395,6 +395,24 @@ def test_leftover_engine_is_killed_before_the_next_start(tmp_path: Path,
 # --- external mode -------------------------------------------------------------------------
 
 
+def test_external_server_serving_another_name_fails_until_it_is_fixed(
+        tmp_path: Path, supervise: Any) -> None:
+    port = free_port()
+    config = validate_config({
+        "state_dir": str(tmp_path / "state"),
+        "server": {"mode": "external", "url": f"http://127.0.0.1:{port}/v1",
+                   "health_interval": 0.2}})
+    sup = supervise(config)
+    with start_fake_server(port, "--served-model-name", "PaddlePaddle/PaddleOCR-VL-1.6"):
+        assert not sup.wait_ready(10)
+        assert sup.state is ServerState.FAILED
+        assert sup.error is not None and "model.served_name" in str(sup.error)
+    # The user restarts their server with the name ocrvl asks for; ocrvl is not restarted.
+    with start_fake_server(port):
+        assert sup.wait_ready(10), "the supervisor gave up on a server that was fixed"
+        assert sup.error is None
+
+
 def test_external_server_readiness_follows_the_server(tmp_path: Path, supervise: Any) -> None:
     port = free_port()
     config = validate_config({
