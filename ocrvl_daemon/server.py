@@ -818,7 +818,7 @@ class ServerSupervisor:
             self._error = exc
             self._last_error = str(exc)
         if not repeated:
-            log.error("%s (checking again every %.0f s)", exc, self._server.health_interval)
+            log.error("%s (checking again every %g s)", exc, self._server.health_interval)
         self._set(ServerState.FAILED, "")
 
     def _watch_external(self, probe: _Probe) -> None:

@@ -409,7 +409,9 @@ def test_external_server_serving_another_name_fails_until_it_is_fixed(
         assert sup.error is not None and "model.served_name" in str(sup.error)
     # The user restarts their server with the name ocrvl asks for; ocrvl is not restarted.
     with start_fake_server(port):
-        assert sup.wait_ready(10), "the supervisor gave up on a server that was fixed"
+        # wait_ready returns at once while FAILED: poll for the state instead.
+        wait_until(lambda: sup.state is ServerState.READY, 10,
+                   what="the supervisor to take up the fixed server (it gave up on it)")
         assert sup.error is None
 
 
