@@ -52,10 +52,13 @@ class Setup:
         return DaemonProcess(self.config)
 
     def requests_by_digest(self) -> collections.Counter[str]:
+        """Pages the server read, by image digest. A request cut off by the kill before its
+        image arrived is logged without a digest: no page was recognised, so it is not one."""
         if not self.requests.exists():
             return collections.Counter()
-        lines = self.requests.read_text(encoding="utf-8").splitlines()
-        return collections.Counter(json.loads(line)["digest"] for line in lines if line)
+        records = [json.loads(line) for line in self.requests.read_text("utf-8").splitlines()
+                   if line]
+        return collections.Counter(r["digest"] for r in records if r["digest"] is not None)
 
     def checkpointed_pages(self) -> int:
         db = self.root / "state" / "jobs.sqlite"
