@@ -395,14 +395,19 @@ def test_leftover_engine_is_killed_before_the_next_start(tmp_path: Path,
 # --- external mode -------------------------------------------------------------------------
 
 
-def test_external_server_serving_another_name_fails_until_it_is_fixed(
-        tmp_path: Path, supervise: Any) -> None:
+def watch_external(tmp_path: Path, supervise: Any) -> tuple[int, ServerSupervisor]:
+    """A supervisor of an external server on a free port (nothing listens there yet)."""
     port = free_port()
     config = validate_config({
         "state_dir": str(tmp_path / "state"),
         "server": {"mode": "external", "url": f"http://127.0.0.1:{port}/v1",
                    "health_interval": 0.2}})
-    sup = supervise(config)
+    return port, supervise(config)
+
+
+def test_external_server_serving_another_name_fails_until_it_is_fixed(
+        tmp_path: Path, supervise: Any) -> None:
+    port, sup = watch_external(tmp_path, supervise)
     with start_fake_server(port, "--served-model-name", "PaddlePaddle/PaddleOCR-VL-1.6"):
         assert not sup.wait_ready(10)
         assert sup.state is ServerState.FAILED
@@ -416,12 +421,7 @@ def test_external_server_serving_another_name_fails_until_it_is_fixed(
 
 
 def test_external_server_readiness_follows_the_server(tmp_path: Path, supervise: Any) -> None:
-    port = free_port()
-    config = validate_config({
-        "state_dir": str(tmp_path / "state"),
-        "server": {"mode": "external", "url": f"http://127.0.0.1:{port}/v1",
-                   "health_interval": 0.2}})
-    sup = supervise(config)
+    port, sup = watch_external(tmp_path, supervise)
     assert not sup.wait_ready(0.5)
     assert sup.state is ServerState.STARTING
     with start_fake_server(port):
