@@ -86,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         parents=[common],
         help="check GPU, packages and settings",
-        description="One screen of what works and what to fix. Exit code "
-        "non-zero when something blocks conversion.",
+        description="One screen of what works and what to fix: GPU, packages, the layout "
+        "model, the server environment, config, inboxes, the server and systemd. Exit code "
+        "non-zero when something blocks conversion. Without a GPU it prints the `vllm serve` "
+        "line to run on a machine that has one (server.mode: external).",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -107,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the vLLM server environment",
         description="Create a separate virtual environment with vLLM (and "
         "flash-attn for the genai_server launcher), then set "
-        "server.python in the config file.",
+        "server.python in the config file. Without a GPU here it warns that the server "
+        "cannot run on this machine and prints how to run it on one that has a GPU.",
     )
     setup.add_argument(
         "--venv",

@@ -16,6 +16,7 @@ from ocrvl_daemon import output
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
+from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.server import ServerSupervisor
 from ocrvl_daemon.store import JobState, Store
 
@@ -81,14 +82,13 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
             # A server that answers but cannot serve this configuration has its own fix.
+            server_port = urlparse(config.server.base_url).port or 80
             reason = str(server.error) if server.error is not None else str(
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
                     f"({server.status().last_error or 'no answer'}).",
-                    f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} "
-                    f"--served-model-name {config.model.served} --trust-remote-code --port "
-                    f"{urlparse(config.server.base_url).port or 80}`), or run without "
-                    "--server-url so ocrvl starts one itself",
+                    f"start it (e.g. `{vllm_serve_command(config, port=server_port)}`), or "
+                    "run without --server-url so ocrvl starts one itself",
                 )
             )
             return dict.fromkeys(jobs.values(), reason)
