@@ -4,7 +4,8 @@
 convert`'s). It activates queued jobs, sends pages to the engine worker while the server is
 ready, checkpoints every finished page before counting it, and assembles a document once all
 its pages are in. One bad document never stops the others: its failure is recorded in the
-store, the log and a `<stem>.ocrvl-error.txt` next to it.
+store, the log and a `<stem>.ocrvl-error.txt` beside its output. The user's hooks run
+after each document written or failed for good; how they ended goes to the store.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ocrvl_daemon.errors import (
     OcrvlError,
     PagesFailedError,
 )
+from ocrvl_daemon.hooks import HookRunner, HookValues
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.scheduler import (
     SHORT_EXTRA,
@@ -105,6 +107,8 @@ class Converter:
         self.server = server
         self.only = only
         self.model = config.model.name
+        self.place = output_place(config)
+        self.hooks = HookRunner()
         self.concurrency = ConcurrencyController(
             config.pipeline.min_concurrency,
             config.pipeline.max_concurrency,
@@ -123,6 +127,10 @@ class Converter:
         self.engine_start_failures = 0
         self.engine_error: str | None = None
         self.completed_pages = 0
+        # Pages given up on (placeholders) and kept with a warning, since this started.
+        self.failed_pages = 0
+        self.flagged_pages = 0
+        self.hook_failures: Counter[str] = Counter()
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
@@ -132,6 +140,7 @@ class Converter:
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
+        self._record_hooks()
         self._collect()
         self._maintain_workers(now)
         if self._wake or now >= self._next_activation:
@@ -210,7 +219,7 @@ class Converter:
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
                 return
-        output.check_writable(path)
+        output.check_writable(path, self.place)
         count = pdf.page_count(path)
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
@@ -232,8 +241,9 @@ class Converter:
         attempts = job.attempts + 1
         if exc.permanent:
             log.error("%s failed: %s", job.path, exc, extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix)
+            output.write_error_note(job.path, exc.message, exc.fix, place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=True)
+            self._run_hook("on_failed", job, error=str(exc))
         else:
             delay = retry_delay(attempts)
             log.warning(
@@ -244,7 +254,8 @@ class Converter:
                 delay,
                 extra=_fields(job),
             )
-            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay)
+            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay,
+                                    place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
     # --- the engine worker --------------------------------------------------------------
@@ -380,6 +391,7 @@ class Converter:
                     pdf.retry_command(job.path, str(result.page + 1))
                 )
                 log.warning("%s: %s", job.path.name, note, extra=fields)
+                self.flagged_pages += 1
             self.store.save_page(
                 job.sha256, self.model, result.page, result.markdown, result.images, note=note
             )
@@ -453,6 +465,7 @@ class Converter:
         log.error("%s: %s", job.path.name, note, extra=_fields(job, page))
         failure = PageFailure.RETRYABLE if redo else PageFailure.DAMAGED
         self.store.save_page(job.sha256, self.model, page, "", {}, note=note, failure=failure)
+        self.failed_pages += 1
         doc.in_flight.discard(page)
         doc.done += 1
 
@@ -467,6 +480,7 @@ class Converter:
                 doc.page_count,
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
+                place=self.place,
             )
         except OcrvlError as exc:
             self._fail(job, exc)
@@ -478,15 +492,48 @@ class Converter:
         self.active.pop(job_id)
         self._jobs.pop(job_id)
         self.store.set_done(job_id)
-        output.remove_error_note(job.path)
+        output.remove_error_note(job.path, self.place)
+        md, images, _ = output.outputs_for(job.path, self.place)
         log.info(
             "%s: done, %d pages -> %s",
             job.path.name,
             doc.page_count,
-            output.outputs_for(job.path)[0].name,
+            md.name if self.config.output.dir is None else md,
             extra=_fields(job),
         )
+        self._run_hook("on_done", job, md=str(md), pages=doc.page_count,
+                       images=str(images) if images.is_dir() else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def _run_hook(self, event: str, job: Job, *, md: str = "", images: str = "",
+                  pages: int | None = None, error: str = "") -> None:
+        """Start the user's `hooks.<event>` for `job`, if there is one (in the background)."""
+        argv: list[str] | None = getattr(self.config.hooks, event)
+        if argv is None:
+            return
+        pages = job.page_count if pages is None else pages
+        flagged = sorted(
+            {*self.store.failed_pages(job.sha256, job.model),
+             *self.store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED),
+             *self.store.flagged_pages(job.sha256, job.model)}
+        )
+        values = HookValues(
+            pdf=str(job.path),
+            md=md,
+            images=images,
+            pages="" if pages is None else str(pages),
+            flagged=",".join(str(p + 1) for p in flagged),
+            error=error,
+        )
+        self.hooks.submit(event, argv, self.config.hooks.timeout, job.id, values)
+
+    def _record_hooks(self) -> None:
+        for outcome in self.hooks.outcomes():
+            self.store.set_hook_error(outcome.job_id, outcome.error)
+            if outcome.error is not None:
+                self.hook_failures[outcome.event] += 1
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
@@ -495,6 +542,7 @@ class Converter:
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""
         old, self.config = self.config, config
+        self.place = output_place(config)
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
         self.concurrency.limit = min(
@@ -533,8 +581,9 @@ class Converter:
             self.in_flight,
         )
 
-    def stop(self, timeout: float) -> None:
-        """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
+    def stop(self, timeout: float, wait_for_hooks: bool = False) -> None:
+        """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
+        hooks running are stopped, or with `wait_for_hooks` all run to their end first."""
         deadline = time.monotonic() + timeout
         workers = [w for w in (self._worker, *self._retiring) if w is not None]
         while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
@@ -547,6 +596,8 @@ class Converter:
             worker.stop()
         self._worker = None
         self._retiring.clear()
+        self.hooks.stop(None if wait_for_hooks else 0.0)
+        self._record_hooks()
 
 
 def _worker_fix(failure: str) -> str:
@@ -572,7 +623,13 @@ def _unexpected(exc: Exception) -> OcrvlError:
     )
 
 
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError) -> None:
+def output_place(config: Config) -> output.OutputPlace:
+    """Where this configuration puts every document's outputs."""
+    return output.OutputPlace(config.output.dir, tuple(config.inbox.paths))
+
+
+def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
+                       place: output.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
@@ -581,10 +638,11 @@ def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError
     job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix)
+        output.write_error_note(path, exc.message, exc.fix, place=place)
 
 
-def enqueue_file(store: Store, path: Path, model: str) -> Job:
+def enqueue_file(store: Store, path: Path, model: str,
+                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
     """Identify `path` and queue it, unless this content is already handled.
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
@@ -603,12 +661,12 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:
-        _record_unreadable(store, path, model, exc)
+        _record_unreadable(store, path, model, exc, place)
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
-    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
+    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
         log.info("%s: Markdown is already up to date", path.name)
         store.set_done(job.id)
-        output.remove_error_note(path)
+        output.remove_error_note(path, place)
         job = store.job(job.id) or job
     return job

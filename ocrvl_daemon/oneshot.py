@@ -1,7 +1,9 @@
 """`ocrvl convert`: the daemon's conversion path, run once over the given files.
 
 It uses its own store (`state_dir/convert.sqlite`), so an interrupted run resumes where it
-stopped when started again, and it never competes with a running daemon for jobs.
+stopped when started again, and it never competes with a running daemon for jobs. It writes
+where the daemon would (`output.dir`) and runs the same hooks, waiting for them before it
+exits: a configuration behaves the same in both, and one file is how a hook is tried out.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon import output
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.convert import Converter, enqueue_file, output_place
 from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.server import ServerSupervisor
@@ -38,16 +40,18 @@ def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
     store = Store(config.state_dir / "convert.sqlite")
     failures: dict[Path, str] = {}
     jobs: dict[int, Path] = {}
+    place = output_place(config)
     for given in pdfs:
         path = given.expanduser().absolute()
         try:
             _check_input(path)
-            job = enqueue_file(store, path, config.model.name)
+            job = enqueue_file(store, path, config.model.name, place)
         except OcrvlError as exc:
             failures[path] = str(exc)
             continue
-        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name):
-            log.info("%s is already converted: %s", path.name, output.outputs_for(path)[0].name)
+        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name,
+                                                            place):
+            log.info("%s is already converted: %s", path.name, output.outputs_for(path, place)[0])
             continue
         if job.state is not JobState.QUEUED:
             store.requeue(job.id)
@@ -103,14 +107,14 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
                 break
             converter.wait(TICK_SECONDS)
     finally:
-        converter.stop(STOP_TIMEOUT)
+        converter.stop(STOP_TIMEOUT, wait_for_hooks=not stop_requested)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stop_requested:
         raise KeyboardInterrupt
     return {
-        path: _reason(store, job_id)
+        path: _reason(store, job_id, converter.place)
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
@@ -133,10 +137,10 @@ def _settled(store: Store, job_id: int) -> bool:
     return job.state is JobState.QUEUED and job.attempts >= MAX_ATTEMPTS
 
 
-def _reason(store: Store, job_id: int) -> str:
+def _reason(store: Store, job_id: int, place: output.OutputPlace) -> str:
     job = store.job(job_id)
     if job is None:
         return "the file disappeared while it was being converted"
-    if job.state is JobState.DONE and not output.outputs_for(job.path)[0].exists():
+    if job.state is JobState.DONE and not output.outputs_for(job.path, place)[0].exists():
         return "converted, but the Markdown file is missing"
     return job.last_error or "not converted"

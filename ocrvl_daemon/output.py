@@ -1,4 +1,7 @@
-"""Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
+"""Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
+
+They go next to the PDF, or under `output.dir` mirroring the inbox's sub-folders
+(`OutputPlace`); every rule below holds in both places.
 
 Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
 a Markdown file or image folder that ocrvl did not write is never replaced.
@@ -39,12 +42,41 @@ class Page:
     note: str | None = None  # why the page is a placeholder or flagged
 
 
-def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
+@dataclass(frozen=True)
+class OutputPlace:
+    """Where a PDF's outputs go: next to it (`dir` None), or under `dir`.
+
+    Under `dir`, a PDF inside one of `inboxes` keeps its sub-folder relative to that inbox
+    (prefixed by the inbox's folder name when there are several); any other PDF goes to
+    `dir` itself.
+    """
+
+    dir: Path | None = None
+    inboxes: tuple[Path, ...] = ()
+
+    def base(self, pdf: Path) -> Path:
+        """The path the outputs are named after: `pdf` itself, or its place under `dir`."""
+        if self.dir is None:
+            return pdf
+        pdf = pdf.absolute()
+        containing = [i for i in map(Path.absolute, self.inboxes) if pdf.is_relative_to(i)]
+        if not containing:
+            return self.dir / pdf.name
+        inbox = max(containing, key=lambda i: len(i.parts))  # the innermost one
+        prefix = Path(inbox.name) if len(self.inboxes) > 1 else Path()
+        return self.dir / prefix / pdf.relative_to(inbox)
+
+
+NEXT_TO_PDF = OutputPlace()
+
+
+def outputs_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> tuple[Path, Path, Path]:
     """The Markdown file, image folder and error note that belong to `pdf`."""
+    base = place.base(pdf)
     return (
-        pdf.with_suffix(".md"),
-        pdf.with_name(pdf.stem + "_images"),
-        pdf.with_name(pdf.stem + ERROR_SUFFIX),
+        base.with_suffix(".md"),
+        base.with_name(base.stem + "_images"),
+        base.with_name(base.stem + ERROR_SUFFIX),
     )
 
 
@@ -59,15 +91,15 @@ def read_header(md: Path) -> dict[str, str] | None:
     return dict(_FIELD.findall(match["fields"])) if match else None
 
 
-def is_current(pdf: Path, sha256: str, model: str) -> bool:
+def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_PDF) -> bool:
     """Whether `<stem>.md` exists, is ocrvl's, and was made from this content by this model."""
-    header = read_header(outputs_for(pdf)[0])
+    header = read_header(outputs_for(pdf, place)[0])
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path) -> None:
+def check_writable(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:
     """Refuse early when an output ocrvl must not replace is in the way."""
-    md, images, _ = outputs_for(pdf)
+    md, images, _ = outputs_for(pdf, place)
     if md.exists() and read_header(md) is None:
         raise NotOursError(
             f"{md} already exists and was not written by ocrvl; it is left untouched.",
@@ -87,6 +119,7 @@ def write_document(
     page_count: int,
     pages: Iterable[Page],
     size_hint: int = 0,
+    place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
 
@@ -95,13 +128,14 @@ def write_document(
     that are not there yet. `size_hint` (bytes of text and images) is checked against the
     free space first; a full disk raises a transient OutputError and leaves nothing behind.
     """
-    md, images_dir, _ = outputs_for(pdf)
+    md, images_dir, _ = outputs_for(pdf, place)
+    _make_folder(md.parent)
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
     tmp_md = _temporary(md)
     tmp_dir = _temporary(images_dir)
     link_base = quote(images_dir.name)
     try:
-        check_writable(pdf)
+        check_writable(pdf, place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         _remove_temporaries(md)
         _remove_temporaries(images_dir)
@@ -204,6 +238,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_folder(folder: Path) -> None:
+    """Create an output sub-folder (under `output.dir`); next to the PDF it already exists."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(folder / ".", exc) from exc
+
+
 def _check_free_space(folder: Path, needed: int) -> None:
     try:
         free = shutil.disk_usage(folder).free
@@ -232,13 +274,18 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
 
 
 def write_error_note(
-    pdf: Path, message: str, fix: str | None, *, retry_in: float | None = None
+    pdf: Path,
+    message: str,
+    fix: str | None,
+    *,
+    retry_in: float | None = None,
+    place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
     """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort).
 
     `retry_in` marks a transient failure that ocrvl retries by itself after that many seconds.
     """
-    note = outputs_for(pdf)[2]
+    note = outputs_for(pdf, place)[2]
     text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
     if fix:
         text += f"What to do: {fix}\n"
@@ -250,10 +297,11 @@ def write_error_note(
             "once the document is converted.\n"
         )
     with contextlib.suppress(OSError):
+        note.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(note, text)
 
 
-def remove_error_note(pdf: Path) -> None:
+def remove_error_note(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:
     """Remove a stale error note once the document converted."""
     with contextlib.suppress(OSError):
-        outputs_for(pdf)[2].unlink()
+        outputs_for(pdf, place)[2].unlink()

@@ -45,6 +45,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
             p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
+        "hook_error": job.hook_error,
     }
     if job.state is JobState.RUNNING and total and rate > 0:
         view["eta_seconds"] = round((total - done) / rate)
@@ -107,6 +108,8 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
+        if doc["hook_error"]:
+            lines.append(f"         hook: {doc['hook_error']}")
         path = Path(doc["path"])
         for key, what in (("failed_pages", "pages that failed"),
                           ("flagged_pages", "pages that were cut off"),

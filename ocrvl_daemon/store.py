@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated REAL NOT NULL,
     started REAL,
     finished REAL,
-    not_before REAL NOT NULL DEFAULT 0
+    not_before REAL NOT NULL DEFAULT 0,
+    hook_error TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS pages (
@@ -101,6 +102,7 @@ class Job:
     started: float | None
     finished: float | None
     not_before: float
+    hook_error: str | None = None  # why the last hook run for it failed
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "hook_error" not in columns:  # a store from before hooks existed
+            self._db.execute("ALTER TABLE jobs ADD COLUMN hook_error TEXT")
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
@@ -246,6 +251,11 @@ class Store:
                 "not_before=? WHERE id=?",
                 ("failed" if permanent else "queued", error, now, now + retry_in, job_id),
             )
+
+    def set_hook_error(self, job_id: int, error: str | None) -> None:
+        """Record how the last hook run for a job ended (None: it succeeded)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET hook_error=? WHERE id=?", (error, job_id))
 
     def forget(self, job_id: int) -> None:
         """Drop a job whose file is gone (its page checkpoints stay for a renamed copy)."""
@@ -398,4 +408,5 @@ def _job(row: sqlite3.Row) -> Job:
         started=row["started"],
         finished=row["finished"],
         not_before=row["not_before"],
+        hook_error=row["hook_error"],
     )
