@@ -4,11 +4,18 @@ and the hook runner itself."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import pytest
+import yaml
 
 from ocrvl_daemon.config import HOOK_PLACEHOLDERS, validate_config
 from ocrvl_daemon.errors import ConfigError
@@ -242,3 +249,71 @@ def test_hooks_still_running_are_stopped_when_the_daemon_stops(tmp_path: Path):
         assert not process_alive(pid), f"hook process {pid} outlived the daemon"
     assert "SIGTERM to process group" in daemon.log()
 
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_hooks() -> dict[str, tuple[str, list[str]]]:
+    """README's example hooks, by program: (key, argv)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    found = {}
+    for key, flow in re.findall(r"^  `(on_done|on_failed): (\[.*\])`$", text, re.M):
+        argv = yaml.safe_load(flow)
+        found[argv[0]] = (key, argv)
+    return found
+
+
+@contextmanager
+def webhook_receiver() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
+    """A local HTTP server that records each POSTed form; yields its URL and the forms."""
+    received: list[dict[str, list[str]]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append(parse_qs(body.decode("utf-8")))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hooks/ocrvl", received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.slow
+def test_readme_archive_and_webhook_examples_work_through_a_real_daemon(tmp_path: Path):
+    examples = readme_hooks()
+    assert set(examples) == {"calibredb", "notify-send", "mv", "curl"}, examples
+    for key, argv in examples.values():
+        validate_config({"hooks": {key: ["true", *argv[1:]]}})  # placeholders all known
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    mv_key, mv = examples["mv"]
+    curl_key, curl = examples["curl"]
+    assert (mv_key, curl_key) == ("on_done", "on_failed")
+    mv = [f"{archive}/" if a == "/home/me/ocr-archive/" else a for a in mv]
+    with webhook_receiver() as (url, received):
+        curl = [url if a.startswith("https://example.org/") else a for a in curl]
+        setup = DaemonSetup(tmp_path, on_done=mv, on_failed=curl)
+        with DaemonProcess(setup.config) as daemon:
+            daemon.wait_ready()
+            make_pdf(setup.inbox / "good.pdf", 2)
+            broken = make_html_as_pdf(setup.inbox / "broken.pdf")
+            wait_until(lambda: (archive / "good.pdf").exists(), 90,
+                       what="good.pdf to be converted and moved to the archive")
+            wait_until(lambda: received, 60, what="the webhook to be called for broken.pdf")
+            assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
+    assert (setup.inbox / "good.md").exists() and not (setup.inbox / "good.pdf").exists()
+    form = received[0]
+    assert form["pdf"] == [str(broken)], form
+    assert "is an HTML page" in form["error"][0], form
