@@ -96,12 +96,6 @@ class HookRunner:
         with self._lock:
             self._futures.discard(future)
 
-    @property
-    def busy(self) -> bool:
-        """Whether any hook is running or waiting to run."""
-        with self._lock:
-            return bool(self._futures)
-
     def outcomes(self) -> list[HookOutcome]:
         """Hooks that ended since the last call."""
         ended = []

@@ -67,7 +67,9 @@ def test_convert_writes_to_output_dir_and_keeps_its_rules_there(tmp_path, fake_s
     broken = make_html_as_pdf(source / "broken.pdf")
     out.mkdir()
     (out / "theirs.md").write_text("my notes\n", encoding="utf-8")
-    config = write_config(tmp_path / "config.yaml", output={"dir": str(out)})
+    told = tmp_path / "hook.txt"
+    config = write_config(tmp_path / "config.yaml", output={"dir": str(out)},
+                          hooks={"on_done": ["sh", "-c", f'echo "{{md}}" >> {told}']})
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url,
                        book, theirs, broken)
     assert result.returncode == 1, result.stderr
@@ -79,6 +81,7 @@ def test_convert_writes_to_output_dir_and_keeps_its_rules_there(tmp_path, fake_s
     assert files_in(source) == {"book.pdf", "theirs.pdf", "broken.pdf"}, \
         "something was written next to the PDFs"
     assert not [n for n in files_in(out) if "ocrvl-tmp" in n], "temporary files left behind"
+    assert told.read_text("utf-8") == f"{out / 'book.md'}\n", "{md} is not where it was written"
 
 
 @pytest.mark.slow
