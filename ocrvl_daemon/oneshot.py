@@ -41,8 +41,17 @@ def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
     failures: dict[Path, str] = {}
     jobs: dict[int, Path] = {}
     place = output_place(config)
+    claimed: dict[Path, Path] = {}  # output -> the PDF it is for
     for given in pdfs:
         path = given.expanduser().absolute()
+        md = output.outputs_for(path, place)[0]
+        if claimed.setdefault(md, path) != path:
+            failures[path] = str(InputFileError(
+                f"{path} would be written to {md}, like {claimed[md]} (output.dir keeps "
+                "only the names of PDFs from outside the inboxes).",
+                "rename one of them, or convert them without output.dir",
+            ))
+            continue
         try:
             _check_input(path)
             job = enqueue_file(store, path, config.model.name, place)

@@ -130,3 +130,16 @@ def test_daemon_mirrors_sub_folders_into_output_dir_and_resumes_there_after_a_ki
         "something was written into the inbox"
     sent = len(requests.read_text("utf-8").splitlines())
     assert sent < 2 * pages, f"{sent} requests for {pages} pages: the resume redid done pages"
+
+
+def test_convert_refuses_two_pdfs_that_would_share_one_output(tmp_path):
+    out = tmp_path / "out"
+    first = make_pdf(tmp_path / "a" / "book.pdf", 1)
+    second = make_pdf(tmp_path / "b" / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", output={"dir": str(out)})
+    # No server answers there: only the refusal of the second PDF matters here.
+    result = run_ocrvl("convert", "--config", config, "--server-url",
+                       f"http://127.0.0.1:{free_port()}/v1", first, second, timeout=120)
+    assert result.returncode == 1
+    assert f"{second} would be written to {out / 'book.md'}, like {first}" in result.stderr, \
+        result.stderr
