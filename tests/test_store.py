@@ -69,3 +69,20 @@ def test_states_counts_and_page_flags(tmp_path: Path) -> None:
         assert store.job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
     finally:
         store.close()
+
+
+def test_a_store_from_before_hooks_opens_and_records_hook_outcomes(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "jobs.sqlite"
+    Store(db).close()
+    with sqlite3.connect(db) as conn:  # the jobs table as it was before hooks existed
+        conn.execute("ALTER TABLE jobs DROP COLUMN hook_error")
+        conn.execute("INSERT INTO jobs (path, sha256, size, mtime, model, state, created, "
+                     "updated) VALUES ('/x/a.pdf', 'h', 1, 1.0, 'm', 'done', 0, 0)")
+    store = Store(db)
+    job = store.jobs()[0]
+    assert job.hook_error is None
+    store.set_hook_error(job.id, "on_done hook 'x' exited with status 1")
+    assert store.jobs()[0].hook_error == "on_done hook 'x' exited with status 1"
+    store.close()
