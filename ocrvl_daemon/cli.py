@@ -140,8 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
+    from ocrvl_daemon.logs import PrintableFormatter
+
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="ocrvl: %(message)s")
+        handler = logging.StreamHandler()
+        handler.setFormatter(PrintableFormatter("ocrvl: %(message)s"))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def _load(
