@@ -140,12 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
-    from ocrvl_daemon.logs import PrintableFormatter
+    from ocrvl_daemon.logs import basic_logging
 
-    if not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(PrintableFormatter("ocrvl: %(message)s"))
-        logging.basicConfig(level=logging.INFO, handlers=[handler])
+    basic_logging(logging.INFO, "ocrvl: %(message)s")
 
 
 def _load(

@@ -119,6 +119,13 @@ def setup_logging(level: str | int, *, stream: IO[str] | None = None) -> logging
     return handler
 
 
+def basic_logging(level: int, fmt: str) -> None:
+    """`logging.basicConfig` to stderr with file names escaped, unless logging is set up."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def set_level(level: str | int) -> None:
     """Change ocrvl's log level, e.g. after a config reload."""
     value = logging.getLevelName(level.upper()) if isinstance(level, str) else level

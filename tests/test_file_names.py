@@ -145,6 +145,9 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
         assert long_note.name != long_locked.stem + ".ocrvl-error.txt"
         assert "too long" in long_note.read_text("utf-8"), "the note does not say its name is short"
 
+        retried = run_ocrvl("retry", "--config", config, odd_locked, timeout=60)
+        assert retried.returncode == 0, retried.stderr
+        assert "\\xfflocked.pdf again" in retried.stderr, retried.stderr
         text = run_ocrvl("status", "--config", config, timeout=60).stdout
         assert shown_odd in text and "reason: " in text and "the name is too long" in text, text
         assert "\\xff\\xfebook.pdf: done" in daemon.log(), daemon.log()
