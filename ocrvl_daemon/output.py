@@ -50,12 +50,23 @@ def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
     The Markdown always has the PDF's stem (`check_writable` refuses a name too long for
     it); the image folder and error note are shortened where the full name would not fit.
     """
-    limit = name_max(pdf.parent)
+    limit = _name_limit(pdf)
     return (
         pdf.with_suffix(".md"),
         pdf.with_name(fit_name(pdf.stem, IMAGES_SUFFIX, limit)),
         pdf.with_name(fit_name(pdf.stem, ERROR_SUFFIX, limit)),
     )
+
+
+def _name_limit(pdf: Path) -> int:
+    """The longest name, in bytes, beside `pdf`. At least the PDF's own: a filesystem that
+    counts characters rather than bytes (NTFS under WSL2) may report less than it holds."""
+    return max(name_max(pdf.parent), name_bytes(pdf.name))
+
+
+def _shorter_name_fix(limit: int) -> str:
+    return (f"rename the PDF to a shorter name (at most {limit - 3} bytes before .pdf); in an "
+            "inbox the renamed file is picked up by itself")
 
 
 def shortened_names(pdf: Path) -> str | None:
@@ -67,7 +78,7 @@ def shortened_names(pdf: Path) -> str | None:
     if not short:
         return None
     return (f"the name is too long to add {IMAGES_SUFFIX} or {ERROR_SUFFIX} within this "
-            f"filesystem's limit of {name_max(pdf.parent)} bytes, so {' and '.join(short)} "
+            f"filesystem's limit of {_name_limit(pdf)} bytes, so {' and '.join(short)} "
             "(the start of the name, ~ and a hash of it)")
 
 
@@ -91,13 +102,12 @@ def is_current(pdf: Path, sha256: str, model: str) -> bool:
 def check_writable(pdf: Path) -> None:
     """Refuse early when an output ocrvl must not replace is in the way."""
     md, images, _ = outputs_for(pdf)
-    limit = name_max(md.parent)
+    limit = _name_limit(pdf)
     if name_bytes(md.name) > limit:
         raise NameTooLongError(
             f"{md.name} would be {name_bytes(md.name)} bytes long; this filesystem allows "
             f"{limit} bytes in a file name.",
-            f"rename the PDF to a shorter name (at most {limit - 3} bytes before .pdf); in "
-            "an inbox the renamed file is picked up by itself",
+            _shorter_name_fix(limit),
         )
     if md.exists() and read_header(md) is None:
         raise NotOursError(
@@ -254,6 +264,11 @@ def _check_free_space(folder: Path, needed: int) -> None:
 
 
 def _output_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno == errno.ENAMETOOLONG:  # the filesystem holds less than it said
+        return NameTooLongError(
+            f"Cannot write {path}: the name is too long for this filesystem.",
+            _shorter_name_fix(name_max(path.parent)),
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(
             f"Cannot write {path}: the folder is not writable ({exc.strerror}).",

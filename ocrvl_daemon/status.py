@@ -128,7 +128,7 @@ def render_status(config: Config, *, as_json: bool) -> str:
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
                         else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
                 lines.append(f"         {what}: {pages_list} ({hint})")
-    return "\n".join(lines)
+    return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
 def parse_pages(spec: str) -> list[int]:

@@ -223,6 +223,26 @@ def test_a_name_with_no_room_for_md_fails_clearly_naming_the_limit(tmp_path: Pat
     assert sorted(os.listdir(tmp_path)) == [scan.name]
 
 
+def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NTFS under WSL2 counts characters, so it may hold more or fewer bytes than it says."""
+    book = tmp_path / ("日本語" * 10 + ".pdf")  # 94 bytes
+    book.write_bytes(b"%PDF-1.4\n")
+    monkeypatch.setattr(output, "name_max", lambda folder: 40)
+    write_document(book, "x", MODEL, 1, pages(1, image_every=1))
+    md, images, _ = outputs_for(book)
+    assert md.name == book.stem + ".md" and images.is_dir() and "~" in images.name
+
+    def too_long(*args: object) -> None:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+
+    monkeypatch.setattr(output.os, "replace", too_long)
+    with pytest.raises(NameTooLongError, match="name is too long") as caught:
+        write_document(book, "y", MODEL, 1, pages(1))
+    assert caught.value.permanent, "retrying cannot make a name fit"
+    assert "rename the PDF to a shorter name" in str(caught.value)
+
+
 def test_a_gigantic_page_is_rendered_within_the_pixel_budget(tmp_path: Path) -> None:
     poster = make_gigantic_page_pdf(tmp_path / "poster.pdf")
     budget = 25_000_000
