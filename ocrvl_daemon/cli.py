@@ -143,8 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="ocrvl: %(message)s")
+    from ocrvl_daemon.logs import basic_logging
+
+    basic_logging(logging.INFO, "ocrvl: %(message)s")
 
 
 def _load(

@@ -486,6 +486,9 @@ class Converter:
             output.outputs_for(job.path)[0].name,
             extra=_fields(job),
         )
+        short = output.shortened_names(job.path)
+        if short:
+            log.info("%s: %s", job.path.name, short, extra=_fields(job))
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
 
     def _pages(self, job: Job) -> Iterator[output.Page]:

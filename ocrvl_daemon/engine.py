@@ -35,6 +35,7 @@ import httpx
 import psutil
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.logs import basic_logging
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.scheduler import SHORT_EXTRA, SHORT_OF_PAGES, ready_margin
 from ocrvl_daemon.systemd import child_env
@@ -403,7 +404,7 @@ def serve() -> None:
     # fd 1 carries the protocol; anything a library prints goes to stderr instead.
     channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING, format=WORKER_LOG_FORMAT)
+    basic_logging(logging.WARNING, WORKER_LOG_FORMAT)
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Paddle warns at import, at every worker start, that ccache is missing: it compiles

@@ -12,6 +12,8 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
+from ocrvl_daemon.names import shown
+from ocrvl_daemon.output import shortened_names
 from ocrvl_daemon.pdf import repair_fix, retry_command
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
@@ -34,7 +36,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
     )
     total = job.page_count
     view: dict[str, Any] = {
-        "path": str(job.path),
+        "path": shown(job.path),
         "state": job.state.value,
         "pages_done": done,
         "pages_total": total,
@@ -46,6 +48,9 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
     }
+    short = shortened_names(job.path)
+    if short:
+        view["names_shortened"] = shown(short)
     if job.state is JobState.RUNNING and total and rate > 0:
         view["eta_seconds"] = round((total - done) / rate)
     if job.state is JobState.QUEUED and job.not_before > time.time():
@@ -54,7 +59,12 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
 
 
 def collect_status(config: Config) -> dict[str, Any]:
-    """Everything `ocrvl status` shows, as a dict."""
+    """Everything `ocrvl status` shows, as a dict (paths `shown`, as people read them)."""
+    return _collect_status(config)[0]
+
+
+def _collect_status(config: Config) -> tuple[dict[str, Any], list[Path]]:
+    """The status, and each document's path as it is (for the commands shown with it)."""
     store = open_store(config)
     try:
         daemon = store.get_meta("daemon") or {}
@@ -64,19 +74,20 @@ def collect_status(config: Config) -> dict[str, Any]:
             and time.time() - float(daemon["updated"]) < 30
             and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
         )
-        jobs = [_job_view(store, j, rate) for j in store.jobs()]
+        jobs = store.jobs()
+        views = [_job_view(store, j, rate) for j in jobs]
     finally:
         store.close()
     return {
         "daemon": {"running": alive, **daemon},
         "server": daemon.get("server", {}),
-        "documents": jobs,
-    }
+        "documents": views,
+    }, [j.path for j in jobs]
 
 
 def render_status(config: Config, *, as_json: bool) -> str:
     """The status as text (one screen) or JSON."""
-    status = collect_status(config)
+    status, paths = _collect_status(config)
     if as_json:
         return json.dumps(status, indent=2)
     daemon, server = status["daemon"], status["server"]
@@ -97,7 +108,7 @@ def render_status(config: Config, *, as_json: bool) -> str:
     docs = status["documents"]
     if not docs:
         lines.append("no documents yet")
-    for doc in docs:
+    for doc, path in zip(docs, paths, strict=True):
         pages = f"{doc['pages_done']}/{doc['pages_total'] or '?'} pages"
         extra = ""
         if "eta_seconds" in doc:
@@ -107,7 +118,8 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
-        path = Path(doc["path"])
+        if doc.get("names_shortened"):
+            lines.append(f"         note: {doc['names_shortened']}")
         for key, what in (("failed_pages", "pages that failed"),
                           ("flagged_pages", "pages that were cut off"),
                           ("damaged_pages", "pages damaged in the PDF")):  # fmt: skip
@@ -116,7 +128,7 @@ def render_status(config: Config, *, as_json: bool) -> str:
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
                         else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
                 lines.append(f"         {what}: {pages_list} ({hint})")
-    return "\n".join(lines)
+    return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
 def parse_pages(spec: str) -> list[int]:

@@ -4,6 +4,8 @@ Page checkpoints are keyed by the document's content hash and the model, not by 
 renamed or moved file whose content was already converted reuses them, and a resumed run
 assembles exactly what an uninterrupted run would have. Every page is committed with
 `synchronous=FULL` before it counts as done, so a power cut loses only the pages in flight.
+A document's path is kept as the raw bytes of its name (any name the filesystem allows);
+texts for people (errors, page notes) are kept `shown`, since SQLite text must be UTF-8.
 `ocrvl status` and `ocrvl retry` open the same database while the daemon runs; SQLite's
 locking keeps them from corrupting it.
 """
@@ -21,13 +23,15 @@ from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.names import shown
+
 SCHEMA_VERSION = 1
 # Pages read per query when assembling a document.
 PAGE_BATCH = 256
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY,
-    path TEXT NOT NULL UNIQUE,
+    path BLOB NOT NULL UNIQUE,  -- os.fsencode(path): names need not be UTF-8
     sha256 TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime REAL NOT NULL,
@@ -132,7 +136,15 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
+        self._paths_as_bytes()
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def _paths_as_bytes(self) -> None:
+        """Databases of earlier versions kept paths as text: turn them into bytes, in place."""
+        if self._db.execute("SELECT 1 FROM jobs WHERE typeof(path)='text' LIMIT 1").fetchone():
+            with self._tx() as db:
+                db.execute("UPDATE OR REPLACE jobs SET path=CAST(path AS BLOB) "
+                           "WHERE typeof(path)='text'")
 
     def close(self) -> None:
         """Close the connection."""
@@ -157,7 +169,7 @@ class Store:
 
     def job_for_path(self, path: Path) -> Job | None:
         """The job of the document at `path`, if any."""
-        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row) if row else None
 
     def jobs(self, *states: JobState) -> list[Job]:
@@ -187,12 +199,12 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
             if row is None:
                 db.execute(
                     "INSERT INTO jobs (path, sha256, size, mtime, model, state, created, updated)"
                     " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
-                    (str(path), sha256, size, mtime, model, now, now),
+                    (os.fsencode(path), sha256, size, mtime, model, now, now),
                 )
             elif row["sha256"] != sha256 or row["model"] != model:
                 db.execute(
@@ -203,7 +215,7 @@ class Store:
                 )
             else:
                 db.execute("UPDATE jobs SET size=?, mtime=? WHERE id=?", (size, mtime, row["id"]))
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row)
 
     def requeue(self, job_id: int, *, reset_attempts: bool = True) -> None:
@@ -244,7 +256,7 @@ class Store:
             db.execute(
                 "UPDATE jobs SET state=?, attempts=attempts+1, last_error=?, updated=?, "
                 "not_before=? WHERE id=?",
-                ("failed" if permanent else "queued", error, now, now + retry_in, job_id),
+                ("failed" if permanent else "queued", shown(error), now, now + retry_in, job_id),
             )
 
     def forget(self, job_id: int) -> None:
@@ -279,7 +291,7 @@ class Store:
             )
             db.execute(
                 "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sha256, model, page, markdown, note, int(failure), now),
+                (sha256, model, page, markdown, note and shown(note), int(failure), now),
             )
             db.executemany(
                 "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
@@ -384,7 +396,7 @@ class Store:
 def _job(row: sqlite3.Row) -> Job:
     return Job(
         id=row["id"],
-        path=Path(row["path"]),
+        path=Path(os.fsdecode(row["path"])),
         sha256=row["sha256"],
         size=row["size"],
         mtime=row["mtime"],

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import sdnotify
 
+from ocrvl_daemon.names import shown
+
 log = logging.getLogger(__name__)
 
 # Variables addressed to this process alone: a child that inherited them could tell systemd
@@ -111,8 +113,8 @@ class Notifier:
             return
         try:
             # Not sdnotify's notify(): it encodes as Latin-1, and systemd drops a STATUS=
-            # that is not UTF-8 (the status line uses '·').
-            self._sd.socket.sendall(message.encode("utf-8"))
+            # that is not UTF-8 (the status line uses '·', a file name may be any bytes).
+            self._sd.socket.sendall(shown(message).encode("utf-8"))
         except OSError as exc:
             if not self._warned:
                 self._warned = True
