@@ -47,6 +47,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
             p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
+        "redo_tokens": job.redo_tokens,
     }
     short = shortened_names(job.path)
     if short:

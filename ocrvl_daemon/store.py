@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated REAL NOT NULL,
     started REAL,
     finished REAL,
-    not_before REAL NOT NULL DEFAULT 0
+    not_before REAL NOT NULL DEFAULT 0,
+    redo_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS pages (
@@ -105,6 +106,7 @@ class Job:
     started: float | None
     finished: float | None
     not_before: float
+    redo_tokens: int  # extra tokens its last conversion took redoing cut-off pages
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
         self._paths_as_bytes()
+        self._add_redo_tokens()
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
 
     def _paths_as_bytes(self) -> None:
@@ -145,6 +148,12 @@ class Store:
             with self._tx() as db:
                 db.execute("UPDATE OR REPLACE jobs SET path=CAST(path AS BLOB) "
                            "WHERE typeof(path)='text'")
+
+    def _add_redo_tokens(self) -> None:
+        """Databases of earlier versions did not count the tokens of redone cut-off pages."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "redo_tokens" not in columns:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN redo_tokens INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         """Close the connection."""
@@ -238,13 +247,14 @@ class Store:
                 (page_count, now, now, job_id),
             )
 
-    def set_done(self, job_id: int) -> None:
-        """Mark a job as converted."""
+    def set_done(self, job_id: int, redo_tokens: int = 0) -> None:
+        """Mark a job as converted; `redo_tokens` it took redoing cut-off pages."""
         now = time.time()
         with self._tx() as db:
             db.execute(
-                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? WHERE id=?",
-                (now, now, job_id),
+                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=?, "
+                "redo_tokens=? WHERE id=?",
+                (now, now, redo_tokens, job_id),
             )
 
     def set_failed(
@@ -410,4 +420,5 @@ def _job(row: sqlite3.Row) -> Job:
         started=row["started"],
         finished=row["finished"],
         not_before=row["not_before"],
+        redo_tokens=row["redo_tokens"],
     )

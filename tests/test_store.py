@@ -107,6 +107,7 @@ def test_a_database_of_an_earlier_version_keeps_its_jobs(tmp_path: Path) -> None
     try:
         job = store.job_for_path(tmp_path / "Ünï book.pdf")
         assert job is not None and job.state is JobState.DONE, "an old job was lost"
+        assert job.redo_tokens == 0
         assert store.enqueue(job.path, "sha", 1, 1.0, MODEL).id == job.id
         assert len(store.jobs()) == 1, "the old job was duplicated"
     finally:
