@@ -28,6 +28,7 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
     SHORT_EXTRA,
     SHORT_OF_PAGES,
@@ -533,6 +534,13 @@ class Converter:
             self.in_flight,
         )
 
+    def running(self) -> list[DocumentProgress]:
+        """Pages done of each document being converted, oldest first."""
+        return [
+            DocumentProgress(job_id, self._jobs[job_id].path, doc.done, doc.page_count)
+            for job_id, doc in sorted(self.active.items())
+        ]
+
     def stop(self, timeout: float) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
         deadline = time.monotonic() + timeout
@@ -607,7 +615,7 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
-        log.info("%s: Markdown is already up to date", path.name)
+        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
         output.remove_error_note(path)
         job = store.job(job.id) or job
