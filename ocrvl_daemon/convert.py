@@ -30,6 +30,7 @@ from ocrvl_daemon.errors import (
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
+    MAX_ACTIVE_DOCUMENTS,
     SHORT_EXTRA,
     SHORT_OF_PAGES,
     DocumentPages,
@@ -41,7 +42,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 
-MAX_ACTIVE_DOCUMENTS = 64
 ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0

@@ -11,9 +11,9 @@ from typing import Any
 import psutil
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.errors import ExitCode, InputFileError
 from ocrvl_daemon.pdf import repair_fix, retry_command
+from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
 
