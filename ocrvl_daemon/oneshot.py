@@ -81,10 +81,10 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
+    view = _progress_view(config, store, jobs)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
     converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS)
-    view = _progress_view(config, store, jobs)
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):

@@ -133,8 +133,9 @@ def collect_status(config: Config, *, everything: bool = True) -> dict[str, Any]
         rate = float(daemon.get("pages_per_s") or 0.0) if alive else 0.0
         jobs = store.jobs()
         shown = jobs if everything else _recent(jobs)
+        shown_ids = {j.id for j in shown}
         views = {j.id: _job_view(store, j) for j in jobs
-                 if j.state in (JobState.RUNNING, JobState.QUEUED) or j in shown}
+                 if j.state in (JobState.RUNNING, JobState.QUEUED) or j.id in shown_ids}
         _add_etas(jobs, views, rate)
     finally:
         store.close()
@@ -178,8 +179,7 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
                 lines.append(f"  last error: {last['last_error']}")
     docs = status["documents"]
     if not docs:
-        lines.append("no documents yet" if not status["documents_not_shown"] else
-                     "no documents waiting or converting")
+        lines.append("no documents yet")
     for doc in docs:
         pages = f"{doc['pages_done']}/{doc['pages_total'] or '?'} pages"
         extra = ""
