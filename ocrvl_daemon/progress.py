@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # Rates are measured over this much recent time: long enough to smooth the bursts in which
 # pages come back, short enough to follow a server that slowed down.
 RATE_WINDOW = 60.0
+# ...and over at least this long before a rate is given: pages come back in bursts.
+RATE_MIN_SPAN = 3.0
 # A terminal shows bars for this many documents at most; the overall bar counts them all.
 MAX_BARS = 8
 BAR_REFRESH_SECONDS = 0.2
@@ -66,9 +68,9 @@ class RateMeter:
             self._samples.popleft()
 
     def rate(self, now: float) -> float:
-        """Pages per second; falls while nothing advances."""
-        if len(self._samples) < 2 or now <= self._samples[0][0]:
-            return 0.0
+        """Pages per second (0 while not known yet); falls while nothing advances."""
+        if len(self._samples) < 2 or now - self._samples[0][0] < RATE_MIN_SPAN:
+            return 0.0  # not known yet
         return (self._samples[-1][1] - self._samples[0][1]) / (now - self._samples[0][0])
 
 

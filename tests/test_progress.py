@@ -48,13 +48,15 @@ def test_progress_line_reads_like_the_readme_promises():
     assert progress_line("book.pdf", 3, 480, 0.0) == "book.pdf: p. 3/480 (0%)"
 
 
-def test_rate_ignores_the_wait_before_the_first_pages():
+def test_rate_ignores_the_wait_before_the_first_pages_and_single_bursts():
     meter = RateMeter()
     meter.add(0.0, 0)
     meter.add(20.0, 0)  # the worker starts
     meter.add(21.0, 4)
-    meter.add(23.0, 8)
-    assert meter.rate(23.0) == pytest.approx(2.0)
+    meter.add(21.5, 8)
+    assert meter.rate(21.5) == 0.0, "a rate from one burst of pages is a guess"
+    meter.add(25.0, 12)
+    assert meter.rate(25.0) == pytest.approx(2.0)
 
 
 @pytest.fixture
