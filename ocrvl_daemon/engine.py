@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import importlib
 import io
 import itertools
 import logging
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -388,6 +390,31 @@ def _plain_paddlex_log() -> None:
         handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
 
 
+def _skip_torch_import() -> None:
+    """Keep modelscope (imported by paddlex at import) from importing all of torch.
+
+    Where torch is installed, modelscope's logger imports `modelscope.utils.torch_utils`
+    (and with it torch) only to ask whether torch.distributed runs: seconds of a worker's
+    start on a GPU machine, for a library the worker never uses. A stand-in answers that
+    question; anything else asked of the module loads the real one.
+    """
+    name = "modelscope.utils.torch_utils"
+    if name in sys.modules:
+        return
+    stand_in = types.ModuleType(name)
+
+    def real(attr: str) -> Any:
+        if attr.startswith("__"):  # the import system's own questions (__path__...)
+            raise AttributeError(attr)
+        del sys.modules[name]
+        return getattr(importlib.import_module(name), attr)
+
+    stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
+    stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
+    stand_in.__getattr__ = real  # type: ignore[method-assign]
+    sys.modules[name] = stand_in
+
+
 def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
@@ -412,6 +439,7 @@ def serve() -> None:
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
+        _skip_torch_import()
         from paddleocr import PaddleOCRVL
 
         _plain_paddlex_log()
