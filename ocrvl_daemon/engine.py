@@ -390,29 +390,39 @@ def _plain_paddlex_log() -> None:
         handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
 
 
-def _skip_torch_import() -> None:
-    """Keep modelscope (imported by paddlex at import) from importing all of torch.
+def _lean_paddlex_import() -> None:
+    """Keep paddlex's import from loading torch, transformers and peft, which the worker never
+    uses: ~10 s of a worker's start where they are installed (a GPU machine's Python).
 
-    Where torch is installed, modelscope's logger imports `modelscope.utils.torch_utils`
-    (and with it torch) only to ask whether torch.distributed runs: seconds of a worker's
-    start on a GPU machine, for a library the worker never uses. A stand-in answers that
-    question; anything else asked of the module loads the real one.
+    modelscope, which paddlex imports, replaces itself with a lazy module after importing
+    `modelscope.hub`, so the lazy module lacks the `hub` attribute; paddlex's `import
+    modelscope.hub.errors as ...` then asks for it, and modelscope looks for a `hub` in
+    transformers and peft in turn, importing them (and torch). Giving it its `hub` first
+    avoids that. Its logger also imports `modelscope.utils.torch_utils` (and torch) only to
+    ask whether torch.distributed runs: a stand-in answers that; anything else asked of the
+    module loads the real one.
     """
     name = "modelscope.utils.torch_utils"
-    if name in sys.modules:
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+
+        def real(attr: str) -> Any:
+            if attr.startswith("__"):  # the import system's own questions (__path__...)
+                raise AttributeError(attr)
+            del sys.modules[name]
+            return getattr(importlib.import_module(name), attr)
+
+        stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
+        stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
+        stand_in.__getattr__ = real  # type: ignore[method-assign]
+        sys.modules[name] = stand_in
+    try:
+        import modelscope
+        import modelscope.hub.errors  # binds `modelscope` only: no lookup on the lazy module
+    except ImportError:
         return
-    stand_in = types.ModuleType(name)
-
-    def real(attr: str) -> Any:
-        if attr.startswith("__"):  # the import system's own questions (__path__...)
-            raise AttributeError(attr)
-        del sys.modules[name]
-        return getattr(importlib.import_module(name), attr)
-
-    stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
-    stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
-    stand_in.__getattr__ = real  # type: ignore[method-assign]
-    sys.modules[name] = stand_in
+    if "hub" not in vars(modelscope):
+        modelscope.hub = sys.modules["modelscope.hub"]  # type: ignore[attr-defined]
 
 
 def serve() -> None:
@@ -439,7 +449,7 @@ def serve() -> None:
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
-        _skip_torch_import()
+        _lean_paddlex_import()
         from paddleocr import PaddleOCRVL
 
         _plain_paddlex_log()

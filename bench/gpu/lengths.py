@@ -1,15 +1,16 @@
 """Realistic answer lengths for a model with random weights (no torch, no vLLM here).
 
-Real pages range from blank (tens of tokens) to dense (1-2k tokens). The n-th answer of a
-run is `lognormal(median, sigma)` tokens, clipped, from one seeded sequence: every client
-gets the same lengths in the order it sends its pages, so totals match between contenders.
+Real pages range from blank (tens of tokens) to dense (1-2k tokens), and a page's answer
+is as long whoever sends it, in whatever order. So the length is drawn per page: seeded
+by the request's prompt length (the page image's token count, which follows the page's
+size), from `lognormal(median, sigma)`, clipped. Every client gets the same length for the
+same page, and a small document gets the same lengths alone and under a book.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 ENV = "OCRVL_BENCH_ANSWER_LENGTHS"  # "MEDIAN:SIGMA:SEED" in the vLLM server's environment
@@ -37,9 +38,8 @@ class AnswerLengths:
     def __str__(self) -> str:
         return f"{self.median:g}:{self.sigma:g}:{self.seed}"
 
-    def sequence(self) -> Iterator[int]:
-        """The lengths of the 1st, 2nd, ... answer (the same every time)."""
-        rng = random.Random(self.seed)
-        mu = math.log(self.median)
-        while True:
-            yield min(LONGEST, max(SHORTEST, round(rng.lognormvariate(mu, self.sigma))))
+    def length(self, page: int) -> int:
+        """The answer length for the page whose prompt is `page` tokens long."""
+        draw = random.Random(f"{self.seed}:{page}").lognormvariate(math.log(self.median),
+                                                                  self.sigma)  # fmt: skip
+        return min(LONGEST, max(SHORTEST, round(draw)))

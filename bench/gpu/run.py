@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lengths_note = (f"random weights; each answer ends at lognormal "
                         f"{args.answer_lengths} (median:sigma:seed) tokens, clipped to "
-                        "16..3000, by arrival order")  # fmt: skip
+                        "16..3000, drawn per page (seeded by its prompt length)")  # fmt: skip
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
         "concurrency": concurrency, "answer_lengths": args.answer_lengths,

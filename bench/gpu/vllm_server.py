@@ -23,7 +23,7 @@ from ocrvl_daemon.testing.harness import answers_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGITS_PROCESSOR = "bench.gpu.answer_lengths:LognormalAnswerLengths"
-IDLE_SETTLE_S = 2.5  # > answer_lengths.IDLE_RESTART_S: the next contender starts the sequence
+IDLE_SETTLE_S = 1.0  # each contender starts on a quiet server
 
 
 @dataclass
@@ -139,7 +139,7 @@ class Metrics:
         return last is not None and last[1] == 0 and last[2] == 0
 
     def wait_idle(self) -> None:
-        """Until nothing runs or waits, then IDLE_SETTLE_S more (answer lengths restart)."""
+        """Until nothing runs or waits, then IDLE_SETTLE_S more."""
         start = len(self.samples)
         wait_until(lambda: len(self.samples) > start and self.idle(), 600, interval=0.1,
                    what="an idle vLLM server")  # fmt: skip
