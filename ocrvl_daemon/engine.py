@@ -114,6 +114,10 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         kwargs["vl_rec_api_key"] = config.server.api_key
     if p.device:
         kwargs["device"] = p.device
+    elif not (p.use_layout_detection or p.use_doc_orientation_classify or p.use_doc_unwarping):
+        # Nothing runs here but requests to the server: naming a device spares paddlex its
+        # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
+        kwargs["device"] = "cpu"
     return kwargs
 
 
