@@ -413,7 +413,8 @@ def _lean_paddlex_import() -> None:
         def real(attr: str) -> Any:
             if attr.startswith("__"):  # the import system's own questions (__path__...)
                 raise AttributeError(attr)
-            del sys.modules[name]
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
             return getattr(importlib.import_module(name), attr)
 
         stand_in.is_dist = lambda: False  # type: ignore[attr-defined]

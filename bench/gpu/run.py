@@ -51,7 +51,7 @@ from bench.gpu.vllm_server import Metrics, ServeOptions, started, version  # noq
 from bench.loadgen import send_all  # noqa: E402
 from bench.run import B2_SCRIPT, Ocrvl, drop, md_done, solo_times, start_daemon  # noqa: E402
 from ocrvl_daemon.config import PipelineConfig  # noqa: E402
-from ocrvl_daemon.models import DEFAULT_MODEL  # noqa: E402
+from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL  # noqa: E402
 from ocrvl_daemon.pdf import render_page  # noqa: E402
 from ocrvl_daemon.testing.documents import make_pdf  # noqa: E402
 from ocrvl_daemon.testing.harness import chat_payload, free_port, wait_until  # noqa: E402
@@ -111,7 +111,7 @@ class Bench:
 
     def capacity(self) -> Result:
         jpegs = page_jpegs(self.book, self.pages)
-        tokens = PIPELINE_MAX_TOKENS
+        tokens = DEFAULT_MAX_NEW_TOKENS  # what ocrvl and PaddleX ask for per page
         bodies = [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=tokens) for j in jpegs]
 
         def run() -> tuple[float, float, int]:
@@ -224,9 +224,6 @@ class Bench:
             "median_x": statistics.median(ratios), "worst_x": ratios[-1],
             "ratios": [round(x, 2) for x in ratios], "book_timeline": r.timeline,
         }  # fmt: skip
-
-
-PIPELINE_MAX_TOKENS = 4096  # what ocrvl and PaddleX ask for per page (models.py)
 
 
 def worker_ready_s(proc: Ocrvl) -> float | None:
