@@ -4,6 +4,7 @@ fake server, and the pieces it hands to vLLM (answer lengths, dummy model dir)."
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
-from bench.gpu.vllm_server import metric_sums
+from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions, metric_sums
 from ocrvl_daemon.testing.harness import free_port, start_fake_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,21 @@ def test_metric_sums_add_up_every_label_set() -> None:
     )
     sums = metric_sums(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
     assert sums == {"vllm:num_requests_running": 7.0, "vllm:num_requests_waiting": 1.0}
+
+
+def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() -> None:
+    dummy = ServeOptions(model="/tmp/m", dummy=True, lengths="300:0.5:1", port=8000,
+                         pythonpath="/tmp/site")  # fmt: skip
+    argv = dummy.argv()
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert argv[argv.index("--logits-processors") + 1] == LOGITS_PROCESSOR
+    env = dummy.env()
+    assert env["OCRVL_BENCH_ANSWER_LENGTHS"] == "300:0.5:1"
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/tmp/site", str(ROOT)], (
+        "vLLM's engine must import the logits processor from this checkout"
+    )
+    real = ServeOptions(model="PaddlePaddle/PaddleOCR-VL", dummy=False, lengths=None, port=8000)
+    assert "--load-format" not in real.argv() and "--logits-processors" not in real.argv()
 
 
 def test_dummy_model_dir_has_the_real_special_token_ids(tmp_path: Path) -> None:
