@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import importlib
 import io
 import itertools
 import logging
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -117,6 +119,10 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         kwargs["vl_rec_api_key"] = config.server.api_key
     if p.device:
         kwargs["device"] = p.device
+    elif not (p.use_layout_detection or p.use_doc_orientation_classify or p.use_doc_unwarping):
+        # Nothing runs here but requests to the server: naming a device spares paddlex its
+        # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
+        kwargs["device"] = "cpu"
     return kwargs
 
 
@@ -403,6 +409,42 @@ def _plain_paddlex_log() -> None:
         handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
 
 
+def _lean_paddlex_import() -> None:
+    """Keep paddlex's import from loading torch, transformers and peft, which the worker never
+    uses: ~10 s of a worker's start where they are installed (a GPU machine's Python).
+
+    modelscope, which paddlex imports, replaces itself with a lazy module after importing
+    `modelscope.hub`, so the lazy module lacks the `hub` attribute; paddlex's `import
+    modelscope.hub.errors as ...` then asks for it, and modelscope looks for a `hub` in
+    transformers and peft in turn, importing them (and torch). Giving it its `hub` first
+    avoids that. Its logger also imports `modelscope.utils.torch_utils` (and torch) only to
+    ask whether torch.distributed runs: a stand-in answers that; anything else asked of the
+    module loads the real one.
+    """
+    name = "modelscope.utils.torch_utils"
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+
+        def real(attr: str) -> Any:
+            if attr.startswith("__"):  # the import system's own questions (__path__...)
+                raise AttributeError(attr)
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+            return getattr(importlib.import_module(name), attr)
+
+        stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
+        stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
+        stand_in.__getattr__ = real  # type: ignore[method-assign]
+        sys.modules[name] = stand_in
+    try:
+        import modelscope
+        import modelscope.hub.errors  # binds `modelscope` only: no lookup on the lazy module
+    except ImportError:
+        return
+    if "hub" not in vars(modelscope):
+        modelscope.hub = sys.modules["modelscope.hub"]  # type: ignore[attr-defined]
+
+
 def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
@@ -427,6 +469,7 @@ def serve() -> None:
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
+        _lean_paddlex_import()
         from paddleocr import PaddleOCRVL
 
         _plain_paddlex_log()
