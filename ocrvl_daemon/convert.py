@@ -28,7 +28,7 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.page_quality import REDO_SHARE, KeptBecause, RedoLedger
+from ocrvl_daemon.page_quality import REDO_SHARE, KeptBecause, PageQuality, Redo, RedoLedger, assess
 from ocrvl_daemon.scheduler import (
     SHORT_EXTRA,
     SHORT_OF_PAGES,
@@ -212,7 +212,7 @@ class Converter:
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
                 return
-        output.check_writable(path)
+        output.check_writable(path, json_output="json" in self.config.output.formats)
         count = pdf.page_count(path)
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
@@ -347,17 +347,19 @@ class Converter:
         for doc, page in chosen:
             later[doc.job_id] -= 1
             job = self._jobs[doc.job_id]
+            redo = self._ledgers[doc.job_id].redos.get(
+                page, Redo(self.config.model.effective_max_new_tokens))
             worker.submit(
                 PageTask(
                     job.id,
                     str(job.path),
                     page,
-                    self._ledgers[doc.job_id].redo_limits.get(
-                        page, self.config.model.effective_max_new_tokens),
+                    redo.max_new_tokens,
                     job.size,
                     job.mtime,
                     # its document's pages in flight before it
                     len(doc.in_flight) - 1 - later[doc.job_id],
+                    redo.repetition_penalty,
                 )
             )
 
@@ -379,19 +381,34 @@ class Converter:
             note = None
             ledger = self._ledgers[job.id]
             ledger.count(result.page, result.tokens)
+            cut_off = result.truncated_at is not None
+            quality = assess(result.markdown, "length" if cut_off else result.finish_reason,
+                             result.tokens, result.looping, result.has_ink, result.repetition)
+            decision: Redo | KeptBecause | None = None
             if result.truncated_at is not None:
                 decision = ledger.decide(result.page, result.truncated_at, result.token_ceiling,
                                          result.looping)
-                if not isinstance(decision, KeptBecause):
-                    log.warning("%s p.%d: answer cut off at %d tokens; redoing it once with %d",
-                                job.path.name, result.page + 1, result.truncated_at, decision,
-                                extra=fields)
+                if isinstance(decision, Redo):
+                    ledger.best(result.page, quality, result)
+                    how = (f"it loops; sending it again with repetition_penalty "
+                           f"{decision.repetition_penalty}" if result.looping else
+                           f"redoing it once with {decision.max_new_tokens}")
+                    log.warning("%s p.%d: answer cut off at %d tokens; %s", job.path.name,
+                                result.page + 1, result.truncated_at, how, extra=fields)
                     doc.give_back(result.page)
                     return
-                note = self._cut_off_note(job, result.page, result.truncated_at, decision)
-                log.warning("%s: %s", job.path.name, note, extra=fields)
+            # A page that stays bad keeps its best answer.
+            quality, result = ledger.best(result.page, quality, result)
+            ledger.settle(result.page)
+            if quality.flagged:
+                note = self._quality_note(job, result, quality, decision)
+                log.warning("%s: %s", job.path.name, note,
+                            extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
+                                   "OCRVL_REASON": quality.reason})
             self.store.save_page(
-                job.sha256, self.model, result.page, result.markdown, result.images, note=note
+                job.sha256, self.model, result.page, result.markdown, result.images, note=note,
+                quality=quality.to_json(),
+                layout={"size": list(result.size), "blocks": result.blocks},
             )
             doc.in_flight.discard(result.page)
             doc.done += 1
@@ -424,15 +441,30 @@ class Converter:
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
 
+    def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
+                      why: Redo | KeptBecause | None) -> str:
+        """The note of a page kept although it is not ok."""
+        page = result.page
+        if isinstance(why, KeptBecause) and result.truncated_at is not None:
+            return self._cut_off_note(job, page, result.truncated_at, why)
+        retry = pdf.retry_command(job.path, str(page + 1))
+        what = {"repetition": "the answer repeats itself (the model looped)",
+                "empty": "the answer is empty although the page has ink on it",
+                "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
+                           "characters",
+                "cut-off": "the answer was cut off at the token limit"}.get(
+                    quality.reason or "", str(quality.reason))
+        return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
+
     def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
         """The note of a page kept although its answer was cut off at `cut_at` tokens."""
         retry = pdf.retry_command(job.path, str(page + 1))
         head = f"page {page + 1} was cut off at {cut_at} tokens"
         if why is KeptBecause.LOOP:
-            return (f"{head}: the answer repeats itself (the model looped), so more tokens "
-                    "would not end it; its end may be missing or garbled.")
+            return (f"{head}: the answer repeats itself (the model looped), also when sent "
+                    "again with a repetition penalty; its end may be missing or garbled.")
         if why is KeptBecause.BUDGET:
-            return (f"{head} and not redone: redoing this document's cut-off pages took "
+            return (f"{head} and not redone: redoing this document's bad pages took "
                     f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
                     f"Redo it with: {retry}")
         if why is KeptBecause.REDONE:
@@ -499,6 +531,7 @@ class Converter:
                 doc.page_count,
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
+                json_output="json" in self.config.output.formats,
             )
         except OcrvlError as exc:
             self._fail(job, exc)
@@ -513,9 +546,13 @@ class Converter:
         self.store.set_done(job_id, redo_tokens=ledger.extra)
         output.remove_error_note(job.path)
         redone = ""
-        if ledger.redo_limits:
-            redone = (f"; redoing {len(ledger.redo_limits)} cut-off page(s) took "
-                      f"{ledger.extra} extra tokens ({ledger.first_pass} the first time)")
+        if ledger.redos:
+            redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
+                      f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
+                      "first time)")
+        flagged = self.store.flagged_pages(job.sha256, self.model)
+        if flagged:
+            redone += f"; flagged pages: {','.join(str(p + 1) for p in flagged)}"
         log.info(
             "%s: done, %d pages -> %s%s",
             job.path.name,
@@ -531,7 +568,8 @@ class Converter:
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
-            yield output.Page(page.page, page.markdown, page.images, page.note)
+            yield output.Page(page.page, page.markdown, page.images, page.note,
+                              page.quality, page.layout)
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""

@@ -186,8 +186,11 @@ def test_a_cut_off_page_is_kept_flagged_and_shown(policy: Policy):
     policy.answer(job, 0, truncated_at=4096)
     md = book.with_suffix(".md").read_text("utf-8")
     assert "<!-- ocrvl: page 1 was cut off at 4096 tokens" in md and "text of page 1" in md
-    assert policy.view(book)["flagged_pages"] == [1]
-    assert "pages that were cut off: 1" in status.render_status(policy.config, as_json=False)
+    assert "<!-- ocrvl: page 1 suspect: cut-off -->" in md
+    view = policy.view(book)
+    assert view["flagged_pages"] == view["suspect_pages"] == [1] and view["bad_pages"] == []
+    assert "pages flagged: 1 (suspect: 1; redo: ocrvl retry --flagged" in status.render_status(
+        policy.config, as_json=False)
 
 
 @pytest.mark.parametrize("mode", ["managed", "external"])
