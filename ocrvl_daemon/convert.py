@@ -378,7 +378,6 @@ class Converter:
             return  # the job failed or was dropped meanwhile
         fields = _fields(job, result.page)
         if result.error is None:
-            note = None
             ledger = self._ledgers[job.id]
             ledger.count(result.page, result.tokens)
             cut_off = result.truncated_at is not None
@@ -399,29 +398,16 @@ class Converter:
                     return
             # A page that stays bad keeps its best answer.
             quality, result = ledger.best(result.page, quality, result)
-            ledger.settle(result.page)
-            if quality.flagged:
-                note = self._quality_note(job, result, quality, decision)
-                log.warning("%s: %s", job.path.name, note,
-                            extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
-                                   "OCRVL_REASON": quality.reason})
-            self.store.save_page(
-                job.sha256, self.model, result.page, result.markdown, result.images, note=note,
-                quality=quality.to_json(),
-                layout={"size": list(result.size), "blocks": result.blocks},
-            )
-            doc.in_flight.discard(result.page)
-            doc.done += 1
-            self.completed_pages += 1
-            self._recent.append(time.monotonic())
-            log.debug(
-                "%s p.%d/%d done in %.1f s",
-                job.path.name,
-                result.page + 1,
-                doc.page_count,
-                result.seconds,
-                extra=fields,
-            )
+            self._checkpoint(doc, job, result, quality,
+                             self._quality_note(job, result, quality, decision))
+            return
+        kept = self._ledgers[job.id].kept(result.page)
+        if kept is not None and result.error_kind in ("page", "damaged"):
+            # A redo that fails costs the page nothing: its earlier answer stays.
+            quality, answer = kept
+            note = (f"{self._quality_note(job, answer, quality, None)} (sending it again "
+                    f"failed: {(result.error or 'unknown error').rstrip('.')})")
+            self._checkpoint(doc, job, answer, quality, note)
             return
         if result.error_kind == "server":
             log.info(
@@ -441,9 +427,32 @@ class Converter:
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
 
+    def _checkpoint(self, doc: DocumentPages, job: Job, result: PageResult,
+                    quality: PageQuality, note: str | None) -> None:
+        """Save the answer kept for a page, with its quality record (and `note` if flagged)."""
+        fields = _fields(job, result.page)
+        self._ledgers[job.id].settle(result.page)
+        if note is not None:
+            log.warning("%s: %s", job.path.name, note,
+                        extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
+                               "OCRVL_REASON": quality.reason})
+        self.store.save_page(
+            job.sha256, self.model, result.page, result.markdown, result.images, note=note,
+            quality=quality.to_json(),
+            layout={"size": list(result.size), "blocks": result.blocks},
+        )
+        doc.in_flight.discard(result.page)
+        doc.done += 1
+        self.completed_pages += 1
+        self._recent.append(time.monotonic())
+        log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1, doc.page_count,
+                  result.seconds, extra=fields)
+
     def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
-                      why: Redo | KeptBecause | None) -> str:
-        """The note of a page kept although it is not ok."""
+                      why: Redo | KeptBecause | None) -> str | None:
+        """The note of a page kept although it is not ok (None when it is ok)."""
+        if not quality.flagged:
+            return None
         page = result.page
         if isinstance(why, KeptBecause) and result.truncated_at is not None:
             return self._cut_off_note(job, page, result.truncated_at, why)

@@ -111,6 +111,11 @@ class PageQuality:
         return cls(**{**data, "verdict": Verdict(data["verdict"])})
 
     @property
+    def merit(self) -> tuple[int, bool]:
+        """What makes one answer of a page better than another (higher is better)."""
+        return self.verdict.rank, not self.empty_with_ink
+
+    @property
     def flagged(self) -> bool:
         """Whether the page is not ok."""
         return self.verdict is not Verdict.OK
@@ -217,13 +222,20 @@ class RedoLedger:
         return redo
 
     def best(self, page: int, quality: PageQuality, answer: Any) -> tuple[PageQuality, Any]:
-        """The best answer of `page` so far, this one included (a later one wins a tie)."""
+        """The best answer of `page` so far, this one included: the better verdict, then one
+        with text over an empty one; a later one wins a tie."""
         kept = self._best.get(page)
-        if kept is None or quality.verdict.rank >= kept[0].verdict.rank:
+        if kept is None or quality.merit >= kept[0].merit:
             kept = (quality, answer)
         self._best[page] = kept
         return kept
 
+    def kept(self, page: int) -> tuple[PageQuality, Any] | None:
+        """The best answer of `page` while it is being sent again, if any."""
+        return self._best.get(page)
+
     def settle(self, page: int) -> None:
-        """`page` is checkpointed: its earlier answers are no longer needed."""
+        """`page` is checkpointed: its earlier answers are no longer needed (and a redo of it
+        that failed asks for no tokens any more)."""
         self._best.pop(page, None)
+        self._out.discard(page)
