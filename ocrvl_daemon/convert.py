@@ -49,6 +49,10 @@ WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_RESTART_MAX_SECONDS = 300.0
+# After a worker crash with several pages in flight, which page crashed it is unknown: those
+# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
+# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
+ISOLATION_SPLIT = 4
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -128,6 +132,10 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
+        # Pages in flight at a worker crash, not yet done, and how many of them may be in
+        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
+        self._suspects: set[tuple[int, int]] = set()
+        self._isolation_bound = 1
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -308,18 +316,46 @@ class Converter:
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
     def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
-        """Pages a stopped worker still had go back; after a `crash` they count an attempt,
-        so a page that kills the worker every time ends as a placeholder, not a loop."""
-        for job_id, page in list(worker.in_flight):
-            doc = self.active.get(job_id)
-            if doc is None:
-                continue
-            if crash is None:
+        """Pages a stopped worker still had go back. After a `crash` with one page in flight
+        that page counts an attempt, so a page that kills the worker every time ends as a
+        placeholder, not a loop; with several, none does: they are sent again a few at a
+        time (`_isolating_pages`) until a crash names the page."""
+        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in self.active]
+        if crash is not None and len(lost) > 1:
+            self._suspects |= set(lost)
+            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
+            log.warning("%d pages were in flight when the engine worker crashed; sending them "
+                        "again, %d at a time, to find the page that crashes it", len(lost),
+                        self._isolation_bound)
+        for job_id, page in lost:
+            doc = self.active[job_id]
+            if crash is None or len(lost) > 1:
                 doc.give_back(page)
             else:
                 self._page_failed(doc, page, crash)
         worker.in_flight.clear()
         worker.sent.clear()
+
+    def _isolating_pages(self) -> list[tuple[DocumentPages, int]] | None:
+        """The pages to send while a crash is being narrowed down (None: no crash is)."""
+        self._suspects = {(j, p) for j, p in self._suspects
+                          if j in self.active and (p in self.active[j].pending
+                                                   or p in self.active[j].in_flight)}
+        if not self._suspects:
+            return None
+        room = self._isolation_bound - sum(
+            p in self.active[j].in_flight for j, p in self._suspects)
+        chosen = []
+        for job_id, page in sorted(self._suspects):
+            doc = self.active[job_id]
+            if room <= 0:
+                break
+            if page in doc.pending:
+                doc.pending.remove(page)
+                doc.in_flight.add(page)
+                chosen.append((doc, page))
+                room -= 1
+        return chosen
 
     # --- pages --------------------------------------------------------------------------
 
@@ -340,9 +376,11 @@ class Converter:
         preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
-        chosen = pick_pages(docs, slots)
-        room = limit + margin + SHORT_EXTRA - self.in_flight
-        chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
+        chosen = self._isolating_pages()
+        if chosen is None:
+            chosen = pick_pages(docs, slots)
+            room = limit + margin + SHORT_EXTRA - self.in_flight
+            chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:
             later[doc.job_id] -= 1

@@ -14,6 +14,7 @@ import json
 import logging
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -31,6 +32,7 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
+from ocrvl_daemon.scheduler import pick_pages
 from ocrvl_daemon.testing.documents import make_pdf, page_width
 from ocrvl_daemon.testing.harness import wait_until
 from ocrvl_daemon.testing.runner import run_ocrvl
@@ -195,3 +197,34 @@ def test_loops_cut_offs_and_empty_pages_are_retried_to_fit_and_flagged_everywher
         assert [len(again[width[p]]) for p in (cut, empty)] == [4, 2], (
             "ocrvl retry --flagged did not redo exactly the flagged pages")
         assert all(len(again[width[p]]) == 1 for p in range(loop)), "retried a good page"
+
+
+def test_a_page_that_crashes_the_worker_is_found_and_only_it_counts_attempts(tmp_path: Path):
+    policy = Policy(tmp_path, page_retries=3)
+    pages, culprit = 64, 41
+    book = make_pdf(policy.folder / "book.pdf", pages)
+    job = policy.queue(book)
+    in_flight = {(job.id, p) for _, p in policy.send()}
+    crashes = 0
+    while in_flight:
+        if (job.id, culprit) in in_flight:  # the worker dies with every page it had
+            crashes += 1
+            worker = SimpleNamespace(in_flight=set(in_flight), sent=set(in_flight))
+            policy.converter._requeue_lost(worker, crash="engine worker exited (-11)")  # type: ignore[arg-type]
+        else:
+            for _, page in sorted(in_flight):
+                policy.answer(job, page)
+        chosen = policy.converter._isolating_pages()
+        if chosen is None:
+            chosen = pick_pages(list(policy.converter.active.values()), 100_000)
+        in_flight = {(doc.job_id, page) for doc, page in chosen}
+        assert crashes < 20, "the crashing page was never found"
+    policy.converter._collect()
+    md = book.with_suffix(".md").read_text("utf-8")
+    view = policy.view(book)
+    assert view["failed_pages"] == [culprit + 1], (
+        f"pages other than the one that crashes the worker became placeholders: {view}")
+    assert md.count("text of page") == pages - 1, "an innocent page lost its text"
+    # 64 in flight, then 16, 4, 1 at a time: 3 crashes to find it, then its 4 attempts.
+    assert crashes == 3 + 4, f"{crashes} worker crashes"
+    policy.store.close()
