@@ -51,6 +51,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
             p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "suspect")
         ],
         "bad_pages": [p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "bad")],
+        "verdicts": store.verdict_counts(job.sha256, job.model),
         "redo_tokens": job.redo_tokens,
     }
     short = shortened_names(job.path)

@@ -355,6 +355,17 @@ class Store:
         )
         return [r[0] for r in rows]
 
+    def verdict_counts(self, sha256: str, model: str) -> dict[str, int]:
+        """How many checkpointed pages have each verdict (ok, suspect, bad; every one, maybe 0)."""
+        counts = dict.fromkeys(("ok", "suspect", "bad"), 0)
+        for verdict, n in self._db.execute(
+            "SELECT json_extract(quality, '$.verdict'), COUNT(*) FROM pages "
+            "WHERE sha256=? AND model=? AND failed=0 AND quality IS NOT NULL GROUP BY 1",
+            (sha256, model),
+        ):
+            counts[verdict] = n
+        return counts
+
     def flagged_pages(self, sha256: str, model: str) -> list[int]:
         """Pages kept with a warning (cut off, looping, empty, garbage)."""
         rows = self._db.execute(

@@ -175,6 +175,7 @@ def test_loops_cut_offs_and_empty_pages_are_retried_to_fit_and_flagged_everywher
         assert doc["redo_tokens"] == 200 + 512 <= REDO_SHARE * first_pass, doc
         assert doc["suspect_pages"] == [cut + 1] and doc["bad_pages"] == [empty + 1], doc
         assert doc["flagged_pages"] == [cut + 1, empty + 1]
+        assert doc["verdicts"] == {"ok": pages - 2, "suspect": 1, "bad": 1}, doc
         text = run_ocrvl("status", "--config", setup.config, timeout=60).stdout
         assert f"pages flagged: {cut + 1},{empty + 1} (bad: {empty + 1}; suspect: {cut + 1}; " \
                "redo: ocrvl retry --flagged" in text, text
