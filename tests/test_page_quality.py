@@ -23,6 +23,8 @@ from test_daemon import Setup, wait_for_markdown
 from test_failure_policy import Policy
 
 from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.errors import NotOursError
+from ocrvl_daemon.output import Page, write_document
 from ocrvl_daemon.page_quality import (
     LOOP_PENALTIES,
     REDO_SHARE,
@@ -229,3 +231,17 @@ def test_a_page_that_crashes_the_worker_is_found_and_only_it_counts_attempts(tmp
     # 64 in flight, then 16, 4, 1 at a time: 3 crashes to find it, then its 4 attempts.
     assert crashes == 3 + 4, f"{crashes} worker crashes"
     policy.store.close()
+
+
+def test_a_json_file_ocrvl_did_not_write_is_never_replaced(tmp_path: Path):
+    book = make_pdf(tmp_path / "book.pdf", 1)
+    book.with_suffix(".json").write_text('{"mine": true}\n')
+    with pytest.raises(NotOursError, match="was not written by ocrvl"):
+        write_document(book, "sha", "model", 1, [Page(0, "text")], json_output=True)
+    assert book.with_suffix(".json").read_text() == '{"mine": true}\n'
+    book.with_suffix(".json").unlink()
+    write_document(book, "sha", "model", 1, [Page(0, "text")], json_output=True)
+    document = json.loads(book.with_suffix(".json").read_text("utf-8"))
+    jsonschema.validate(document, SCHEMA)
+    assert document["pages"][0]["verdict"] == "unknown", "a page without a quality record"
+    write_document(book, "sha", "model", 1, [Page(0, "again")], json_output=True)  # ours: replaced
