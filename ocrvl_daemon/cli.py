@@ -62,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="show the server and the queue",
         description="Server state, each document's state, pages done/total, "
-        "rate, ETA and failures. Safe while the daemon runs.",
+        "rate, ETA and failures. Safe while the daemon runs. Lists the documents not done "
+        "yet and the last 10 converted ones, unless --all. A document's ETA is when it "
+        "should be done at the current rate, sharing the server with the documents "
+        "converting and queued ahead of it.",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true", help="every document ocrvl knows")
 
     retry = sub.add_parser(
         "retry",
@@ -190,7 +194,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ocrvl_daemon.status import render_status
 
     config, _ = _load(args)
-    print(render_status(config, as_json=args.json))
+    print(render_status(config, as_json=args.json, everything=args.all))
     return int(ExitCode.OK)
 
 

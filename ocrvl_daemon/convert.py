@@ -28,8 +28,17 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
 )
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.page_quality import REDO_SHARE, KeptBecause, PageQuality, Redo, RedoLedger, assess
+from ocrvl_daemon.page_quality import (
+    REDO_SHARE,
+    KeptBecause,
+    PageQuality,
+    Redo,
+    RedoLedger,
+    assess,
+)
+from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
+    MAX_ACTIVE_DOCUMENTS,
     SHORT_EXTRA,
     SHORT_OF_PAGES,
     DocumentPages,
@@ -41,7 +50,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 
-MAX_ACTIVE_DOCUMENTS = 64
 ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
@@ -659,6 +667,13 @@ class Converter:
             self.in_flight,
         )
 
+    def running(self) -> list[DocumentProgress]:
+        """Pages done of each document being converted, oldest first."""
+        return [
+            DocumentProgress(job_id, self._jobs[job_id].path, doc.done, doc.page_count)
+            for job_id, doc in sorted(self.active.items())
+        ]
+
     def stop(self, timeout: float) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
         deadline = time.monotonic() + timeout
@@ -733,7 +748,7 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
-        log.info("%s: Markdown is already up to date", path.name)
+        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
         output.remove_error_note(path)
         job = store.job(job.id) or job

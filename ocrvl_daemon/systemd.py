@@ -179,14 +179,18 @@ def format_status(snap: StatusSnapshot) -> str:
         pages = f"p.{snap.page_done}" + (f"/{snap.page_total}" if snap.page_total else "")
         rate = eta = ""
         if snap.pages_per_s:
-            rate = f"{snap.pages_per_s:.1f} p/s" if snap.pages_per_s >= 0.95 else \
-                f"{snap.pages_per_s:.2f} p/s"
+            rate = format_rate(snap.pages_per_s)
             if snap.page_total:
                 left = max(snap.page_total - snap.page_done, 0) / snap.pages_per_s
                 eta = f"ETA {format_duration(left)}"
         return _join(f"{snap.current_doc} {pages}", rate, eta, queue, failed)
     idle = f"idle, {snap.done} done, {snap.queued} queued"
     return f"{idle}, {failed}" if failed else idle
+
+
+def format_rate(pages_per_s: float) -> str:
+    """1.6 p/s, 0.24 p/s."""
+    return f"{pages_per_s:.1f} p/s" if pages_per_s >= 0.95 else f"{pages_per_s:.2f} p/s"
 
 
 def format_duration(seconds: float) -> str:

@@ -145,8 +145,12 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         # request log final for the first run. Not when its port closes: the requests in
         # flight are answered (500) and logged after that.
         wait_until(lambda: not process_alive(server_pid), 30, what="the first run's server to die")
-        assert setup.status()["daemon"]["running"] is False, (
+        status = setup.status()
+        assert status["daemon"]["running"] is False, (
             "`ocrvl status` shows a killed daemon as running"
+        )
+        assert status["server"]["state"] == "unknown", (
+            f"`ocrvl status` vouches for the server of a killed daemon: {status['server']}"
         )
         done_before_kill = setup.checkpointed_digests()
         requested_before_kill = setup.requests_by_digest()
