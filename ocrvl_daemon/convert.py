@@ -605,16 +605,18 @@ class Converter:
             redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
                       f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
                       "first time)")
-        flagged = self.store.flagged_pages(job.sha256, self.model)
+        fields = _fields(job)
+        flagged = ",".join(str(p + 1) for p in self.store.flagged_pages(job.sha256, self.model))
         if flagged:
-            redone += f"; flagged pages: {','.join(str(p + 1) for p in flagged)}"
+            redone += f"; flagged pages: {flagged} (redo: ocrvl retry --flagged)"
+            fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
             "%s: done, %d pages -> %s%s",
             job.path.name,
             doc.page_count,
             output.outputs_for(job.path)[0].name,
             redone,
-            extra=_fields(job),
+            extra=fields,
         )
         short = output.shortened_names(job.path)
         if short:

@@ -121,11 +121,14 @@ def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
     book = make_pdf(policy.folder / "book.pdf", 1)
     job = policy.queue(book)
     policy.send()
-    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.convert"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.convert"):
         policy.converter._on_result(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
+        policy.converter._collect()
     fields = [(getattr(r, "OCRVL_PAGE", None), getattr(r, "OCRVL_VERDICT", None),
                getattr(r, "OCRVL_REASON", None)) for r in caplog.records]
     assert (1, "bad", "empty") in fields, f"no journal fields for the bad page: {fields}"
+    assert any(getattr(r, "OCRVL_FLAGGED", None) == "1" for r in caplog.records), (
+        "the document's done line carries no OCRVL_FLAGGED field")
     policy.store.close()
 
 
