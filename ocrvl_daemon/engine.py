@@ -38,7 +38,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.logs import basic_logging
-from ocrvl_daemon.page_quality import looks_like_a_loop
+from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.scheduler import SHORT_EXTRA, SHORT_OF_PAGES, ready_margin
 from ocrvl_daemon.systemd import child_env
@@ -75,6 +75,20 @@ class PageTask:
     # fewest through first (a letter's pages pass the book pages already waiting), and lets
     # one of a document short of pages bump a young request of a document with many.
     priority: int = 0
+    # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
+    repetition_penalty: float | None = None
+
+
+# A page image with more than this share of dark pixels has ink on it: an empty answer for
+# it is a failure, not a blank page. One line of small text on a 2x-rendered A4 page is
+# about 0.1%; scanner noise on a blank page stays well below.
+INK_SHARE = 0.0005
+INK_LEVEL = 128
+
+
+def has_ink(image: Any) -> bool:
+    """Whether a rendered page (an H x W x 3 array) has anything dark on it."""
+    return bool((image.min(axis=2) < INK_LEVEL).mean() > INK_SHARE)
 
 
 @dataclass
@@ -94,6 +108,12 @@ class PageResult:
     looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
     token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
     tokens: int = 0  # completion tokens the page's answers took
+    finish_reason: str | None = None  # "length" if any answer was cut off, else the first's
+    repetition: float = 0.0  # the worst page_quality.repetition of its answers
+    has_ink: bool = False  # the page image is not blank
+    size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
+    # The pipeline's blocks: label, bbox [x0, y0, x1, y1] in page pixels, text.
+    blocks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
@@ -565,8 +585,11 @@ def _run_page(
         )
         # Checked again: the file may have been replaced while the page was being rendered.
         check_unchanged(path, task.size, task.mtime)
+        result.has_ink = has_ink(image)
+        result.size = (int(image.shape[1]), int(image.shape[0]))
         res = _recognise(pipeline, config, server_url, image, task, result)
         del image
+        result.blocks = _blocks(res)
         md = res.markdown
         result.markdown = md.get("markdown_texts", "") or ""
         for name, img in (md.get("markdown_images") or {}).items():
@@ -592,16 +615,32 @@ def _recognise(
 ) -> Any:
     """Run the pipeline on one page and note whether (and how) an answer was cut off."""
     _COMPLETIONS.started = []
-    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens)
+    sampling: dict[str, Any] = {}
+    if task.repetition_penalty is not None:  # PaddleX sends it in the request's extra_body
+        sampling["repetition_penalty"] = task.repetition_penalty
+    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
     answers = _answers(_COMPLETIONS.started)
     result.tokens = sum(a.tokens for a in answers)
+    result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     cut = [a for a in answers if a.finish_reason == "length"]
+    result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
     if cut:
         result.truncated_at = task.max_new_tokens
         result.looping = any(looks_like_a_loop(a.text) for a in cut)
         if not result.looping:
             result.token_ceiling = _token_ceiling(config, server_url)
     return res
+
+
+def _blocks(res: Any) -> list[dict[str, Any]]:
+    """The pipeline's blocks of one page, as plain values (label, bbox in pixels, text)."""
+    blocks = []
+    for block in res.get("parsing_res_list") or []:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            blocks.append({"label": str(block.label),
+                           "bbox": [round(float(v), 1) for v in list(block.bbox)[:4]],
+                           "text": str(block.content or "")})
+    return blocks
 
 
 def _is_server_down(exc: BaseException) -> bool:
