@@ -63,19 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="show the server and the queue",
         description="Server state, each document's state, pages done/total, "
-        "rate, ETA and failures. Safe while the daemon runs.",
+        "rate, ETA and failures. Safe while the daemon runs. Lists the documents not done "
+        "yet and the last 10 converted ones, unless --all. A document's ETA is when it "
+        "should be done at the current rate, sharing the server with the documents "
+        "converting and queued ahead of it.",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true", help="every document ocrvl knows")
 
     retry = sub.add_parser(
         "retry",
         parents=[common],
         help="queue failed documents again",
         description="Queue documents again: the given PDFs, or every failed "
-        "one with --failed. With --pages, redo only those pages.",
+        "one with --failed. With --pages, redo only those pages; with --flagged, only the "
+        "pages flagged suspect or bad (of the given PDFs, or of every document).",
     )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")
+    retry.add_argument("--flagged", action="store_true",
+                       help="redo the pages flagged suspect or bad (looping, cut off, empty, "
+                       "garbage)")
     retry.add_argument(
         "--pages",
         metavar="LIST",
@@ -144,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="ocrvl: %(message)s")
+    from ocrvl_daemon.logs import basic_logging
+
+    basic_logging(logging.INFO, "ocrvl: %(message)s")
 
 
 def _load(
@@ -186,7 +195,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ocrvl_daemon.status import render_status
 
     config, _ = _load(args)
-    print(render_status(config, as_json=args.json))
+    print(render_status(config, as_json=args.json, everything=args.all))
     return int(ExitCode.OK)
 
 
@@ -196,7 +205,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
     config, _ = _load(args)
     _setup_fallback_logging()
-    return int(retry(config, args.pdfs, failed=args.failed, pages=args.pages))
+    return int(retry(config, args.pdfs, failed=args.failed, pages=args.pages,
+                     flagged=args.flagged))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

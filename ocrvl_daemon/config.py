@@ -272,9 +272,19 @@ class HooksConfig(_Section):
 
 
 class OutputConfig(_Section):
-    """Where results are written."""
+    """What is written, and where."""
 
+    # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks).
+    formats: list[Literal["markdown", "json"]] = ["markdown"]  # pydantic copies it
     dir: Path | None = None
+
+    @field_validator("formats")
+    @classmethod
+    def _markdown_first(cls, value: list[str]) -> list[str]:
+        if "markdown" not in value:
+            raise ValueError("must include markdown (the Markdown is always written); "
+                             "use [markdown] or [markdown, json]")
+        return value
 
     @field_validator("dir")
     @classmethod
@@ -351,6 +361,7 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    progress_seconds: float = Field(30.0, gt=0)
 
     @field_validator("state_dir")
     @classmethod

@@ -30,7 +30,17 @@ from ocrvl_daemon.errors import (
 )
 from ocrvl_daemon.hooks import HookRunner, HookValues
 from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.page_quality import (
+    REDO_SHARE,
+    KeptBecause,
+    PageQuality,
+    Redo,
+    RedoLedger,
+    assess,
+)
+from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
+    MAX_ACTIVE_DOCUMENTS,
     SHORT_EXTRA,
     SHORT_OF_PAGES,
     DocumentPages,
@@ -42,7 +52,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 
-MAX_ACTIVE_DOCUMENTS = 64
 ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
@@ -50,6 +59,10 @@ WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_RESTART_MAX_SECONDS = 300.0
+# After a worker crash with several pages in flight, which page crashed it is unknown: those
+# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
+# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
+ISOLATION_SPLIT = 4
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -107,7 +120,7 @@ class Converter:
         self.server = server
         self.only = only
         self.model = config.model.name
-        self.place = output_place(config)
+        self.place = output.output_place(config)
         self.hooks = HookRunner()
         self.concurrency = ConcurrencyController(
             config.pipeline.min_concurrency,
@@ -120,6 +133,7 @@ class Converter:
         )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
+        self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
         self._worker: EngineWorker | None = None
         self._retiring: list[EngineWorker] = []
         self._worker_retry_at = 0.0
@@ -134,6 +148,10 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
+        # Pages in flight at a worker crash, not yet done, and how many of them may be in
+        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
+        self._suspects: set[tuple[int, int]] = set()
+        self._isolation_bound = 1
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -219,11 +237,13 @@ class Converter:
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
                 return
-        output.check_writable(path, self.place)
+        output.check_writable(path, json_output="json" in self.config.output.formats,
+                              place=self.place)
         count = pdf.page_count(path)
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
         self._jobs[job.id] = job
+        self._ledgers[job.id] = RedoLedger()
         pending = [p for p in range(count) if p not in done]
         self.active[job.id] = DocumentPages(job.id, count, pending, done=count - len(pending))
         if done:
@@ -234,6 +254,7 @@ class Converter:
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
+        self._ledgers.pop(job.id, None)
         if isinstance(exc, InputVanishedError) and not job.path.exists():
             log.info("%s disappeared; dropping it from the queue", job.path)
             self.store.forget(job.id)
@@ -315,18 +336,46 @@ class Converter:
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
     def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
-        """Pages a stopped worker still had go back; after a `crash` they count an attempt,
-        so a page that kills the worker every time ends as a placeholder, not a loop."""
-        for job_id, page in list(worker.in_flight):
-            doc = self.active.get(job_id)
-            if doc is None:
-                continue
-            if crash is None:
+        """Pages a stopped worker still had go back. After a `crash` with one page in flight
+        that page counts an attempt, so a page that kills the worker every time ends as a
+        placeholder, not a loop; with several, none does: they are sent again a few at a
+        time (`_isolating_pages`) until a crash names the page."""
+        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in self.active]
+        if crash is not None and len(lost) > 1:
+            self._suspects |= set(lost)
+            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
+            log.warning("%d pages were in flight when the engine worker crashed; sending them "
+                        "again, %d at a time, to find the page that crashes it", len(lost),
+                        self._isolation_bound)
+        for job_id, page in lost:
+            doc = self.active[job_id]
+            if crash is None or len(lost) > 1:
                 doc.give_back(page)
             else:
                 self._page_failed(doc, page, crash)
         worker.in_flight.clear()
         worker.sent.clear()
+
+    def _isolating_pages(self) -> list[tuple[DocumentPages, int]] | None:
+        """The pages to send while a crash is being narrowed down (None: no crash is)."""
+        self._suspects = {(j, p) for j, p in self._suspects
+                          if j in self.active and (p in self.active[j].pending
+                                                   or p in self.active[j].in_flight)}
+        if not self._suspects:
+            return None
+        room = self._isolation_bound - sum(
+            p in self.active[j].in_flight for j, p in self._suspects)
+        chosen = []
+        for job_id, page in sorted(self._suspects):
+            doc = self.active[job_id]
+            if room <= 0:
+                break
+            if page in doc.pending:
+                doc.pending.remove(page)
+                doc.in_flight.add(page)
+                chosen.append((doc, page))
+                room -= 1
+        return chosen
 
     # --- pages --------------------------------------------------------------------------
 
@@ -347,23 +396,28 @@ class Converter:
         preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
-        chosen = pick_pages(docs, slots)
-        room = limit + margin + SHORT_EXTRA - self.in_flight
-        chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
+        chosen = self._isolating_pages()
+        if chosen is None:
+            chosen = pick_pages(docs, slots)
+            room = limit + margin + SHORT_EXTRA - self.in_flight
+            chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:
             later[doc.job_id] -= 1
             job = self._jobs[doc.job_id]
+            redo = self._ledgers[doc.job_id].redos.get(
+                page, Redo(self.config.model.effective_max_new_tokens))
             worker.submit(
                 PageTask(
                     job.id,
                     str(job.path),
                     page,
-                    self.config.model.effective_max_new_tokens,
+                    redo.max_new_tokens,
                     job.size,
                     job.mtime,
                     # its document's pages in flight before it
                     len(doc.in_flight) - 1 - later[doc.job_id],
+                    redo.repetition_penalty,
                 )
             )
 
@@ -382,31 +436,36 @@ class Converter:
             return  # the job failed or was dropped meanwhile
         fields = _fields(job, result.page)
         if result.error is None:
-            note = None
+            ledger = self._ledgers[job.id]
+            ledger.count(result.page, result.tokens)
+            cut_off = result.truncated_at is not None
+            quality = assess(result.markdown, "length" if cut_off else result.finish_reason,
+                             result.tokens, result.looping, result.has_ink, result.repetition)
+            decision: Redo | KeptBecause | None = None
             if result.truncated_at is not None:
-                note = (
-                    f"page {result.page + 1} was cut off at {result.truncated_at} tokens "
-                    "(the server's max-model-len allows no more); its end may be missing. "
-                    "Raise server.vllm_args.max-model-len, then: " +
-                    pdf.retry_command(job.path, str(result.page + 1))
-                )
-                log.warning("%s: %s", job.path.name, note, extra=fields)
-                self.flagged_pages += 1
-            self.store.save_page(
-                job.sha256, self.model, result.page, result.markdown, result.images, note=note
-            )
-            doc.in_flight.discard(result.page)
-            doc.done += 1
-            self.completed_pages += 1
-            self._recent.append(time.monotonic())
-            log.debug(
-                "%s p.%d/%d done in %.1f s",
-                job.path.name,
-                result.page + 1,
-                doc.page_count,
-                result.seconds,
-                extra=fields,
-            )
+                decision = ledger.decide(result.page, result.truncated_at, result.token_ceiling,
+                                         result.looping)
+                if isinstance(decision, Redo):
+                    ledger.best(result.page, quality, result)
+                    how = (f"it loops; sending it again with repetition_penalty "
+                           f"{decision.repetition_penalty}" if result.looping else
+                           f"redoing it once with {decision.max_new_tokens}")
+                    log.warning("%s p.%d: answer cut off at %d tokens; %s", job.path.name,
+                                result.page + 1, result.truncated_at, how, extra=fields)
+                    doc.give_back(result.page)
+                    return
+            # A page that stays bad keeps its best answer.
+            quality, result = ledger.best(result.page, quality, result)
+            self._checkpoint(doc, job, result, quality,
+                             self._quality_note(job, result, quality, decision))
+            return
+        kept = self._ledgers[job.id].kept(result.page)
+        if kept is not None and result.error_kind in ("page", "damaged"):
+            # A redo that fails costs the page nothing: its earlier answer stays.
+            quality, answer = kept
+            note = (f"{self._quality_note(job, answer, quality, None)} (sending it again "
+                    f"failed: {(result.error or 'unknown error').rstrip('.')})")
+            self._checkpoint(doc, job, answer, quality, note)
             return
         if result.error_kind == "server":
             log.info(
@@ -425,6 +484,67 @@ class Converter:
             self._give_up_page(doc, result.page, result.error or "the page is damaged", None)
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
+
+    def _checkpoint(self, doc: DocumentPages, job: Job, result: PageResult,
+                    quality: PageQuality, note: str | None) -> None:
+        """Save the answer kept for a page, with its quality record (and `note` if flagged)."""
+        fields = _fields(job, result.page)
+        self._ledgers[job.id].settle(result.page)
+        if note is not None:
+            self.flagged_pages += 1
+            log.warning("%s: %s", job.path.name, note,
+                        extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
+                               "OCRVL_REASON": quality.reason})
+        self.store.save_page(
+            job.sha256, self.model, result.page, result.markdown, result.images, note=note,
+            quality=quality.to_json(),
+            layout={"size": list(result.size), "blocks": result.blocks},
+        )
+        doc.in_flight.discard(result.page)
+        doc.done += 1
+        self.completed_pages += 1
+        self._recent.append(time.monotonic())
+        log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1, doc.page_count,
+                  result.seconds, extra=fields)
+
+    def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
+                      why: Redo | KeptBecause | None) -> str | None:
+        """The note of a page kept although it is not ok (None when it is ok)."""
+        if not quality.flagged:
+            return None
+        page = result.page
+        if isinstance(why, KeptBecause) and result.truncated_at is not None:
+            return self._cut_off_note(job, page, result.truncated_at, why)
+        retry = pdf.retry_command(job.path, str(page + 1))
+        what = {"repetition": "the answer repeats itself (the model looped)",
+                "empty": "the answer is empty although the page has ink on it",
+                "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
+                           "characters",
+                "cut-off": "the answer was cut off at the token limit"}.get(
+                    quality.reason or "", str(quality.reason))
+        return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
+
+    def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
+        """The note of a page kept although its answer was cut off at `cut_at` tokens."""
+        retry = pdf.retry_command(job.path, str(page + 1))
+        head = f"page {page + 1} was cut off at {cut_at} tokens"
+        if why is KeptBecause.LOOP:
+            return (f"{head}: the answer repeats itself (the model looped), also when sent "
+                    "again with a repetition penalty; its end may be missing or garbled.")
+        if why is KeptBecause.BUDGET:
+            return (f"{head} and not redone: redoing this document's bad pages took "
+                    f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
+                    f"Redo it with: {retry}")
+        if why is KeptBecause.REDONE:
+            return (f"{head}, also after a redo with more tokens; its end may be missing. "
+                    f"Raise model.max_new_tokens, then: {retry}")
+        # The server's max-model-len allows no more: where to raise it depends on who runs it.
+        if self.config.server.mode == "external":
+            fix = "Raise --max-model-len on the server you run"
+        else:
+            fix = "Raise server.vllm_args.max-model-len"
+        return (f"{head} (the server's max-model-len allows no more); its end may be missing. "
+                f"{fix}, then: {retry}")
 
     def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
         """Count a failed attempt at `page`: send it again, or give up on it."""
@@ -480,6 +600,7 @@ class Converter:
                 doc.page_count,
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
+                json_output="json" in self.config.output.formats,
                 place=self.place,
             )
         except OcrvlError as exc:
@@ -491,24 +612,41 @@ class Converter:
             return
         self.active.pop(job_id)
         self._jobs.pop(job_id)
-        self.store.set_done(job_id)
+        ledger = self._ledgers.pop(job_id)
+        self.store.set_done(job_id, redo_tokens=ledger.extra)
         output.remove_error_note(job.path, self.place)
         md, images, _ = output.outputs_for(job.path, self.place)
+        redone = ""
+        if ledger.redos:
+            redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
+                      f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
+                      "first time)")
+        fields = _fields(job)
+        flagged = ",".join(str(p + 1) for p in self.store.flagged_pages(job.sha256, self.model))
+        if flagged:
+            redone += f"; flagged pages: {flagged} (redo: ocrvl retry --flagged)"
+            fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
-            "%s: done, %d pages -> %s",
+            "%s: done, %d pages -> %s%s",
             job.path.name,
             doc.page_count,
             md.name if self.config.output.dir is None else md,
-            extra=_fields(job),
+            redone,
+            extra=fields,
         )
+        short = output.shortened_names(job.path, self.place)
+        if short:
+            log.info("%s: %s", job.path.name, short, extra=_fields(job))
+        data = output.json_for(job.path, self.place)
         self._run_hook("on_done", job, md=str(md), pages=doc.page_count,
-                       images=str(images) if images.is_dir() else "")
+                       images=str(images) if images.is_dir() else "",
+                       json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
 
     # --- hooks --------------------------------------------------------------------------
 
     def _run_hook(self, event: str, job: Job, *, md: str = "", images: str = "",
-                  pages: int | None = None, error: str = "") -> None:
+                  json: str = "", pages: int | None = None, error: str = "") -> None:
         """Start the user's `hooks.<event>` for `job`, if there is one (in the background)."""
         argv: list[str] | None = getattr(self.config.hooks, event)
         if argv is None:
@@ -522,6 +660,7 @@ class Converter:
         values = HookValues(
             pdf=str(job.path),
             md=md,
+            json=json,
             images=images,
             pages="" if pages is None else str(pages),
             flagged=",".join(str(p + 1) for p in flagged),
@@ -537,12 +676,13 @@ class Converter:
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
-            yield output.Page(page.page, page.markdown, page.images, page.note)
+            yield output.Page(page.page, page.markdown, page.images, page.note,
+                              page.quality, page.layout)
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""
         old, self.config = self.config, config
-        self.place = output_place(config)
+        self.place = output.output_place(config)
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
         self.concurrency.limit = min(
@@ -580,6 +720,13 @@ class Converter:
             counts[JobState.FAILED],
             self.in_flight,
         )
+
+    def running(self) -> list[DocumentProgress]:
+        """Pages done of each document being converted, oldest first."""
+        return [
+            DocumentProgress(job_id, self._jobs[job_id].path, doc.done, doc.page_count)
+            for job_id, doc in sorted(self.active.items())
+        ]
 
     def stop(self, timeout: float, wait_for_hooks: bool = False) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
@@ -623,11 +770,6 @@ def _unexpected(exc: Exception) -> OcrvlError:
     )
 
 
-def output_place(config: Config) -> output.OutputPlace:
-    """Where this configuration puts every document's outputs."""
-    return output.OutputPlace(config.output.dir, tuple(config.inbox.paths))
-
-
 def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
                        place: output.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
@@ -665,7 +807,7 @@ def enqueue_file(store: Store, path: Path, model: str,
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
-        log.info("%s: Markdown is already up to date", path.name)
+        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
         output.remove_error_note(path, place)
         job = store.job(job.id) or job

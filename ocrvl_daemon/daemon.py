@@ -21,6 +21,7 @@ from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
+from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.status import open_store
 from ocrvl_daemon.store import JobState
@@ -81,6 +82,7 @@ class Daemon:
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.server)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
+        self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
             self.server.start()
@@ -99,24 +101,29 @@ class Daemon:
                     log.info("received %s; stopping", signal.Signals(signum).name)
                     return ExitCode.OK
             now = time.monotonic()
-            for path in self.watcher.poll(now):
-                self._take(path)
+            # The start-up scan hands over every converted file again: one line says so.
+            converted = sum(self._take(path) for path in self.watcher.poll(now))
+            if converted:
+                log.info("%d document(s) in the inbox already converted", converted)
             self.converter.tick(now)
+            self.progress_log.update(now, self.converter.running())
             self._report(now)
             self.notifier.tick(now)
             self.converter.wait(TICK_SECONDS if self.converter.active else IDLE_TICK_SECONDS)
 
-    def _take(self, path: Path) -> None:
+    def _take(self, path: Path) -> bool:
+        """Queue a file the watcher found; True when it is already converted."""
         try:
             job = enqueue_file(self.store, path, self.config.model.name, self.converter.place)
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
-            return
+            return False
         self.converter.wake()
         if job.state is JobState.QUEUED:
             log.info("%s: queued", path)
-        else:  # the start-up scan sees every converted file again
+        else:
             log.debug("%s: already %s", path, job.state.value)
+        return job.state is JobState.DONE
 
     def _report(self, now: float) -> None:
         server = self.server.status()
@@ -221,6 +228,7 @@ class Daemon:
             self.converter.server = self.server
             self.server.start()
         self.converter.reconfigure(new)
+        self.progress_log.interval = new.progress_seconds
         log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
         self.notifier.ready()
 

@@ -26,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon import autotune, gpu, launchers, layout_model
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.launchers import server_env
 from ocrvl_daemon.server import ENDPOINT_ABSENT, served_model_fix
 
 Status = Literal["ok", "warn", "fail", "info"]
@@ -286,15 +287,18 @@ def _server_env_checks(config: Config) -> list[Check]:
     server = config.server
     if server.mode == "external":
         return []
+    # What the launcher gives the server (server.env: PYTHONPATH, LD_LIBRARY_PATH...), so
+    # doctor finds what the server will find.
+    env = server_env(config)
     if server.launcher == "command":
         assert server.command  # the config guarantees it in this mode
         program = server.command[0]
-        if shutil.which(program) or Path(program).is_file():
+        if shutil.which(program, path=env.get("PATH")) or Path(program).is_file():
             return [Check("server command", "ok", program)]
         return [Check("server command", "fail", f"{program} (server.command[0]) not found",
                       "install it or correct server.command")]
     if server.python is None and server.launcher == "vllm":
-        return [_vllm_on_path(config)]
+        return [_vllm_on_path(config, env)]
     python = server.python or Path(sys.executable)
     if not python.is_file():
         return [Check("server python", "fail", f"{python} (server.python) does not exist",
@@ -304,7 +308,7 @@ def _server_env_checks(config: Config) -> list[Check]:
         modules += ["flash_attn", "xformers", "paddleocr"]
     try:
         done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules], capture_output=True,
-                              text=True, timeout=SERVER_PROBE_TIMEOUT, check=False)
+                              text=True, timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
         found = json.loads(done.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
         return [Check("server python", "fail", f"{python} took over {SERVER_PROBE_TIMEOUT:.0f} s "
@@ -324,14 +328,14 @@ def _server_env_checks(config: Config) -> list[Check]:
     return checks
 
 
-def _vllm_on_path(config: Config) -> Check:
-    vllm = shutil.which("vllm")
+def _vllm_on_path(config: Config, env: dict[str, str]) -> Check:
+    vllm = shutil.which("vllm", path=env.get("PATH"))
     if vllm is None:
         return Check("vllm", "fail", "server.python is not set and no `vllm` is on PATH",
                      SETUP_FIX)
     try:
         done = subprocess.run([vllm, "--version"], capture_output=True, text=True,
-                              timeout=SERVER_PROBE_TIMEOUT, check=False)
+                              timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Check("vllm", "fail", f"{vllm} --version failed: {exc}", SETUP_FIX)
     lines = done.stdout.strip().splitlines()

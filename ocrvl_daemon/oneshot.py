@@ -8,17 +8,21 @@ exits: a configuration behaves the same in both, and one file is how a hook is t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlparse
 
-from ocrvl_daemon import output
+from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, enqueue_file, output_place
+from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server import ServerSupervisor
 from ocrvl_daemon.store import JobState, Store
 
@@ -33,6 +37,9 @@ MAX_ATTEMPTS = 3
 # run; the daemon keeps trying (the network may come back, the install be repaired).
 ENGINE_START_ATTEMPTS = 2
 STOP_TIMEOUT = 30.0
+# After Ctrl-C, pages in flight get only this long: the person asked to stop, and pages
+# not checkpointed are simply redone by the next run.
+INTERRUPT_DRAIN_SECONDS = 2.0
 
 
 def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
@@ -40,7 +47,7 @@ def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
     store = Store(config.state_dir / "convert.sqlite")
     failures: dict[Path, str] = {}
     jobs: dict[int, Path] = {}
-    place = output_place(config)
+    place = output.output_place(config)
     claimed: dict[Path, Path] = {}  # output -> the PDF it is for
     for given in pdfs:
         path = given.expanduser().absolute()
@@ -88,6 +95,7 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
+    view = _progress_view(config, store, jobs)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
     converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS)
@@ -107,6 +115,7 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
             return dict.fromkeys(jobs.values(), reason)
         while not stop_requested:
             converter.tick()
+            view.update(time.monotonic(), converter.running())
             if server.error is not None:
                 return _unfinished(store, jobs, str(server.error))
             if converter.engine_gave_up:
@@ -116,7 +125,12 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
                 break
             converter.wait(TICK_SECONDS)
     finally:
-        converter.stop(STOP_TIMEOUT, wait_for_hooks=not stop_requested)
+        view.close()
+        if stop_requested:
+            log.warning("stopping (%s): pages done so far are kept; the same command resumes",
+                        signal.Signals(stop_requested[0]).name)
+        converter.stop(INTERRUPT_DRAIN_SECONDS if stop_requested else STOP_TIMEOUT,
+                       wait_for_hooks=not stop_requested)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -127,6 +141,22 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
+
+
+def _progress_view(config: Config, store: Store, jobs: dict[int, Path]) -> ProgressView:
+    """Bars for a person at a terminal, else a line per document now and then."""
+    totals, done = {}, {}
+    for job_id, path in jobs.items():
+        # A file that does not open has its failure reported when it is converted.
+        with contextlib.suppress(OcrvlError, OSError):
+            totals[job_id] = pdf.page_count(path)
+        job = store.job(job_id)
+        if job is not None:
+            done[job_id] = store.count_pages(job.sha256, job.model)
+    tally = RunTally(totals, done, lambda job_id: _succeeded(store, job_id))
+    if sys.stderr.isatty():
+        return ProgressBars(sys.stderr, tally)
+    return ProgressLog(config.progress_seconds, tally)
 
 
 def _unfinished(store: Store, jobs: dict[int, Path], reason: str) -> dict[Path, str]:

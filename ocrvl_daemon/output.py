@@ -1,10 +1,14 @@
-"""Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
+"""Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`, and with
+`output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout blocks; its
+JSON Schema is `data/document.schema.json`).
 
 They go next to the PDF, or under `output.dir` mirroring the inbox's sub-folders
 (`OutputPlace`); every rule below holds in both places.
 
 Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
-a Markdown file or image folder that ocrvl did not write is never replaced.
+a Markdown file or image folder that ocrvl did not write is never replaced. Names keep the PDF's
+raw bytes; where `<stem>_images` or `<stem>.ocrvl-error.txt` would be longer than the
+filesystem allows, that one gets a shortened name (`names.fit_name`) and says so.
 """
 
 from __future__ import annotations
@@ -12,20 +16,33 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import re
-import shlex
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from ocrvl_daemon.errors import NotOursError, OutputError
+from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
+from ocrvl_daemon.names import fit_name, name_bytes, name_max, shell_quote, shown
+
+if TYPE_CHECKING:
+    from ocrvl_daemon.config import Config
 
 TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
+IMAGES_SUFFIX = "_images"
 ERROR_SUFFIX = ".ocrvl-error.txt"
+JSON_FORMAT = "ocrvl-document"
+JSON_VERSION = 1
+# How every ocrvl JSON output starts: what tells it from a JSON file ocrvl did not write.
+_JSON_START = f'{{"format": "{JSON_FORMAT}", "version": {JSON_VERSION},'
+SCHEMA_FILE = Path(__file__).parent / "data" / "document.schema.json"
+# What a temporary name adds to the name it stands for: a dot, "-new-" or "-old-", a pid.
+_TMP_EXTRA = 1 + 5 + 10
 _HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
 # Room for the Markdown and its images, plus slack for the filesystem.
@@ -40,6 +57,8 @@ class Page:
     markdown: str
     images: dict[str, bytes] = field(default_factory=dict)
     note: str | None = None  # why the page is a placeholder or flagged
+    quality: dict[str, Any] | None = None  # page_quality.PageQuality.to_json()
+    layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
 
 
 @dataclass(frozen=True)
@@ -70,14 +89,62 @@ class OutputPlace:
 NEXT_TO_PDF = OutputPlace()
 
 
+def output_place(config: Config) -> OutputPlace:
+    """Where this configuration puts every document's outputs."""
+    return OutputPlace(config.output.dir, tuple(config.inbox.paths))
+
+
 def outputs_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> tuple[Path, Path, Path]:
-    """The Markdown file, image folder and error note that belong to `pdf`."""
+    """The Markdown file, image folder and error note that belong to `pdf`.
+
+    The Markdown always has the PDF's stem (`check_writable` refuses a name too long for
+    it); the image folder and error note are shortened where the full name would not fit.
+    """
     base = place.base(pdf)
+    limit = _name_limit(base)
     return (
         base.with_suffix(".md"),
-        base.with_name(base.stem + "_images"),
-        base.with_name(base.stem + ERROR_SUFFIX),
+        base.with_name(fit_name(base.stem, IMAGES_SUFFIX, limit)),
+        base.with_name(fit_name(base.stem, ERROR_SUFFIX, limit)),
     )
+
+
+def json_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
+    """The JSON output that belongs to `pdf` (`output.formats: [markdown, json]`)."""
+    return place.base(pdf).with_suffix(".json")
+
+
+def _is_our_json(path: Path) -> bool:
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as f:
+            return f.read(len(_JSON_START)) == _JSON_START
+    except OSError:
+        return False
+
+
+def _name_limit(pdf: Path) -> int:
+    """The longest name, in bytes, beside `pdf`. At least the PDF's own: a filesystem that
+    counts characters rather than bytes (NTFS under WSL2) may report less than it holds."""
+    return max(name_max(pdf.parent), name_bytes(pdf.name))
+
+
+def _shorter_name_fix(limit: int) -> str:
+    return (f"rename the PDF to a shorter name (at most {limit - 3} bytes before .pdf); in an "
+            "inbox the renamed file is picked up by itself")
+
+
+def shortened_names(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> str | None:
+    """What got a shortened name because the full one is too long for the filesystem."""
+    _, images, note = outputs_for(pdf, place)
+    short = [f"{what} is {path.name}" for what, path, suffix in (
+        ("the image folder", images, IMAGES_SUFFIX), ("the error note", note, ERROR_SUFFIX))
+        if path.name != pdf.stem + suffix]
+    if not short:
+        return None
+    return (f"the name is too long to add {IMAGES_SUFFIX} or {ERROR_SUFFIX} within this "
+            f"filesystem's limit of {_name_limit(place.base(pdf))} bytes, so "
+            f"{' and '.join(short)} "
+            "(the start of the name, ~ and a hash of it)")
 
 
 def read_header(md: Path) -> dict[str, str] | None:
@@ -97,18 +164,32 @@ def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:
+def check_writable(pdf: Path, *, json_output: bool = False,
+                   place: OutputPlace = NEXT_TO_PDF) -> None:
     """Refuse early when an output ocrvl must not replace is in the way."""
     md, images, _ = outputs_for(pdf, place)
+    data = json_for(pdf, place)
+    if json_output and data.exists() and not _is_our_json(data):
+        raise NotOursError(
+            f"{data} already exists and was not written by ocrvl; it is left untouched.",
+            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
+        )
+    limit = _name_limit(place.base(pdf))
+    if name_bytes(md.name) > limit:
+        raise NameTooLongError(
+            f"{md.name} would be {name_bytes(md.name)} bytes long; this filesystem allows "
+            f"{limit} bytes in a file name.",
+            _shorter_name_fix(limit),
+        )
     if md.exists() and read_header(md) is None:
         raise NotOursError(
             f"{md} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {pdf}`",
+            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
         )
     if images.exists() and not (images / IMAGES_MARKER).exists():
         raise NotOursError(
             f"{images} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {pdf}`",
+            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
         )
 
 
@@ -119,9 +200,12 @@ def write_document(
     page_count: int,
     pages: Iterable[Page],
     size_hint: int = 0,
+    *,
+    json_output: bool = False,
     place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
-    """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
+    """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
+    `json_output` `<stem>.json` too (renamed in just before the Markdown).
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
     swapped in first and the Markdown renamed last, so the Markdown never links to images
@@ -133,26 +217,47 @@ def write_document(
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
     tmp_md = _temporary(md)
     tmp_dir = _temporary(images_dir)
-    link_base = quote(images_dir.name)
+    data = json_for(pdf, place)
+    tmp_json = _temporary(data)
+    link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
-        check_writable(pdf, place)
+        check_writable(pdf, json_output=json_output, place=place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         _remove_temporaries(md)
         _remove_temporaries(images_dir)
-        with tmp_md.open("w", encoding="utf-8") as out:
+        if json_output:
+            _remove_temporaries(data)
+        with contextlib.ExitStack() as files:
+            out = files.enter_context(tmp_md.open("w", encoding="utf-8"))
+            js = files.enter_context(tmp_json.open("w", encoding="utf-8")) if json_output else None
             out.write(
-                f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
+                f'<!-- ocrvl source="{_attr(shown(pdf.name))}" sha256="{sha256}" '
                 f'model="{model}" pages="{page_count}" -->\n'
             )
+            if js is not None:
+                js.write(f"{_JSON_START}\n" + json.dumps(
+                    {"source": shown(pdf.name), "sha256": sha256, "model": model,
+                     "page_count": page_count, "markdown": shown(md.name)})[1:-1]
+                    + ',\n"pages": [')
+            separator = "\n"
             for page in pages:
                 text = page.markdown
-                for name, data in sorted(page.images.items()):
+                image_paths = []
+                for name, image in sorted(page.images.items()):
                     new_name = f"p{page.index + 1:04d}_{Path(name).name}"
-                    _write_image(tmp_dir, new_name, data)
+                    _write_image(tmp_dir, new_name, image)
                     text = text.replace(name, f"{link_base}/{quote(new_name)}")
+                    image_paths.append(f"{shown(images_dir.name)}/{new_name}")
                 out.write(_page_block(page, text, first=page.index == 0))
-            out.flush()
-            os.fsync(out.fileno())
+                if js is not None:
+                    js.write(separator + json.dumps(_page_json(page, image_paths)))
+                    separator = ",\n"
+            if js is not None:
+                js.write("\n]}\n")
+            for written in (out, js):
+                if written is not None:
+                    written.flush()
+                    os.fsync(written.fileno())
         if tmp_dir.exists():
             _fsync_dir(tmp_dir)
         if images_dir.exists():
@@ -161,23 +266,47 @@ def write_document(
             shutil.rmtree(old, ignore_errors=True)
         if tmp_dir.exists():
             os.replace(tmp_dir, images_dir)
+        if json_output:
+            os.replace(tmp_json, data)
         os.replace(tmp_md, md)
         _fsync_dir(md.parent)
     except OSError as exc:
         raise _output_error(md, exc) from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            tmp_md.unlink()
+        for tmp in (tmp_md, tmp_json):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
+    """One page of the JSON output (see data/document.schema.json)."""
+    quality = dict(page.quality or {})
+    verdict, reason = quality.pop("verdict", None), quality.pop("reason", None)
+    if verdict is None:  # a placeholder, or a page recorded before quality records
+        failed = bool(page.note) and not page.markdown.strip()
+        verdict, reason = ("bad", "failed") if failed else ("unknown", None)
+    layout = page.layout or {}
+    blocks = layout.get("blocks")
+    if blocks is None:  # recorded before layouts were kept: the page as one block
+        blocks = [{"label": "text", "bbox": None, "text": page.markdown}]
+    return {"number": page.index + 1, "verdict": verdict, "reason": reason,
+            "signals": quality or None, "note": page.note, "size": layout.get("size"),
+            "blocks": blocks, "markdown": page.markdown, "images": image_paths}
 
 
 def _temporary(path: Path, kind: str = "new") -> Path:
     """A hidden name beside `path` for work in progress (never matched by the inbox)."""
-    return path.with_name(f".{path.name}{TMP_MARK}-{kind}-{os.getpid()}")
+    return path.with_name(f"{_temporary_prefix(path)}-{kind}-{os.getpid()}")
+
+
+def _temporary_prefix(path: Path) -> str:
+    """`.<name>.ocrvl-tmp`, the name shortened where a temporary name would not fit."""
+    return "." + fit_name(path.name, TMP_MARK, name_max(path.parent) - _TMP_EXTRA)
 
 
 def _remove_temporaries(path: Path) -> None:
-    for stale in path.parent.glob(f".{glob.escape(path.name)}{TMP_MARK}-*"):
+    for stale in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}-*"):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -188,6 +317,10 @@ def _page_block(page: Page, text: str, *, first: bool) -> str:
     """A page's Markdown, preceded by a visible boundary (a rule and a page comment)."""
     lines = [] if first else ["---"]
     lines.append(f"<!-- page {page.index + 1} -->")
+    verdict = (page.quality or {}).get("verdict", "ok")
+    if verdict != "ok":
+        lines.append(f"<!-- ocrvl: page {page.index + 1} {verdict}: "
+                     f"{_comment(str(page.quality.get('reason') if page.quality else ''))} -->")
     if page.note:
         lines.append(f"<!-- ocrvl: {_comment(page.note)} -->")
     if text.strip():
@@ -260,6 +393,11 @@ def _check_free_space(folder: Path, needed: int) -> None:
 
 
 def _output_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno == errno.ENAMETOOLONG:  # the filesystem holds less than it said
+        return NameTooLongError(
+            f"Cannot write {path}: the name is too long for this filesystem.",
+            _shorter_name_fix(name_max(path.parent)),
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(
             f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
@@ -290,15 +428,18 @@ def write_error_note(
     if fix:
         text += f"What to do: {fix}\n"
     if retry_in is None:
-        text += f"\nAfter fixing it, run: ocrvl retry {shlex.quote(str(pdf))}\n"
+        text += f"\nAfter fixing it, run: ocrvl retry {shell_quote(pdf)}\n"
     else:
         text += (
             f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
             "once the document is converted.\n"
         )
+    short = shortened_names(pdf, place)
+    if short:
+        text += f"\nNote: {short}.\n"
     with contextlib.suppress(OSError):
         note.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(note, text)
+        write_atomic(note, shown(text))
 
 
 def remove_error_note(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:

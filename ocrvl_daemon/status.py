@@ -12,13 +12,20 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
+from ocrvl_daemon.names import shell_quote, shown
+from ocrvl_daemon.output import OutputPlace, output_place, shortened_names
 from ocrvl_daemon.pdf import repair_fix, retry_command
+from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
 
 log = logging.getLogger(__name__)
 
 DAEMON_DB = "jobs.sqlite"
+# Without --all: every document not done yet, and this many of the last finished.
+RECENT_DONE = 10
+# A daemon that has not published for this long is taken for dead (it publishes every 2 s).
+STALE_SECONDS = 30.0
 
 
 def open_store(config: Config) -> Store:
@@ -26,7 +33,7 @@ def open_store(config: Config) -> Store:
     return Store(config.state_dir / DAEMON_DB)
 
 
-def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
+def _job_view(store: Store, job: Job, place: OutputPlace) -> dict[str, Any]:
     done = (
         store.count_pages(job.sha256, job.model)
         if job.state is not JobState.DONE
@@ -34,7 +41,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
     )
     total = job.page_count
     view: dict[str, Any] = {
-        "path": str(job.path),
+        "path": shown(job.path),
         "state": job.state.value,
         "pages_done": done,
         "pages_total": total,
@@ -45,39 +52,123 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
             p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
+        "suspect_pages": [
+            p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "suspect")
+        ],
+        "bad_pages": [p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "bad")],
+        "verdicts": store.verdict_counts(job.sha256, job.model),
+        "redo_tokens": job.redo_tokens,
         "hook_error": job.hook_error,
     }
-    if job.state is JobState.RUNNING and total and rate > 0:
-        view["eta_seconds"] = round((total - done) / rate)
+    short = shortened_names(job.path, place)
+    if short:
+        view["names_shortened"] = shown(short)
     if job.state is JobState.QUEUED and job.not_before > time.time():
         view["retry_in_seconds"] = round(job.not_before - time.time())
     return view
 
 
-def collect_status(config: Config) -> dict[str, Any]:
-    """Everything `ocrvl status` shows, as a dict."""
+def finish_times(
+    pages_left: list[tuple[int, int]], rate: float, slots: int = MAX_ACTIVE_DOCUMENTS
+) -> dict[int, float]:
+    """Seconds until each document is done, as the daemon shares the server.
+
+    `pages_left` holds (job id, pages left) in queue order. Up to `slots` documents are
+    converted at once and share `rate` evenly (the scheduler's fair interleaving), so a
+    letter behind a book is done first; the next in the queue takes a freed slot.
+    """
+    waiting = [(job, float(left)) for job, left in pages_left]
+    active: dict[int, float] = {}
+    clock, times = 0.0, {}
+    while waiting or active:
+        while waiting and len(active) < slots:
+            job, left = waiting.pop(0)
+            active[job] = left
+        first = min(active, key=active.__getitem__)
+        step = active[first]
+        clock += step * len(active) / rate
+        active = {job: left - step for job, left in active.items()}
+        for job in [j for j, left in active.items() if left <= 0]:
+            times[job] = clock
+            del active[job]
+    return times
+
+
+def _add_etas(jobs: list[Job], views: dict[int, dict[str, Any]], rate: float) -> None:
+    """`eta_seconds` for every document that is being converted or waits its turn."""
+    if rate <= 0:
+        return
+    wall = time.time()
+    # Running documents hold their slots; the queue follows in order (as the converter takes it).
+    order = sorted(
+        (j for j in jobs
+         if j.state is JobState.RUNNING
+         or (j.state is JobState.QUEUED and j.not_before <= wall and j.page_count)),
+        key=lambda j: (j.state is not JobState.RUNNING, j.id),
+    )
+    left = [(j.id, max(0, (j.page_count or 0) - views[j.id]["pages_done"])) for j in order]
+    for job_id, seconds in finish_times(left, rate).items():
+        views[job_id]["eta_seconds"] = round(seconds)
+
+
+def _recent(jobs: list[Job]) -> list[Job]:
+    """Every document not done yet, and the last RECENT_DONE finished ones."""
+    finished = sorted((j for j in jobs if j.state is JobState.DONE),
+                      key=lambda j: j.finished or j.updated)
+    keep = {j.id for j in finished[-RECENT_DONE:]}
+    return [j for j in jobs if j.state is not JobState.DONE or j.id in keep]
+
+
+def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:
+    """The server as the daemon last saw it; only a running daemon can vouch for it."""
+    server = dict(daemon.get("server") or {})
+    if alive:
+        return server
+    view: dict[str, Any] = {"state": "unknown", "why": "the daemon is not running"}
+    if server:
+        view["last_known"] = server
+        view["last_known_at"] = daemon.get("updated")
+    return view
+
+
+def collect_status(config: Config, *, everything: bool = True) -> dict[str, Any]:
+    """Everything `ocrvl status` shows, as a dict (paths `shown`, as people read them);
+    without `everything`, recent documents."""
+    return _collect_status(config, everything)[0]
+
+
+def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], list[Path]]:
+    """The status, and each listed document's path as it is (for the commands shown with it)."""
     store = open_store(config)
     try:
         daemon = store.get_meta("daemon") or {}
-        rate = float(daemon.get("pages_per_s") or 0.0)
         alive = (
             "updated" in daemon
-            and time.time() - float(daemon["updated"]) < 30
+            and time.time() - float(daemon["updated"]) < STALE_SECONDS
             and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
         )
-        jobs = [_job_view(store, j, rate) for j in store.jobs()]
+        # A dead daemon's last rate would promise ETAs nobody is working towards.
+        rate = float(daemon.get("pages_per_s") or 0.0) if alive else 0.0
+        jobs = store.jobs()
+        listed = jobs if everything else _recent(jobs)
+        listed_ids = {j.id for j in listed}
+        place = output_place(config)
+        views = {j.id: _job_view(store, j, place) for j in jobs
+                 if j.state in (JobState.RUNNING, JobState.QUEUED) or j.id in listed_ids}
+        _add_etas(jobs, views, rate)
     finally:
         store.close()
     return {
         "daemon": {"running": alive, **daemon},
-        "server": daemon.get("server", {}),
-        "documents": jobs,
-    }
+        "server": _server_view(daemon, alive),
+        "documents": [views[j.id] for j in listed],
+        "documents_not_shown": len(jobs) - len(listed),
+    }, [j.path for j in listed]
 
 
-def render_status(config: Config, *, as_json: bool) -> str:
-    """The status as text (one screen) or JSON."""
-    status = collect_status(config)
+def render_status(config: Config, *, as_json: bool, everything: bool = False) -> str:
+    """The status as text (one screen) or JSON; recent documents unless `everything`."""
+    status, paths = _collect_status(config, everything)
     if as_json:
         return json.dumps(status, indent=2)
     daemon, server = status["daemon"], status["server"]
@@ -89,16 +180,26 @@ def render_status(config: Config, *, as_json: bool) -> str:
         state = server.get("state", "unknown")
         phase = f", {server['phase']}" if server.get("phase") else ""
         lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
+        if server.get("last_error"):
+            since = " (it has recovered since)" if state == "ready" else ""
+            lines.append(f"  last error{since}: {server['last_error']}")
         if server.get("diagnosis"):
             lines.append(f"  likely cause: {server['diagnosis']}")
         if daemon.get("engine_error"):
             lines.append(f"engine: {daemon['engine_error']}")
     else:
         lines.append("daemon: not running (start it with `systemctl --user start ocrvl`)")
+        last = server.get("last_known")
+        if last:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(server["last_known_at"]))
+            lines.append(f"server: unknown (daemon not running; {last.get('state', '?')} "
+                         f"at {when}, when the daemon last reported)")
+            if last.get("last_error"):
+                lines.append(f"  last error: {last['last_error']}")
     docs = status["documents"]
     if not docs:
         lines.append("no documents yet")
-    for doc in docs:
+    for doc, path in zip(docs, paths, strict=True):
         pages = f"{doc['pages_done']}/{doc['pages_total'] or '?'} pages"
         extra = ""
         if "eta_seconds" in doc:
@@ -110,16 +211,27 @@ def render_status(config: Config, *, as_json: bool) -> str:
             lines.append(f"         reason: {doc['error']}")
         if doc["hook_error"]:
             lines.append(f"         hook: {doc['hook_error']}")
-        path = Path(doc["path"])
+        if doc.get("names_shortened"):
+            lines.append(f"         note: {doc['names_shortened']}")
         for key, what in (("failed_pages", "pages that failed"),
-                          ("flagged_pages", "pages that were cut off"),
+                          ("flagged_pages", "pages flagged"),
                           ("damaged_pages", "pages damaged in the PDF")):  # fmt: skip
             if doc[key]:
                 pages_list = ",".join(map(str, doc[key]))
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
                         else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
+                if key == "flagged_pages":
+                    verdicts = "".join(f"{v}: {','.join(map(str, doc[f'{v}_pages']))}; "
+                                       for v in ("bad", "suspect") if doc[f"{v}_pages"])
+                    hint = f"{verdicts}redo: ocrvl retry --flagged {shell_quote(path)}"
                 lines.append(f"         {what}: {pages_list} ({hint})")
-    return "\n".join(lines)
+    if status["documents_not_shown"]:
+        lines.append(f"... and {status['documents_not_shown']} older converted documents "
+                     "(`ocrvl status --all` lists everything)")
+    if any("eta_seconds" in doc for doc in docs):
+        lines.append("ETA: when each document should be done at the current rate, sharing the "
+                     "server with those converting and queued ahead of it")
+    return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
 def parse_pages(spec: str) -> list[int]:
@@ -140,10 +252,12 @@ def parse_pages(spec: str) -> list[int]:
     return sorted(pages)
 
 
-def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) -> ExitCode:
-    """Queue documents again; with `pages`, drop only those checkpoints."""
-    if not pdfs and not failed:
-        raise InputFileError("Nothing to retry.", "name PDFs, or use --failed")
+def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
+          flagged: bool = False) -> ExitCode:
+    """Queue documents again; with `pages`, drop only those checkpoints; with `flagged`,
+    only the flagged pages (of `pdfs`, or of every document)."""
+    if not pdfs and not failed and not flagged:
+        raise InputFileError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
     store = open_store(config)
     try:
         targets: list[Job] = []
@@ -154,6 +268,9 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
                 for j in store.jobs()
                 if store.failed_pages(j.sha256, j.model) and j not in targets
             ]
+        if flagged and not pdfs:
+            targets += [j for j in store.jobs(JobState.DONE)
+                        if store.flagged_pages(j.sha256, j.model) and j not in targets]
         for given in pdfs:
             job = store.job_for_path(given.expanduser().absolute())
             if job is None:
@@ -163,10 +280,18 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
                 )
             targets.append(job)
         if not targets:
-            log.info("nothing to retry: no document or page failed (pages damaged in the PDF "
-                     "are left out: only a repaired file can help them)")
+            log.info("nothing to retry: no document or page failed or is flagged (pages "
+                     "damaged in the PDF are left out: only a repaired file can help them)")
         for job in targets:
-            redo = parse_pages(pages) if pages else store.failed_pages(job.sha256, job.model)
+            if pages:
+                redo = parse_pages(pages)
+            elif flagged:
+                redo = store.flagged_pages(job.sha256, job.model)
+                if not redo:
+                    log.info("%s has no flagged pages", job.path)
+                    continue
+            else:
+                redo = store.failed_pages(job.sha256, job.model)
             if redo:
                 store.drop_pages(job.sha256, job.model, redo)
             elif job.state is JobState.DONE:

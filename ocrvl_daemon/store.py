@@ -4,6 +4,8 @@ Page checkpoints are keyed by the document's content hash and the model, not by 
 renamed or moved file whose content was already converted reuses them, and a resumed run
 assembles exactly what an uninterrupted run would have. Every page is committed with
 `synchronous=FULL` before it counts as done, so a power cut loses only the pages in flight.
+A document's path is kept as the raw bytes of its name (any name the filesystem allows);
+texts for people (errors, page notes) are kept `shown`, since SQLite text must be UTF-8.
 `ocrvl status` and `ocrvl retry` open the same database while the daemon runs; SQLite's
 locking keeps them from corrupting it.
 """
@@ -21,13 +23,15 @@ from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.names import shown
+
 SCHEMA_VERSION = 1
 # Pages read per query when assembling a document.
 PAGE_BATCH = 256
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY,
-    path TEXT NOT NULL UNIQUE,
+    path BLOB NOT NULL UNIQUE,  -- os.fsencode(path): names need not be UTF-8
     sha256 TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime REAL NOT NULL,
@@ -41,6 +45,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     started REAL,
     finished REAL,
     not_before REAL NOT NULL DEFAULT 0,
+    redo_tokens INTEGER NOT NULL DEFAULT 0,
     hook_error TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
@@ -52,6 +57,8 @@ CREATE TABLE IF NOT EXISTS pages (
     note TEXT,
     failed INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
+    quality TEXT,  -- JSON: page_quality.PageQuality.to_json()
+    layout TEXT,  -- JSON: {"size": [w, h], "blocks": [{label, bbox, text}]}
     PRIMARY KEY (sha256, model, page)
 );
 CREATE TABLE IF NOT EXISTS page_images (
@@ -102,6 +109,7 @@ class Job:
     started: float | None
     finished: float | None
     not_before: float
+    redo_tokens: int  # extra tokens its last conversion took redoing cut-off pages
     hook_error: str | None = None  # why the last hook run for it failed
 
 
@@ -114,6 +122,13 @@ class StoredPage:
     note: str | None
     failed: bool
     images: dict[str, bytes]
+    quality: dict[str, Any] | None = None  # page_quality.PageQuality.to_json()
+    layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
+
+    @property
+    def verdict(self) -> str | None:
+        """ok, suspect or bad (None: recorded before quality records, or a placeholder)."""
+        return self.quality["verdict"] if self.quality else None
 
 
 class Store:
@@ -134,10 +149,33 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
+        self._paths_as_bytes()
+        self._add_redo_tokens()
+        self._add_page_quality()
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
         if "hook_error" not in columns:  # a store from before hooks existed
             self._db.execute("ALTER TABLE jobs ADD COLUMN hook_error TEXT")
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def _paths_as_bytes(self) -> None:
+        """Databases of earlier versions kept paths as text: turn them into bytes, in place."""
+        if self._db.execute("SELECT 1 FROM jobs WHERE typeof(path)='text' LIMIT 1").fetchone():
+            with self._tx() as db:
+                db.execute("UPDATE OR REPLACE jobs SET path=CAST(path AS BLOB) "
+                           "WHERE typeof(path)='text'")
+
+    def _add_redo_tokens(self) -> None:
+        """Databases of earlier versions did not count the tokens of redone cut-off pages."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "redo_tokens" not in columns:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN redo_tokens INTEGER NOT NULL DEFAULT 0")
+
+    def _add_page_quality(self) -> None:
+        """Databases of earlier versions kept no quality record or layout per page."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(pages)")}
+        for column in ("quality", "layout"):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE pages ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         """Close the connection."""
@@ -162,7 +200,7 @@ class Store:
 
     def job_for_path(self, path: Path) -> Job | None:
         """The job of the document at `path`, if any."""
-        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row) if row else None
 
     def jobs(self, *states: JobState) -> list[Job]:
@@ -192,12 +230,12 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
             if row is None:
                 db.execute(
                     "INSERT INTO jobs (path, sha256, size, mtime, model, state, created, updated)"
                     " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
-                    (str(path), sha256, size, mtime, model, now, now),
+                    (os.fsencode(path), sha256, size, mtime, model, now, now),
                 )
             elif row["sha256"] != sha256 or row["model"] != model:
                 db.execute(
@@ -208,7 +246,7 @@ class Store:
                 )
             else:
                 db.execute("UPDATE jobs SET size=?, mtime=? WHERE id=?", (size, mtime, row["id"]))
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row)
 
     def requeue(self, job_id: int, *, reset_attempts: bool = True) -> None:
@@ -231,13 +269,14 @@ class Store:
                 (page_count, now, now, job_id),
             )
 
-    def set_done(self, job_id: int) -> None:
-        """Mark a job as converted."""
+    def set_done(self, job_id: int, redo_tokens: int = 0) -> None:
+        """Mark a job as converted; `redo_tokens` it took redoing cut-off pages."""
         now = time.time()
         with self._tx() as db:
             db.execute(
-                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? WHERE id=?",
-                (now, now, job_id),
+                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=?, "
+                "redo_tokens=? WHERE id=?",
+                (now, now, redo_tokens, job_id),
             )
 
     def set_failed(
@@ -249,7 +288,7 @@ class Store:
             db.execute(
                 "UPDATE jobs SET state=?, attempts=attempts+1, last_error=?, updated=?, "
                 "not_before=? WHERE id=?",
-                ("failed" if permanent else "queued", error, now, now + retry_in, job_id),
+                ("failed" if permanent else "queued", shown(error), now, now + retry_in, job_id),
             )
 
     def set_hook_error(self, job_id: int, error: str | None) -> None:
@@ -279,6 +318,8 @@ class Store:
         *,
         note: str | None = None,
         failure: PageFailure = PageFailure.NONE,
+        quality: dict[str, Any] | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         """Checkpoint one page durably (Markdown and images in one transaction)."""
         now = time.time()
@@ -288,8 +329,10 @@ class Store:
                 (sha256, model, page),
             )
             db.execute(
-                "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sha256, model, page, markdown, note, int(failure), now),
+                "INSERT OR REPLACE INTO pages (sha256, model, page, markdown, note, failed, "
+                "created, quality, layout) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sha256, model, page, markdown, note and shown(note), int(failure), now,
+                 _json_or_null(quality), _json_or_null(layout)),
             )
             db.executemany(
                 "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
@@ -313,8 +356,28 @@ class Store:
         )
         return [r[0] for r in rows]
 
+    def pages_with_verdict(self, sha256: str, model: str, verdict: str) -> list[int]:
+        """Pages whose quality record has this verdict (ok, suspect, bad)."""
+        rows = self._db.execute(
+            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=0 "
+            "AND json_extract(quality, '$.verdict')=? ORDER BY page",
+            (sha256, model, verdict),
+        )
+        return [r[0] for r in rows]
+
+    def verdict_counts(self, sha256: str, model: str) -> dict[str, int]:
+        """How many checkpointed pages have each verdict (ok, suspect, bad; every one, maybe 0)."""
+        counts = dict.fromkeys(("ok", "suspect", "bad"), 0)
+        for verdict, n in self._db.execute(
+            "SELECT json_extract(quality, '$.verdict'), COUNT(*) FROM pages "
+            "WHERE sha256=? AND model=? AND failed=0 AND quality IS NOT NULL GROUP BY 1",
+            (sha256, model),
+        ):
+            counts[verdict] = n
+        return counts
+
     def flagged_pages(self, sha256: str, model: str) -> list[int]:
-        """Pages kept with a warning (e.g. cut off at the token limit)."""
+        """Pages kept with a warning (cut off, looping, empty, garbage)."""
         rows = self._db.execute(
             "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=0 "
             "AND note IS NOT NULL ORDER BY page",
@@ -359,7 +422,7 @@ class Store:
         last = -1
         while True:
             rows = self._db.execute(
-                "SELECT page, markdown, note, failed FROM pages "
+                "SELECT page, markdown, note, failed, quality, layout FROM pages "
                 "WHERE sha256=? AND model=? AND page>? ORDER BY page LIMIT ?",
                 (sha256, model, last, PAGE_BATCH),
             ).fetchall()
@@ -374,7 +437,8 @@ class Store:
                     )
                 }
                 yield StoredPage(
-                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images
+                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images,
+                    _json_or_none(row["quality"]), _json_or_none(row["layout"]),
                 )
             last = rows[-1]["page"]
 
@@ -391,10 +455,18 @@ class Store:
         return json.loads(row[0]) if row else None
 
 
+def _json_or_null(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _json_or_none(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
 def _job(row: sqlite3.Row) -> Job:
     return Job(
         id=row["id"],
-        path=Path(row["path"]),
+        path=Path(os.fsdecode(row["path"])),
         sha256=row["sha256"],
         size=row["size"],
         mtime=row["mtime"],
@@ -408,5 +480,6 @@ def _job(row: sqlite3.Row) -> Job:
         started=row["started"],
         finished=row["finished"],
         not_before=row["not_before"],
+        redo_tokens=row["redo_tokens"],
         hook_error=row["hook_error"],
     )

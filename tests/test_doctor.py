@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -258,6 +259,26 @@ def test_no_server_python_and_no_vllm_on_path(tmp_path: Path, gpu_env: Any,
     report = run_doctor(write_config(tmp_path), osrelease=NOT_WSL)
     check = by_name(report, "vllm")
     assert check.status == "fail" and "PATH" in check.detail
+
+
+@pytest.mark.parametrize("with_env", [True, False])
+def test_server_python_is_probed_with_server_env(tmp_path: Path, gpu_env: Any,
+                                                 with_env: bool) -> None:
+    """A server whose vllm is only importable with server.env's PYTHONPATH is fine, as it is
+    for the launcher; without server.env the same interpreter cannot import it."""
+    gpu_env("rtx4060")
+    site = tmp_path / "server-site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text('__version__ = "0.11.2"\n')
+    server: dict[str, Any] = {"python": sys.executable}
+    if with_env:
+        server["env"] = {"PYTHONPATH": str(site)}
+    report = run_doctor(write_config(tmp_path, server=server), osrelease=NOT_WSL)
+    check = by_name(report, "vllm")
+    if with_env:
+        assert check.status == "ok", f"server.env was not used to probe the server: {check}"
+    else:
+        assert check.status == "fail" and "No module named 'vllm'" in check.detail, check
 
 
 def test_old_vllm_blocks(tmp_path: Path, gpu_env: Any) -> None:
