@@ -57,13 +57,15 @@ PLACEHOLDER_ARGS = [f"{name}={{{name}}}" for name in HOOK_PLACEHOLDERS]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One `ocrvl convert` run: a book with a damaged page (done) and a non-PDF (failed)."""
+    """One `ocrvl convert` run writing Markdown and JSON: a book with a damaged page (done) and
+    a non-PDF (failed)."""
     root = tmp_path_factory.mktemp("hooks")
     done_log, failed_log = root / "done.jsonl", root / "failed.jsonl"
     book = make_damaged_page_pdf(root / "book.pdf")
     broken = make_html_as_pdf(root / "broken.pdf")
     config = write_config(
         root / "config.yaml",
+        output={"formats": ["markdown", "json"]},
         hooks={
             "on_done": recorder_hook(root, done_log, *PLACEHOLDER_ARGS, '{"keep": "{pdf}"}'),
             "on_failed": recorder_hook(root, failed_log, *PLACEHOLDER_ARGS),
@@ -84,7 +86,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def expected_values(converted: dict) -> dict[str, dict[str, str]]:
     book, broken = converted["book"], converted["broken"]
     return {
-        "done": {"pdf": str(book), "md": str(book.with_suffix(".md")), "json": "",
+        "done": {"pdf": str(book), "md": str(book.with_suffix(".md")),
+                 "json": str(book.with_suffix(".json")),
                  "images": "", "pages": "3", "flagged": "2", "error": ""},
         "failed": {"pdf": str(broken), "md": "", "json": "", "images": "", "pages": "",
                    "flagged": ""},

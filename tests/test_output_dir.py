@@ -68,12 +68,14 @@ def test_convert_writes_to_output_dir_and_keeps_its_rules_there(tmp_path, fake_s
     out.mkdir()
     (out / "theirs.md").write_text("my notes\n", encoding="utf-8")
     told = tmp_path / "hook.txt"
-    config = write_config(tmp_path / "config.yaml", output={"dir": str(out)},
+    config = write_config(tmp_path / "config.yaml",
+                          output={"dir": str(out), "formats": ["markdown", "json"]},
                           hooks={"on_done": ["sh", "-c", f'echo "{{md}}" >> {told}']})
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url,
                        book, theirs, broken)
     assert result.returncode == 1, result.stderr
     assert read_header(out / "book.md")["pages"] == "3", "book.md was not written to output.dir"
+    assert (out / "book.json").is_file(), "book.json was not written to output.dir"
     assert (out / "theirs.md").read_text("utf-8") == "my notes\n", \
         "a Markdown file ocrvl did not write was replaced"
     assert "not written by ocrvl" in (out / "theirs.ocrvl-error.txt").read_text("utf-8")
