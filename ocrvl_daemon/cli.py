@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         parents=[common],
         help="convert PDFs once and exit",
-        description="Write <stem>.md (and <stem>_images/) next to each PDF. Starts and stops a "
-        "managed model server unless --server-url is given. Exit code 0 only if "
-        "every file converted.",
+        description="Write <stem>.md (and <stem>_images/) next to each PDF, or under "
+        "output.dir. Starts and stops a managed model server unless --server-url is given. "
+        "Runs hooks.on_done/on_failed as the daemon does and waits for them. Exit code 0 "
+        "only if every file converted (a failing hook does not change it).",
     )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
     convert.add_argument(

@@ -8,7 +8,10 @@ bad value and the fix.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -232,11 +236,47 @@ class ServerConfig(_Section):
         return self.base_url.removesuffix("/v1")
 
 
+# What a hook's argv may contain; each is also in its environment as OCRVL_<NAME>.
+HOOK_PLACEHOLDERS = ("pdf", "md", "json", "images", "pages", "flagged", "error")
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+class HooksConfig(_Section):
+    """Programs run after each document: argv lists, no shell, placeholders filled in."""
+
+    on_done: list[str] | None = None
+    on_failed: list[str] | None = None
+    timeout: float = Field(60.0, gt=0)
+
+    @field_validator("on_done", "on_failed")
+    @classmethod
+    def _hook_argv(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is None:
+            return None
+        key = f"hooks.{info.field_name}"
+        if not value:
+            raise _KeyError(key, value, "is an empty list; give a command as a list, e.g. "
+                            "[notify-send, ocrvl, '{pdf} is done'], or null for none")
+        for arg in value:
+            for name in _PLACEHOLDER.findall(arg):
+                if name not in HOOK_PLACEHOLDERS:
+                    known = ", ".join("{" + p + "}" for p in HOOK_PLACEHOLDERS)
+                    raise _KeyError(key, value, f"uses an unknown placeholder {{{name}}}; "
+                                    f"use one of {known}")
+        program = os.path.expanduser(value[0])
+        if shutil.which(program) is None:
+            raise _KeyError(key, value, f"its program {value[0]!r} is not an executable found "
+                            "on PATH; install it, or give its full path (a service's PATH is "
+                            "shorter than a terminal's)")
+        return value
+
+
 class OutputConfig(_Section):
-    """What is written next to each PDF."""
+    """What is written, and where."""
 
     # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks).
     formats: list[Literal["markdown", "json"]] = ["markdown"]  # pydantic copies it
+    dir: Path | None = None
 
     @field_validator("formats")
     @classmethod
@@ -245,6 +285,68 @@ class OutputConfig(_Section):
             raise ValueError("must include markdown (the Markdown is always written); "
                              "use [markdown] or [markdown, json]")
         return value
+
+    @field_validator("dir")
+    @classmethod
+    def _writable(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        value = expand_path(value).absolute()
+        existing = value
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise _KeyError("output.dir", str(value), f"{existing} is not a folder; set "
+                            "output.dir to a folder, or null to write next to each PDF")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "is" if existing == value else f"cannot be created: {existing} is"
+            raise _KeyError("output.dir", str(value), f"{what} not writable for this user; "
+                            "fix its permissions, choose another folder, or set null to "
+                            "write next to each PDF")
+        return value
+
+
+class MetricsConfig(_Section):
+    """The daemon's own Prometheus endpoint."""
+
+    listen: str | None = None
+    allow_remote: bool = False
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) to listen on, or None when off."""
+        if self.listen is None:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @model_validator(mode="after")
+    def _listen(self) -> MetricsConfig:
+        if self.listen is None:
+            return self
+        host, sep, port = self.listen.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _KeyError("metrics.listen", self.listen, "must be HOST:PORT, e.g. "
+                            "127.0.0.1:9118, or null to turn the endpoint off")
+        if not self.allow_remote and not _is_loopback(host):
+            raise _KeyError("metrics.listen", self.listen, "is not a loopback address, so "
+                            "anyone on the network could read it; use 127.0.0.1:PORT, or "
+                            "set metrics.allow_remote: true if that is what you want")
+        return self
+
+
+def _twice(names: list[str]) -> str:
+    return next(n for n in names if names.count(n) > 1)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
 
 
 class Config(_Section):
@@ -255,6 +357,8 @@ class Config(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    hooks: HooksConfig = Field(default_factory=HooksConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     progress_seconds: float = Field(30.0, gt=0)
@@ -294,6 +398,14 @@ class Config(_Section):
                 served_name,
                 "paddleocr genai_server serves the model under model.name only; remove "
                 "model.served_name, or use server.launcher: vllm",
+            )
+        names = [p.name for p in self.inbox.paths]
+        if self.output.dir is not None and len(set(names)) < len(names):
+            raise _KeyError(
+                "inbox.paths",
+                [str(p) for p in self.inbox.paths],
+                f"with output.dir set, each inbox's results go to output.dir/<its folder "
+                f"name>/, and two inboxes are both called {_twice(names)!r}; rename one",
             )
         max_len = server.vllm_args["max-model-len"]
         new_tokens = self.model.effective_max_new_tokens

@@ -4,7 +4,8 @@
 convert`'s). It activates queued jobs, sends pages to the engine worker while the server is
 ready, checkpoints every finished page before counting it, and assembles a document once all
 its pages are in. One bad document never stops the others: its failure is recorded in the
-store, the log and a `<stem>.ocrvl-error.txt` next to it.
+store, the log and a `<stem>.ocrvl-error.txt` beside its output. The user's hooks run
+after each document written or failed for good; how they ended goes to the store.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ocrvl_daemon.errors import (
     OcrvlError,
     PagesFailedError,
 )
+from ocrvl_daemon.hooks import HookRunner, HookValues
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import (
     REDO_SHARE,
@@ -118,6 +120,8 @@ class Converter:
         self.server = server
         self.only = only
         self.model = config.model.name
+        self.place = output.output_place(config)
+        self.hooks = HookRunner()
         self.concurrency = ConcurrencyController(
             config.pipeline.min_concurrency,
             config.pipeline.max_concurrency,
@@ -137,6 +141,10 @@ class Converter:
         self.engine_start_failures = 0
         self.engine_error: str | None = None
         self.completed_pages = 0
+        # Pages given up on (placeholders) and kept with a warning, since this started.
+        self.failed_pages = 0
+        self.flagged_pages = 0
+        self.hook_failures: Counter[str] = Counter()
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
@@ -150,6 +158,7 @@ class Converter:
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
+        self._record_hooks()
         self._collect()
         self._maintain_workers(now)
         if self._wake or now >= self._next_activation:
@@ -228,7 +237,8 @@ class Converter:
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
                 return
-        output.check_writable(path, json_output="json" in self.config.output.formats)
+        output.check_writable(path, json_output="json" in self.config.output.formats,
+                              place=self.place)
         count = pdf.page_count(path)
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
@@ -252,8 +262,9 @@ class Converter:
         attempts = job.attempts + 1
         if exc.permanent:
             log.error("%s failed: %s", job.path, exc, extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix)
+            output.write_error_note(job.path, exc.message, exc.fix, place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=True)
+            self._run_hook("on_failed", job, error=str(exc))
         else:
             delay = retry_delay(attempts)
             log.warning(
@@ -264,7 +275,8 @@ class Converter:
                 delay,
                 extra=_fields(job),
             )
-            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay)
+            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay,
+                                    place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
     # --- the engine worker --------------------------------------------------------------
@@ -479,6 +491,7 @@ class Converter:
         fields = _fields(job, result.page)
         self._ledgers[job.id].settle(result.page)
         if note is not None:
+            self.flagged_pages += 1
             log.warning("%s: %s", job.path.name, note,
                         extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
                                "OCRVL_REASON": quality.reason})
@@ -572,6 +585,7 @@ class Converter:
         log.error("%s: %s", job.path.name, note, extra=_fields(job, page))
         failure = PageFailure.RETRYABLE if redo else PageFailure.DAMAGED
         self.store.save_page(job.sha256, self.model, page, "", {}, note=note, failure=failure)
+        self.failed_pages += 1
         doc.in_flight.discard(page)
         doc.done += 1
 
@@ -587,6 +601,7 @@ class Converter:
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
                 json_output="json" in self.config.output.formats,
+                place=self.place,
             )
         except OcrvlError as exc:
             self._fail(job, exc)
@@ -599,7 +614,8 @@ class Converter:
         self._jobs.pop(job_id)
         ledger = self._ledgers.pop(job_id)
         self.store.set_done(job_id, redo_tokens=ledger.extra)
-        output.remove_error_note(job.path)
+        output.remove_error_note(job.path, self.place)
+        md, images, _ = output.outputs_for(job.path, self.place)
         redone = ""
         if ledger.redos:
             redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
@@ -614,14 +630,49 @@ class Converter:
             "%s: done, %d pages -> %s%s",
             job.path.name,
             doc.page_count,
-            output.outputs_for(job.path)[0].name,
+            md.name if self.config.output.dir is None else md,
             redone,
             extra=fields,
         )
-        short = output.shortened_names(job.path)
+        short = output.shortened_names(job.path, self.place)
         if short:
             log.info("%s: %s", job.path.name, short, extra=_fields(job))
+        data = output.json_for(job.path, self.place)
+        self._run_hook("on_done", job, md=str(md), pages=doc.page_count,
+                       images=str(images) if images.is_dir() else "",
+                       json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def _run_hook(self, event: str, job: Job, *, md: str = "", images: str = "",
+                  json: str = "", pages: int | None = None, error: str = "") -> None:
+        """Start the user's `hooks.<event>` for `job`, if there is one (in the background)."""
+        argv: list[str] | None = getattr(self.config.hooks, event)
+        if argv is None:
+            return
+        pages = job.page_count if pages is None else pages
+        flagged = sorted(
+            {*self.store.failed_pages(job.sha256, job.model),
+             *self.store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED),
+             *self.store.flagged_pages(job.sha256, job.model)}
+        )
+        values = HookValues(
+            pdf=str(job.path),
+            md=md,
+            json=json,
+            images=images,
+            pages="" if pages is None else str(pages),
+            flagged=",".join(str(p + 1) for p in flagged),
+            error=error,
+        )
+        self.hooks.submit(event, argv, self.config.hooks.timeout, job.id, values)
+
+    def _record_hooks(self) -> None:
+        for outcome in self.hooks.outcomes():
+            self.store.set_hook_error(outcome.job_id, outcome.error)
+            if outcome.error is not None:
+                self.hook_failures[outcome.event] += 1
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
@@ -631,6 +682,7 @@ class Converter:
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""
         old, self.config = self.config, config
+        self.place = output.output_place(config)
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
         self.concurrency.limit = min(
@@ -676,8 +728,9 @@ class Converter:
             for job_id, doc in sorted(self.active.items())
         ]
 
-    def stop(self, timeout: float) -> None:
-        """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
+    def stop(self, timeout: float, wait_for_hooks: bool = False) -> None:
+        """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
+        hooks running are stopped, or with `wait_for_hooks` all run to their end first."""
         deadline = time.monotonic() + timeout
         workers = [w for w in (self._worker, *self._retiring) if w is not None]
         while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
@@ -690,6 +743,8 @@ class Converter:
             worker.stop()
         self._worker = None
         self._retiring.clear()
+        self.hooks.stop(None if wait_for_hooks else 0.0)
+        self._record_hooks()
 
 
 def _worker_fix(failure: str) -> str:
@@ -715,7 +770,8 @@ def _unexpected(exc: Exception) -> OcrvlError:
     )
 
 
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError) -> None:
+def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
+                       place: output.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
@@ -724,10 +780,11 @@ def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError
     job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix)
+        output.write_error_note(path, exc.message, exc.fix, place=place)
 
 
-def enqueue_file(store: Store, path: Path, model: str) -> Job:
+def enqueue_file(store: Store, path: Path, model: str,
+                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
     """Identify `path` and queue it, unless this content is already handled.
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
@@ -746,12 +803,12 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:
-        _record_unreadable(store, path, model, exc)
+        _record_unreadable(store, path, model, exc, place)
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
-    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
+    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
         log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
-        output.remove_error_note(path)
+        output.remove_error_note(path, place)
         job = store.job(job.id) or job
     return job

@@ -20,6 +20,7 @@ from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
 from ocrvl_daemon.logs import set_level
+from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.status import open_store
@@ -52,6 +53,8 @@ class Daemon:
         self._last_publish = 0.0
         self._last_extend = 0.0
         self._last_status = 0.0
+        # The latest snapshot of this daemon's state, for the metrics endpoint's thread.
+        self.metrics_snapshot: DaemonMetrics | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
@@ -78,8 +81,10 @@ class Daemon:
         self.server = ServerSupervisor(config)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.server)
+        self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
+            self.metrics.start()
             self.server.start()
             self.watcher.start()
             return self._loop()
@@ -109,7 +114,7 @@ class Daemon:
     def _take(self, path: Path) -> bool:
         """Queue a file the watcher found; True when it is already converted."""
         try:
-            job = enqueue_file(self.store, path, self.config.model.name)
+            job = enqueue_file(self.store, path, self.config.model.name, self.converter.place)
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
             return False
@@ -156,6 +161,22 @@ class Daemon:
             engine_failed_starts=self.converter.engine_start_failures,
         )
         self.notifier.status(format_status(snap), now)
+        self.metrics_snapshot = DaemonMetrics(
+            pages_done=self.converter.completed_pages,
+            pages_failed=self.converter.failed_pages,
+            pages_flagged=self.converter.flagged_pages,
+            pages_in_flight=progress.in_flight,
+            pages_per_s=progress.pages_per_s,
+            documents={
+                JobState.QUEUED.value: max(0, progress.queued),
+                JobState.RUNNING.value: len(self.converter.active),
+                JobState.DONE.value: progress.done,
+                JobState.FAILED.value: progress.failed,
+            },
+            engine_failed_starts=self.converter.engine_start_failures,
+            hook_failures=dict(self.converter.hook_failures),
+            servers=[ServerMetrics(server.url, state.value, server.restart_count)],
+        )
         if now - self._last_publish >= PUBLISH_SECONDS:
             self._last_publish = now
             self._publish(server, progress.pages_per_s)
@@ -193,9 +214,10 @@ class Daemon:
             self.notifier.ready()
             return
         old = self.config
-        if new.state_dir != old.state_dir:
-            log.warning("state_dir changed; that takes effect at the next restart")
-            new = new.model_copy(update={"state_dir": old.state_dir})
+        for key in ("state_dir", "metrics"):
+            if getattr(new, key) != getattr(old, key):
+                log.warning("%s changed; that takes effect at the next restart", key)
+                new = new.model_copy(update={key: getattr(old, key)})
         self.config = new
         set_level(new.log_level)
         self.watcher.reconfigure(new.inbox)
@@ -216,6 +238,7 @@ class Daemon:
         self.watcher.stop()
         self.converter.stop(DRAIN_SECONDS)
         self.server.stop()
+        self.metrics.stop()
         # `ocrvl status` must not go on showing the last published state as running.
         self.store.put_meta("daemon", {"pid": os.getpid(), "stopped": time.time()})
         self.store.close()

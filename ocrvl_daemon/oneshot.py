@@ -1,7 +1,9 @@
 """`ocrvl convert`: the daemon's conversion path, run once over the given files.
 
 It uses its own store (`state_dir/convert.sqlite`), so an interrupted run resumes where it
-stopped when started again, and it never competes with a running daemon for jobs.
+stopped when started again, and it never competes with a running daemon for jobs. It writes
+where the daemon would (`output.dir`) and runs the same hooks, waiting for them before it
+exits: a configuration behaves the same in both, and one file is how a hook is tried out.
 """
 
 from __future__ import annotations
@@ -45,16 +47,27 @@ def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
     store = Store(config.state_dir / "convert.sqlite")
     failures: dict[Path, str] = {}
     jobs: dict[int, Path] = {}
+    place = output.output_place(config)
+    claimed: dict[Path, Path] = {}  # output -> the PDF it is for
     for given in pdfs:
         path = given.expanduser().absolute()
+        md = output.outputs_for(path, place)[0]
+        if claimed.setdefault(md, path) != path:
+            failures[path] = str(InputFileError(
+                f"{path} would be written to {md}, like {claimed[md]} (output.dir keeps "
+                "only the names of PDFs from outside the inboxes).",
+                "rename one of them, or convert them without output.dir",
+            ))
+            continue
         try:
             _check_input(path)
-            job = enqueue_file(store, path, config.model.name)
+            job = enqueue_file(store, path, config.model.name, place)
         except OcrvlError as exc:
             failures[path] = str(exc)
             continue
-        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name):
-            log.info("%s is already converted: %s", path.name, output.outputs_for(path)[0].name)
+        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name,
+                                                            place):
+            log.info("%s is already converted: %s", path.name, output.outputs_for(path, place)[0])
             continue
         if job.state is not JobState.QUEUED:
             store.requeue(job.id)
@@ -116,14 +129,15 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         if stop_requested:
             log.warning("stopping (%s): pages done so far are kept; the same command resumes",
                         signal.Signals(stop_requested[0]).name)
-        converter.stop(INTERRUPT_DRAIN_SECONDS if stop_requested else STOP_TIMEOUT)
+        converter.stop(INTERRUPT_DRAIN_SECONDS if stop_requested else STOP_TIMEOUT,
+                       wait_for_hooks=not stop_requested)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stop_requested:
         raise KeyboardInterrupt
     return {
-        path: _reason(store, job_id)
+        path: _reason(store, job_id, converter.place)
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
@@ -162,10 +176,10 @@ def _settled(store: Store, job_id: int) -> bool:
     return job.state is JobState.QUEUED and job.attempts >= MAX_ATTEMPTS
 
 
-def _reason(store: Store, job_id: int) -> str:
+def _reason(store: Store, job_id: int, place: output.OutputPlace) -> str:
     job = store.job(job_id)
     if job is None:
         return "the file disappeared while it was being converted"
-    if job.state is JobState.DONE and not output.outputs_for(job.path)[0].exists():
+    if job.state is JobState.DONE and not output.outputs_for(job.path, place)[0].exists():
         return "converted, but the Markdown file is missing"
     return job.last_error or "not converted"

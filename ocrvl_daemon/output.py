@@ -1,6 +1,9 @@
-"""Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`,
-and with `output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout
-blocks; its JSON Schema is `data/document.schema.json`).
+"""Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`, and with
+`output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout blocks; its
+JSON Schema is `data/document.schema.json`).
+
+They go next to the PDF, or under `output.dir` mirroring the inbox's sub-folders
+(`OutputPlace`); every rule below holds in both places.
 
 Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
 a Markdown file or image folder that ocrvl did not write is never replaced. Names keep the PDF's
@@ -20,11 +23,14 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shell_quote, shown
+
+if TYPE_CHECKING:
+    from ocrvl_daemon.config import Config
 
 TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
@@ -55,23 +61,57 @@ class Page:
     layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
 
 
-def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
+@dataclass(frozen=True)
+class OutputPlace:
+    """Where a PDF's outputs go: next to it (`dir` None), or under `dir`.
+
+    Under `dir`, a PDF inside one of `inboxes` keeps its sub-folder relative to that inbox
+    (prefixed by the inbox's folder name when there are several); any other PDF goes to
+    `dir` itself.
+    """
+
+    dir: Path | None = None
+    inboxes: tuple[Path, ...] = ()
+
+    def base(self, pdf: Path) -> Path:
+        """The path the outputs are named after: `pdf` itself, or its place under `dir`."""
+        if self.dir is None:
+            return pdf
+        pdf = pdf.absolute()
+        containing = [i for i in map(Path.absolute, self.inboxes) if pdf.is_relative_to(i)]
+        if not containing:
+            return self.dir / pdf.name
+        inbox = max(containing, key=lambda i: len(i.parts))  # the innermost one
+        prefix = Path(inbox.name) if len(self.inboxes) > 1 else Path()
+        return self.dir / prefix / pdf.relative_to(inbox)
+
+
+NEXT_TO_PDF = OutputPlace()
+
+
+def output_place(config: Config) -> OutputPlace:
+    """Where this configuration puts every document's outputs."""
+    return OutputPlace(config.output.dir, tuple(config.inbox.paths))
+
+
+def outputs_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> tuple[Path, Path, Path]:
     """The Markdown file, image folder and error note that belong to `pdf`.
 
     The Markdown always has the PDF's stem (`check_writable` refuses a name too long for
     it); the image folder and error note are shortened where the full name would not fit.
     """
-    limit = _name_limit(pdf)
+    base = place.base(pdf)
+    limit = _name_limit(base)
     return (
-        pdf.with_suffix(".md"),
-        pdf.with_name(fit_name(pdf.stem, IMAGES_SUFFIX, limit)),
-        pdf.with_name(fit_name(pdf.stem, ERROR_SUFFIX, limit)),
+        base.with_suffix(".md"),
+        base.with_name(fit_name(base.stem, IMAGES_SUFFIX, limit)),
+        base.with_name(fit_name(base.stem, ERROR_SUFFIX, limit)),
     )
 
 
-def json_for(pdf: Path) -> Path:
+def json_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
     """The JSON output that belongs to `pdf` (`output.formats: [markdown, json]`)."""
-    return pdf.with_suffix(".json")
+    return place.base(pdf).with_suffix(".json")
 
 
 def _is_our_json(path: Path) -> bool:
@@ -93,16 +133,17 @@ def _shorter_name_fix(limit: int) -> str:
             "inbox the renamed file is picked up by itself")
 
 
-def shortened_names(pdf: Path) -> str | None:
+def shortened_names(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> str | None:
     """What got a shortened name because the full one is too long for the filesystem."""
-    _, images, note = outputs_for(pdf)
+    _, images, note = outputs_for(pdf, place)
     short = [f"{what} is {path.name}" for what, path, suffix in (
         ("the image folder", images, IMAGES_SUFFIX), ("the error note", note, ERROR_SUFFIX))
         if path.name != pdf.stem + suffix]
     if not short:
         return None
     return (f"the name is too long to add {IMAGES_SUFFIX} or {ERROR_SUFFIX} within this "
-            f"filesystem's limit of {_name_limit(pdf)} bytes, so {' and '.join(short)} "
+            f"filesystem's limit of {_name_limit(place.base(pdf))} bytes, so "
+            f"{' and '.join(short)} "
             "(the start of the name, ~ and a hash of it)")
 
 
@@ -117,22 +158,23 @@ def read_header(md: Path) -> dict[str, str] | None:
     return dict(_FIELD.findall(match["fields"])) if match else None
 
 
-def is_current(pdf: Path, sha256: str, model: str) -> bool:
+def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_PDF) -> bool:
     """Whether `<stem>.md` exists, is ocrvl's, and was made from this content by this model."""
-    header = read_header(outputs_for(pdf)[0])
+    header = read_header(outputs_for(pdf, place)[0])
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path, *, json_output: bool = False) -> None:
+def check_writable(pdf: Path, *, json_output: bool = False,
+                   place: OutputPlace = NEXT_TO_PDF) -> None:
     """Refuse early when an output ocrvl must not replace is in the way."""
-    md, images, _ = outputs_for(pdf)
-    data = json_for(pdf)
+    md, images, _ = outputs_for(pdf, place)
+    data = json_for(pdf, place)
     if json_output and data.exists() and not _is_our_json(data):
         raise NotOursError(
             f"{data} already exists and was not written by ocrvl; it is left untouched.",
             f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
         )
-    limit = _name_limit(pdf)
+    limit = _name_limit(place.base(pdf))
     if name_bytes(md.name) > limit:
         raise NameTooLongError(
             f"{md.name} would be {name_bytes(md.name)} bytes long; this filesystem allows "
@@ -160,6 +202,7 @@ def write_document(
     size_hint: int = 0,
     *,
     json_output: bool = False,
+    place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
     `json_output` `<stem>.json` too (renamed in just before the Markdown).
@@ -169,15 +212,16 @@ def write_document(
     that are not there yet. `size_hint` (bytes of text and images) is checked against the
     free space first; a full disk raises a transient OutputError and leaves nothing behind.
     """
-    md, images_dir, _ = outputs_for(pdf)
+    md, images_dir, _ = outputs_for(pdf, place)
+    _make_folder(md.parent)
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
     tmp_md = _temporary(md)
     tmp_dir = _temporary(images_dir)
-    data = json_for(pdf)
+    data = json_for(pdf, place)
     tmp_json = _temporary(data)
     link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
-        check_writable(pdf, json_output=json_output)
+        check_writable(pdf, json_output=json_output, place=place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         _remove_temporaries(md)
         _remove_temporaries(images_dir)
@@ -327,6 +371,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_folder(folder: Path) -> None:
+    """Create an output sub-folder (under `output.dir`); next to the PDF it already exists."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _output_error(folder / ".", exc) from exc
+
+
 def _check_free_space(folder: Path, needed: int) -> None:
     try:
         free = shutil.disk_usage(folder).free
@@ -360,13 +412,18 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
 
 
 def write_error_note(
-    pdf: Path, message: str, fix: str | None, *, retry_in: float | None = None
+    pdf: Path,
+    message: str,
+    fix: str | None,
+    *,
+    retry_in: float | None = None,
+    place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
     """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort).
 
     `retry_in` marks a transient failure that ocrvl retries by itself after that many seconds.
     """
-    note = outputs_for(pdf)[2]
+    note = outputs_for(pdf, place)[2]
     text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
     if fix:
         text += f"What to do: {fix}\n"
@@ -377,14 +434,15 @@ def write_error_note(
             f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
             "once the document is converted.\n"
         )
-    short = shortened_names(pdf)
+    short = shortened_names(pdf, place)
     if short:
         text += f"\nNote: {short}.\n"
     with contextlib.suppress(OSError):
+        note.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(note, shown(text))
 
 
-def remove_error_note(pdf: Path) -> None:
+def remove_error_note(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:
     """Remove a stale error note once the document converted."""
     with contextlib.suppress(OSError):
-        outputs_for(pdf)[2].unlink()
+        outputs_for(pdf, place)[2].unlink()

@@ -13,7 +13,7 @@ import psutil
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError
 from ocrvl_daemon.names import shell_quote, shown
-from ocrvl_daemon.output import shortened_names
+from ocrvl_daemon.output import OutputPlace, output_place, shortened_names
 from ocrvl_daemon.pdf import repair_fix, retry_command
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
@@ -33,7 +33,7 @@ def open_store(config: Config) -> Store:
     return Store(config.state_dir / DAEMON_DB)
 
 
-def _job_view(store: Store, job: Job) -> dict[str, Any]:
+def _job_view(store: Store, job: Job, place: OutputPlace) -> dict[str, Any]:
     done = (
         store.count_pages(job.sha256, job.model)
         if job.state is not JobState.DONE
@@ -58,8 +58,9 @@ def _job_view(store: Store, job: Job) -> dict[str, Any]:
         "bad_pages": [p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "bad")],
         "verdicts": store.verdict_counts(job.sha256, job.model),
         "redo_tokens": job.redo_tokens,
+        "hook_error": job.hook_error,
     }
-    short = shortened_names(job.path)
+    short = shortened_names(job.path, place)
     if short:
         view["names_shortened"] = shown(short)
     if job.state is JobState.QUEUED and job.not_before > time.time():
@@ -151,7 +152,8 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
         jobs = store.jobs()
         listed = jobs if everything else _recent(jobs)
         listed_ids = {j.id for j in listed}
-        views = {j.id: _job_view(store, j) for j in jobs
+        place = output_place(config)
+        views = {j.id: _job_view(store, j, place) for j in jobs
                  if j.state in (JobState.RUNNING, JobState.QUEUED) or j.id in listed_ids}
         _add_etas(jobs, views, rate)
     finally:
@@ -207,6 +209,8 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
+        if doc["hook_error"]:
+            lines.append(f"         hook: {doc['hook_error']}")
         if doc.get("names_shortened"):
             lines.append(f"         note: {doc['names_shortened']}")
         for key, what in (("failed_pages", "pages that failed"),

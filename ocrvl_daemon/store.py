@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     started REAL,
     finished REAL,
     not_before REAL NOT NULL DEFAULT 0,
-    redo_tokens INTEGER NOT NULL DEFAULT 0
+    redo_tokens INTEGER NOT NULL DEFAULT 0,
+    hook_error TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS pages (
@@ -109,6 +110,7 @@ class Job:
     finished: float | None
     not_before: float
     redo_tokens: int  # extra tokens its last conversion took redoing cut-off pages
+    hook_error: str | None = None  # why the last hook run for it failed
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ class Store:
         self._paths_as_bytes()
         self._add_redo_tokens()
         self._add_page_quality()
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "hook_error" not in columns:  # a store from before hooks existed
+            self._db.execute("ALTER TABLE jobs ADD COLUMN hook_error TEXT")
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
 
     def _paths_as_bytes(self) -> None:
@@ -285,6 +290,11 @@ class Store:
                 "not_before=? WHERE id=?",
                 ("failed" if permanent else "queued", shown(error), now, now + retry_in, job_id),
             )
+
+    def set_hook_error(self, job_id: int, error: str | None) -> None:
+        """Record how the last hook run for a job ended (None: it succeeded)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET hook_error=? WHERE id=?", (error, job_id))
 
     def forget(self, job_id: int) -> None:
         """Drop a job whose file is gone (its page checkpoints stay for a renamed copy)."""
@@ -471,4 +481,5 @@ def _job(row: sqlite3.Row) -> Job:
         finished=row["finished"],
         not_before=row["not_before"],
         redo_tokens=row["redo_tokens"],
+        hook_error=row["hook_error"],
     )

@@ -112,3 +112,20 @@ def test_a_database_of_an_earlier_version_keeps_its_jobs(tmp_path: Path) -> None
         assert len(store.jobs()) == 1, "the old job was duplicated"
     finally:
         store.close()
+
+
+def test_a_store_from_before_hooks_opens_and_records_hook_outcomes(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "jobs.sqlite"
+    Store(db).close()
+    with sqlite3.connect(db) as conn:  # the jobs table as it was before hooks existed
+        conn.execute("ALTER TABLE jobs DROP COLUMN hook_error")
+        conn.execute("INSERT INTO jobs (path, sha256, size, mtime, model, state, created, "
+                     "updated) VALUES ('/x/a.pdf', 'h', 1, 1.0, 'm', 'done', 0, 0)")
+    store = Store(db)
+    job = store.jobs()[0]
+    assert job.hook_error is None
+    store.set_hook_error(job.id, "on_done hook 'x' exited with status 1")
+    assert store.jobs()[0].hook_error == "on_done hook 'x' exited with status 1"
+    store.close()

@@ -1,0 +1,181 @@
+"""The user's programs run after each document: `hooks.on_done` and `hooks.on_failed`.
+
+A hook is an argv list run without a shell, with `{pdf}`, `{md}`... filled in and the same
+values in its environment as `OCRVL_PDF`, `OCRVL_MD`... It runs on a small pool of threads,
+in its own process group, so a slow or hanging hook never holds up the main loop or another
+document. Its output is logged under the document. A hook that fails, or outlives
+`hooks.timeout` and is stopped (TERM, bounded wait, KILL, reap), is logged and reported back
+to the owner's loop through `outcomes()`, for `ocrvl status`; it never re-runs a conversion.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ocrvl_daemon.config import HOOK_PLACEHOLDERS
+from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.process_group import ProcessGroup
+
+log = logging.getLogger(__name__)
+# A hook's own output, line by line.
+output_log = logging.getLogger(__name__ + ".output")
+
+# Hooks running at once; more wait their turn (in order).
+MAX_RUNNING = 4
+# Between SIGTERM and SIGKILL for a hook that timed out or is stopped at shutdown.
+STOP_SECONDS = 5.0
+# Only the last lines of a chatty hook are logged.
+OUTPUT_LINES = 50
+
+
+@dataclass(frozen=True)
+class HookValues:
+    """What a hook is told about its document; "" where a value does not apply."""
+
+    pdf: str
+    md: str = ""
+    json: str = ""  # no JSON output exists yet
+    images: str = ""
+    pages: str = ""
+    flagged: str = ""
+    error: str = ""
+
+    def expand(self, argv: list[str]) -> list[str]:
+        """`argv` with every `{placeholder}` replaced (nothing else: JSON braces stay)."""
+        values = asdict(self)
+        expanded = []
+        for arg in argv:
+            for name in HOOK_PLACEHOLDERS:
+                arg = arg.replace("{" + name + "}", values[name])
+            expanded.append(arg)
+        return expanded
+
+    def environment(self) -> dict[str, str]:
+        """The same values as `OCRVL_<NAME>` variables."""
+        return {f"OCRVL_{name.upper()}": value for name, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    """How a hook ended; `error` is None when it succeeded."""
+
+    job_id: int
+    event: str  # "on_done" or "on_failed"
+    error: str | None
+
+
+class HookRunner:
+    """Runs hooks on a bounded pool; `stop()` ends them all."""
+
+    def __init__(self, max_running: int = MAX_RUNNING) -> None:
+        self._pool = ThreadPoolExecutor(max_running, thread_name_prefix="ocrvl-hook")
+        self._outcomes: queue.SimpleQueue[HookOutcome] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: set[ProcessGroup] = set()
+        self._futures: set[Future[None]] = set()
+        self._stopping = False
+
+    def submit(self, event: str, argv: list[str], timeout: float, job_id: int,
+               values: HookValues) -> None:
+        """Run `argv` for a document in the background (returns at once)."""
+        with self._lock:
+            if self._stopping:
+                return
+            future = self._pool.submit(self._run, event, argv, timeout, job_id, values)
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def outcomes(self) -> list[HookOutcome]:
+        """Hooks that ended since the last call."""
+        ended = []
+        while True:
+            try:
+                ended.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return ended
+
+    def _run(self, event: str, argv: list[str], timeout: float, job_id: int,
+             values: HookValues) -> None:
+        name = Path(values.pdf).name
+        fields = doc_fields(Path(values.pdf), None, job_id)
+        with self._lock:
+            if self._stopping:
+                return
+            try:
+                group = ProcessGroup.spawn(values.expand(argv),
+                                           {**os.environ, **values.environment()},
+                                           what=f"{event} hook for {name}")
+            except OSError as exc:
+                failed = f"{event} hook {argv[0]!r} could not start: {exc.strerror or exc}"
+                log.error("%s: %s", name, failed, extra=fields)
+                self._outcomes.put(HookOutcome(job_id, event, failed))
+                return
+            self._running.add(group)
+        try:
+            output, timed_out = _communicate(group, timeout)
+        finally:
+            with self._lock:
+                self._running.discard(group)
+        lines = output.decode("utf-8", errors="replace").splitlines()
+        if len(lines) > OUTPUT_LINES:
+            output_log.info("%s: %s: (%d earlier lines not logged)", name, event,
+                            len(lines) - OUTPUT_LINES, extra=fields)
+        for line in lines[-OUTPUT_LINES:]:
+            output_log.info("%s: %s: %s", name, event, line, extra=fields)
+        status = group.proc.returncode
+        error: str | None = None
+        if timed_out:
+            error = f"{event} hook ran longer than hooks.timeout ({timeout:g} s) and was stopped"
+        elif status != 0:
+            stopped = " (stopped: ocrvl is shutting down)" if self._stopping else ""
+            error = f"{event} hook {argv[0]!r} exited with status {status}{stopped}"
+        if error is None:
+            log.info("%s: %s hook succeeded", name, event, extra=fields)
+        else:
+            log.error("%s: %s; its output is logged above", name, error, extra=fields)
+        self._outcomes.put(HookOutcome(job_id, event, error))
+
+    def stop(self, wait_seconds: float | None = 0.0) -> None:
+        """Let hooks finish for up to `wait_seconds` (None: all of them, each bounded by its
+        timeout), then stop those still running (TERM, bounded wait, KILL, reap); hooks not
+        started yet are not run."""
+        with self._lock:
+            futures = set(self._futures)
+        if (wait_seconds is None or wait_seconds > 0) and futures:
+            wait(futures, timeout=wait_seconds)
+        with self._lock:
+            self._stopping = True
+            running = list(self._running)
+            waiting = sum(not f.running() and not f.done() for f in self._futures)
+        if waiting:
+            log.warning("stopping: %d hook(s) not run", waiting)
+        for group in running:
+            group.stop(STOP_SECONDS)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _communicate(group: ProcessGroup, timeout: float) -> tuple[bytes, bool]:
+    """The hook's output once it ends; stopped after `timeout`. True if it timed out."""
+    try:
+        output, _ = group.proc.communicate(timeout=timeout)
+        return output, False
+    except subprocess.TimeoutExpired:
+        pass
+    group.stop(STOP_SECONDS)
+    try:
+        output, _ = group.proc.communicate(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:  # something outside its group still holds the pipe
+        group.stdout.close()
+        output = b""
+    return output, True

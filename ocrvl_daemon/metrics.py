@@ -1,0 +1,137 @@
+"""The daemon's own Prometheus endpoint (`metrics.listen`).
+
+prometheus_client serves it from a thread with a registry of its own. Nothing is counted
+twice: each scrape reads the latest `DaemonMetrics`, the snapshot the main loop takes of
+its own state about once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ocrvl_daemon.config import MetricsConfig
+from ocrvl_daemon.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """One model server endpoint as the daemon sees it."""
+
+    endpoint: str
+    state: str
+    restarts: int
+
+
+@dataclass(frozen=True)
+class DaemonMetrics:
+    """What a scrape shows; counters count since the daemon started."""
+
+    pages_done: int
+    pages_failed: int
+    pages_flagged: int
+    pages_in_flight: int
+    pages_per_s: float
+    documents: Mapping[str, int]  # by state: queued, running, done, failed
+    engine_failed_starts: int
+    hook_failures: Mapping[str, int]  # by hook: on_done, on_failed
+    servers: list[ServerMetrics] = field(default_factory=list)
+
+
+SERVER_STATES = ("stopped", "starting", "ready", "restarting", "failed")
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], DaemonMetrics | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:  # the main loop has not taken its first snapshot yet
+            return
+        for name, value, text in (
+            ("ocrvl_pages_done", snap.pages_done, "Pages recognised and checkpointed."),
+            ("ocrvl_pages_failed", snap.pages_failed,
+             "Pages given up on (placeholders in the output)."),
+            ("ocrvl_pages_flagged", snap.pages_flagged,
+             "Pages kept with a warning (cut off at the token limit)."),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        yield GaugeMetricFamily("ocrvl_pages_in_flight", "Pages at the engine now.",
+                                value=snap.pages_in_flight)
+        yield GaugeMetricFamily("ocrvl_pages_per_second",
+                                "Pages recognised per second over the last minute.",
+                                value=snap.pages_per_s)
+        documents = GaugeMetricFamily("ocrvl_documents", "Documents by state.",
+                                      labels=["state"])
+        for state, count in snap.documents.items():
+            documents.add_metric([state], count)
+        yield documents
+        yield GaugeMetricFamily("ocrvl_engine_failed_starts",
+                                "Engine workers that failed to start, in a row.",
+                                value=snap.engine_failed_starts)
+        hooks = CounterMetricFamily("ocrvl_hook_failures", "Hooks that failed or timed out.",
+                                    labels=["hook"])
+        for hook, count in snap.hook_failures.items():
+            hooks.add_metric([hook], count)
+        yield hooks
+        states = GaugeMetricFamily("ocrvl_server_state",
+                                  "1 for the model server's current state.",
+                                  labels=["endpoint", "state"])
+        restarts = CounterMetricFamily("ocrvl_server_restarts",
+                                       "Restarts of the model server.", labels=["endpoint"])
+        for server in snap.servers:
+            for name in SERVER_STATES:
+                states.add_metric([server.endpoint, name], float(server.state == name))
+            restarts.add_metric([server.endpoint], server.restarts)
+        yield states
+        yield restarts
+
+
+class MetricsEndpoint:
+    """Serves `snapshot()` at http://`metrics.listen`/metrics; off when listen is null."""
+
+    def __init__(self, config: MetricsConfig,
+                 snapshot: Callable[[], DaemonMetrics | None]) -> None:
+        self.config = config
+        self._snapshot = snapshot
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Listen, or raise a ConfigError naming `metrics.listen` (e.g. the port is taken)."""
+        address = self.config.address
+        if address is None:
+            return
+        host, port = address
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_SnapshotCollector(self._snapshot))
+        try:
+            self._server, self._thread = start_http_server(port, host, registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"Cannot serve metrics at metrics.listen = {self.config.listen!r}: "
+                f"{exc.strerror or exc}.",
+                "choose a free port in metrics.listen (is another ocrvl running?), or set "
+                "it to null",
+            ) from exc
+        log.info("metrics at http://%s/metrics", self.config.listen)
+
+    def stop(self) -> None:
+        """Stop listening (a no-op when off)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None

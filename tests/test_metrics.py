@@ -1,0 +1,116 @@
+"""metrics.listen: the daemon's own Prometheus endpoint, scraped from a real daemon."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ocrvl_daemon.config import validate_config
+from ocrvl_daemon.errors import ConfigError, ExitCode
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import free_port, wait_until
+from ocrvl_daemon.testing.runner import (
+    DaemonProcess,
+    managed_fake_server,
+    run_ocrvl,
+    write_config,
+)
+
+
+def scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample at http://listen/metrics, by name and labels, parsed by prometheus_client."""
+    text = httpx.get(f"http://{listen}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.parametrize(
+    ("listen", "allow_remote", "needle"),
+    [
+        ("9118", False, "must be HOST:PORT"),
+        ("127.0.0.1:", False, "must be HOST:PORT"),
+        ("127.0.0.1:70000", False, "must be HOST:PORT"),
+        ("0.0.0.0:9118", False, "metrics.allow_remote: true"),
+        ("192.168.1.5:9118", False, "not a loopback address"),
+        ("metrics.example.org:9118", False, "not a loopback address"),
+    ],
+)
+def test_a_bad_or_public_metrics_address_is_refused_naming_the_key_and_the_fix(
+        listen, allow_remote, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_config({"metrics": {"listen": listen, "allow_remote": allow_remote}})
+    assert "metrics.listen" in str(err.value) and needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:9118", "localhost:9118", "[::1]:9118"])
+def test_loopback_addresses_are_accepted(listen):
+    assert validate_config({"metrics": {"listen": listen}}).metrics.listen == listen
+
+
+def test_a_public_address_is_accepted_when_allowed():
+    config = validate_config({"metrics": {"listen": "0.0.0.0:9118", "allow_remote": True}})
+    assert config.metrics.address == ("0.0.0.0", 9118)
+
+
+def daemon_config(tmp_path: Path, listen: str, *fake_args: str) -> tuple[Path, Path]:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    config = write_config(
+        tmp_path / "config.yaml",
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+        pipeline={"adaptive_concurrency": False, "max_concurrency": 4},
+        server=managed_fake_server(free_port(), *fake_args),
+        metrics={"listen": listen},
+    )
+    return config, inbox
+
+
+def test_a_metrics_port_already_taken_stops_the_daemon_at_start_naming_the_key(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        config, _ = daemon_config(tmp_path, listen)
+        result = run_ocrvl("run", "--config", config, timeout=120)
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert f"metrics.listen = '{listen}'" in result.stderr and "free port" in result.stderr, \
+        result.stderr
+    assert "started server" not in result.stderr, "the model server started anyway"
+
+
+@pytest.mark.slow
+def test_metrics_scraped_while_a_book_converts_show_pages_documents_and_server(tmp_path):
+    listen = f"127.0.0.1:{free_port()}"
+    config, inbox = daemon_config(tmp_path, listen, "--step-t0-ms", "25")
+    pages = 24
+    with DaemonProcess(config) as daemon:
+        daemon.wait_ready()
+        make_pdf(inbox / "book.pdf", pages)
+        during = wait_until(
+            lambda: (m := scrape(listen))[("ocrvl_pages_done_total", ())] > 0 and m, 90,
+            what="the pages-done counter to rise while the book converts",
+        )
+        assert during[("ocrvl_documents", (("state", "running"),))] == 1, during
+        assert during[("ocrvl_pages_done_total", ())] < pages, "the book was already done"
+        url = daemon.log().split("ready: server up at ")[1].split(",")[0]
+        endpoint = (("endpoint", url),)
+        assert during[("ocrvl_server_state", (*endpoint, ("state", "ready")))] == 1
+        assert during[("ocrvl_server_state", (*endpoint, ("state", "restarting")))] == 0
+        assert during[("ocrvl_server_restarts_total", endpoint)] == 0
+        after = wait_until(
+            lambda: (m := scrape(listen))[("ocrvl_documents", (("state", "done"),))] == 1 and m,
+            90, what="the book to be done")
+        assert after[("ocrvl_pages_done_total", ())] == pages
+        assert after[("ocrvl_pages_failed_total", ())] == 0
+        assert after[("ocrvl_pages_flagged_total", ())] == 0
+        assert after[("ocrvl_documents", (("state", "queued"),))] == 0
+        assert after[("ocrvl_pages_per_second", ())] > 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://{listen}/metrics", timeout=2)
