@@ -401,6 +401,33 @@ def drop(src: Path, inbox: Path) -> float:
     return t
 
 
+def drop_under_book(
+    book: Path, smalls: list[Path], inbox: Path, *, gap: float, t0: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Drop `smalls` into `inbox` `gap` s apart while `book` converts; wait for every
+    Markdown. Returns when each small document was dropped and when its Markdown appeared."""
+    dropped: dict[str, float] = {}
+    done: dict[str, float] = {}
+
+    def collect() -> None:
+        for name in dropped:
+            if name not in done and md_done(inbox, name):
+                done[name] = time.monotonic()
+
+    for doc in smalls:
+        dropped[doc.name] = drop(doc, inbox)
+        t_end = time.monotonic() + gap
+        while time.monotonic() < t_end:
+            collect()
+            time.sleep(0.02)
+    while len(done) < len(smalls) or not md_done(inbox, book.name):
+        collect()
+        if time.monotonic() - t0 > 3600:
+            raise RuntimeError("the small documents under the book did not finish in an hour")
+        time.sleep(0.02)
+    return dropped, done
+
+
 def md_done(inbox: Path, name: str) -> bool:
     return (inbox / (Path(name).stem + ".md")).exists()
 
@@ -462,27 +489,8 @@ def run_scenario_c(server: Server, book: Path, smalls: list[Path],
         before = server.reset()
         timeline = Timeline(server, before["requests_received"])
         t0 = drop(book, inbox)
-        dropped: dict[str, float] = {}
-        done: dict[str, float] = {}
-
-        def collect() -> None:
-            for name in dropped:
-                if name not in done and md_done(inbox, name):
-                    done[name] = time.monotonic()
-
         wait_until(lambda: server.stats()["running"] >= 16, 120, what="the book under way")
-        gap = 1.5
-        for doc in smalls:
-            dropped[doc.name] = drop(doc, inbox)
-            t_end = time.monotonic() + gap
-            while time.monotonic() < t_end:
-                collect()
-                time.sleep(0.02)
-        while len(done) < len(smalls) or not md_done(inbox, book.name):
-            collect()
-            if time.monotonic() - t0 > 3600:
-                raise RuntimeError("scenario c did not finish")
-            time.sleep(0.02)
+        dropped, done = drop_under_book(book, smalls, inbox, gap=1.5, t0=t0)
         seconds = time.monotonic() - t0
         pages = _pages(book) + sum(_pages(s) for s in smalls)
         cpu1, _ = daemon_cpu(proc)

@@ -49,7 +49,15 @@ from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS  # noqa: E402
 from bench.gpu.lengths import AnswerLengths  # noqa: E402
 from bench.gpu.vllm_server import Metrics, ServeOptions, started, version  # noqa: E402
 from bench.loadgen import send_all  # noqa: E402
-from bench.run import B2_SCRIPT, Ocrvl, drop, md_done, solo_times, start_daemon  # noqa: E402
+from bench.run import (  # noqa: E402
+    B2_SCRIPT,
+    Ocrvl,
+    drop,
+    drop_under_book,
+    md_done,
+    solo_times,
+    start_daemon,
+)
 from ocrvl_daemon.config import PipelineConfig  # noqa: E402
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL  # noqa: E402
 from ocrvl_daemon.pdf import render_page  # noqa: E402
@@ -192,25 +200,11 @@ class Bench:
             daemon, inbox, _ = start_daemon(self.url, self.work, "busy")
             try:
                 t0 = drop(self.book, inbox)
-
-                def collect() -> None:
-                    for name in dropped:
-                        if name not in done and md_done(inbox, name):
-                            done[name] = time.monotonic()
-
                 wait_until(lambda: (self.metrics.last() or (0, 0))[1] >= min(16, self.pages),
                            300, what="the book under way")  # fmt: skip
-                for doc in smalls:
-                    dropped[doc.name] = drop(doc, inbox)
-                    t_next = time.monotonic() + gap
-                    while time.monotonic() < t_next:
-                        collect()
-                        time.sleep(0.02)
-                while len(done) < len(smalls) or not md_done(inbox, self.book.name):
-                    collect()
-                    if time.monotonic() - t0 > 3600:
-                        raise RuntimeError("the small documents did not finish")
-                    time.sleep(0.02)
+                times = drop_under_book(self.book, smalls, inbox, gap=gap, t0=t0)
+                dropped.update(times[0])
+                done.update(times[1])
                 return t0, time.monotonic(), self.pages + 2 * len(smalls)
             finally:
                 daemon.stop()
