@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ocrvl starts and looks after.",
     )
     parser.add_argument("--version", action="version", version=f"ocrvl {__version__}")
+    parser.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
+    # Also after the command; SUPPRESS keeps a --config given before it (`ocrvl --config F run`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
+    common.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser(
@@ -46,10 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="convert PDFs once and exit",
         description="Write <stem>.md (and <stem>_images/) next to each PDF. Starts and stops a "
-        "managed model server unless --server-url is given. Exit code 0 only if "
-        "every file converted.",
+        "managed model server unless --server-url is given. Works on its own, beside a "
+        "running daemon: it keeps its own record (state_dir/convert.sqlite) and never "
+        "touches the daemon's queue, so `ocrvl status` and `ocrvl retry` do not see its "
+        "files; run `ocrvl convert` again to finish or redo them. Exit code 0 only if "
+        "every file converted; else 4 when only bad input files failed, 5 when the model "
+        "server failed them, 1 otherwise.",
     )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
+    convert.add_argument(
+        "--pages",
+        metavar="LIST",
+        help="convert these pages again, e.g. 3,7-9 (pages already converted are kept "
+        "otherwise)",
+    )
     convert.add_argument(
         "--server-url",
         metavar="URL",
@@ -131,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return int(exc.exit_code)
     except KeyboardInterrupt:
+        _setup_fallback_logging()
+        log.info("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # The reader left early (`ocrvl status | head`): quietly, like any Unix tool. Python
@@ -174,7 +189,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     )
     config, _ = _load(args, overrides)
     _logging(config)
-    return int(convert_files(config, args.pdfs))
+    # Advice written into notes must work when pasted: the same config and server.
+    again = ["ocrvl", "convert"]
+    if args.config:
+        again += ["--config", str(Path(args.config).expanduser().absolute())]
+    if args.server_url:
+        again += ["--server-url", args.server_url]
+    failures = convert_files(config, args.pdfs, pages=args.pages, again=shlex.join(again))
+    return int(_conversion_exit_code(failures.values()))
+
+
+def _conversion_exit_code(failures: Iterable[OcrvlError]) -> ExitCode:
+    """0 when every file converted; the failures' own code when they share one cause (4 bad
+    input files, 5 the model server, 6 a server that is not installed); else 1."""
+    codes = {failure.exit_code for failure in failures}
+    if not codes:
+        return ExitCode.OK
+    return codes.pop() if len(codes) == 1 else ExitCode.CONVERSION_FAILED
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from ocrvl_daemon.errors import (
     InputVanishedError,
     OcrvlError,
     PagesFailedError,
+    StateFullError,
 )
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.scheduler import (
@@ -88,7 +89,12 @@ class Converter:
     """Drives queued jobs of `store` through the engine; `only` limits it to some jobs.
 
     A worker that fails to start is started again, ever less often, until `engine_starts`
-    starts in a row have failed (None: forever, as the daemon does).
+    starts in a row have failed (None: forever, as the daemon does). `again` is the command
+    that redoes a document of `store`, for the advice in notes (see `pdf.retry_command`).
+
+    A full disk under the store (StateFullError) pauses it: results that cannot be
+    checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
+    owner can say so and call `tick()` again later.
     """
 
     def __init__(
@@ -98,8 +104,10 @@ class Converter:
         server: ServerHandle,
         only: set[int] | None = None,
         engine_starts: int | None = None,
+        again: str = "ocrvl retry",
     ) -> None:
         self.config = config
+        self.again = again
         self.engine_starts = engine_starts
         self.store = store
         self.server = server
@@ -132,7 +140,7 @@ class Converter:
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
-        self._collect()
+        self._collect()  # first: results already in must not wait for a full disk
         self._maintain_workers(now)
         if self._wake or now >= self._next_activation:
             self._wake = False
@@ -187,6 +195,8 @@ class Converter:
         for job in self._runnable_jobs(room):
             try:
                 self._start_job(job)
+            except StateFullError:
+                raise  # not the document's fault: it stays queued
             except OcrvlError as exc:
                 self._fail(job, exc)
             except OSError as exc:
@@ -231,8 +241,10 @@ class Converter:
             return
         attempts = job.attempts + 1
         if exc.permanent:
-            log.error("%s failed: %s", job.path, exc, extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix)
+            redo = pdf.retry_command(job.path, again=self.again)
+            log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo,
+                      extra=_fields(job))
+            output.write_error_note(job.path, exc.message, exc.fix, redo=redo)
             self.store.set_failed(job.id, str(exc), permanent=True)
         else:
             delay = retry_delay(attempts)
@@ -244,7 +256,9 @@ class Converter:
                 delay,
                 extra=_fields(job),
             )
-            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay)
+            output.write_error_note(job.path, exc.message, exc.fix,
+                                    redo=pdf.retry_command(job.path, again=self.again),
+                                    retry_in=delay)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
     # --- the engine worker --------------------------------------------------------------
@@ -357,12 +371,27 @@ class Converter:
             )
 
     def _collect(self) -> None:
+        full: StateFullError | None = None
         workers = [w for w in (self._worker, *self._retiring) if w is not None]
         for worker in workers:
             for result in worker.collect():
-                self._on_result(result)
+                full = self._take_result(result) or full
+        if full is not None:
+            raise full
         for job_id in [j for j, d in self.active.items() if d.finished]:
             self._finish(job_id)
+
+    def _take_result(self, result: PageResult) -> StateFullError | None:
+        """`_on_result`, except that a result the full store cannot take goes back to be
+        recognised again (returning why)."""
+        try:
+            self._on_result(result)
+        except StateFullError as exc:
+            doc = self.active.get(result.job_id)
+            if doc is not None and result.page in doc.in_flight:
+                doc.give_back(result.page)
+            return exc
+        return None
 
     def _on_result(self, result: PageResult) -> None:
         doc = self.active.get(result.job_id)
@@ -377,7 +406,7 @@ class Converter:
                     f"page {result.page + 1} was cut off at {result.truncated_at} tokens "
                     "(the server's max-model-len allows no more); its end may be missing. "
                     "Raise server.vllm_args.max-model-len, then: " +
-                    pdf.retry_command(job.path, str(result.page + 1))
+                    pdf.retry_command(job.path, str(result.page + 1), self.again)
                 )
                 log.warning("%s: %s", job.path.name, note, extra=fields)
             self.store.save_page(
@@ -434,7 +463,7 @@ class Converter:
             f"page {page + 1} could not be recognised after {attempts} attempts: "
             f"{error.rstrip('.')}."
         )
-        redo = pdf.retry_command(job.path, str(page + 1))
+        redo = pdf.retry_command(job.path, str(page + 1), self.again)
         self._give_up_page(doc, page, note, redo)
 
     def _give_up_page(self, doc: DocumentPages, page: int, note: str, redo: str | None) -> None:
@@ -468,6 +497,8 @@ class Converter:
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
             )
+        except StateFullError:
+            raise
         except OcrvlError as exc:
             self._fail(job, exc)
             return
@@ -540,7 +571,7 @@ class Converter:
         while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
             for worker in workers:
                 for result in worker.collect(timeout=0.2):
-                    self._on_result(result)
+                    self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
             log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
         for worker in workers:
@@ -572,7 +603,9 @@ def _unexpected(exc: Exception) -> OcrvlError:
     )
 
 
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError) -> None:
+def _record_unreadable(
+    store: Store, path: Path, model: str, exc: InputFileError, again: str
+) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
@@ -581,11 +614,13 @@ def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError
     job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix)
+        output.write_error_note(path, exc.message, exc.fix,
+                                redo=pdf.retry_command(path, again=again))
 
 
-def enqueue_file(store: Store, path: Path, model: str) -> Job:
-    """Identify `path` and queue it, unless this content is already handled.
+def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry") -> Job:
+    """Identify `path` and queue it, unless this content is already handled (`again`: see
+    Converter).
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
     even when the store has never seen the file (a new state dir, a moved inbox).
@@ -603,7 +638,7 @@ def enqueue_file(store: Store, path: Path, model: str) -> Job:
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:
-        _record_unreadable(store, path, model, exc)
+        _record_unreadable(store, path, model, exc, again)
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):

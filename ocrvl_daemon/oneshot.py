@@ -1,7 +1,9 @@
 """`ocrvl convert`: the daemon's conversion path, run once over the given files.
 
 It uses its own store (`state_dir/convert.sqlite`), so an interrupted run resumes where it
-stopped when started again, and it never competes with a running daemon for jobs.
+stopped when started again, and it never competes with a running daemon for jobs: the
+daemon's queue, `ocrvl status` and `ocrvl retry` do not see its files, so the advice it
+leaves in notes is to run `ocrvl convert` again (`--pages` for single pages).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from urllib.parse import urlparse
 from ocrvl_daemon import output
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
+from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError, UsageError
+from ocrvl_daemon.pdf import page_count, parse_pages
 from ocrvl_daemon.server import ServerSupervisor
 from ocrvl_daemon.store import JobState, Store
 
@@ -32,33 +35,56 @@ ENGINE_START_ATTEMPTS = 2
 STOP_TIMEOUT = 30.0
 
 
-def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
-    """Convert each PDF; one line per failure; exit code 0 only if all converted."""
+def convert_files(
+    config: Config, pdfs: list[Path], *, pages: str | None = None, again: str = "ocrvl convert"
+) -> dict[Path, OcrvlError]:
+    """Convert each PDF (with `pages`, redo those pages of each); one line per failure.
+
+    Returns why each file that did not convert failed. `again` is the command line that
+    runs this conversion again, for the advice left in notes. A malformed page list, or one
+    beyond a document's last page, is a UsageError before anything is converted.
+    """
+    if pages:
+        parse_pages(pages)  # malformed: refused before anything is read
     store = Store(config.state_dir / "convert.sqlite")
-    failures: dict[Path, str] = {}
+    failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
-    for given in pdfs:
-        path = given.expanduser().absolute()
-        try:
-            _check_input(path)
-            job = enqueue_file(store, path, config.model.name)
-        except OcrvlError as exc:
-            failures[path] = str(exc)
-            continue
-        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name):
-            log.info("%s is already converted: %s", path.name, output.outputs_for(path)[0].name)
-            continue
-        if job.state is not JobState.QUEUED:
-            store.requeue(job.id)
-        jobs[job.id] = path
-    if jobs:
-        failures.update(_run(config, store, jobs))
-    store.close()
+    redo: dict[int, list[int]] = {}
+    try:
+        for given in pdfs:
+            path = given.expanduser().absolute()
+            try:
+                _check_input(path)
+                job = enqueue_file(store, path, config.model.name, again)
+                if pages:
+                    redo[job.id] = parse_pages(pages, page_count(path), path)
+            except UsageError:
+                raise
+            except OcrvlError as exc:
+                failures[path] = exc
+                continue
+            current = output.is_current(path, job.sha256, config.model.name)
+            if job.id not in redo and job.state is JobState.DONE and current:
+                log.info("%s is already converted: %s", path.name,
+                         output.outputs_for(path)[0].name)
+                continue
+            jobs[job.id] = path
+        for job_id in jobs:  # only now that every page list is known to be right
+            queued = store.job(job_id)
+            assert queued is not None
+            if job_id in redo:
+                store.drop_pages(queued.sha256, queued.model, redo[job_id])
+            if queued.state is not JobState.QUEUED:
+                store.requeue(job_id)
+        if jobs:
+            failures.update(_run(config, store, jobs, again))
+    finally:
+        store.close()
     for path, reason in failures.items():
         log.error("%s: %s", path, reason)
     converted = len(pdfs) - len(failures)
     log.info("%d of %d converted", converted, len(pdfs))
-    return ExitCode.OK if not failures else ExitCode.CONVERSION_FAILED
+    return failures
 
 
 def _check_input(path: Path) -> None:
@@ -68,7 +94,9 @@ def _check_input(path: Path) -> None:
         raise InputFileError(f"{path} is not a file.", "pass a PDF file")
 
 
-def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]:
+def _run(
+    config: Config, store: Store, jobs: dict[int, Path], again: str
+) -> dict[Path, OcrvlError]:
     stop_requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -76,12 +104,12 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
-    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS)
+    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
             # A server that answers but cannot serve this configuration has its own fix.
-            reason = str(server.error) if server.error is not None else str(
+            reason = server.error if server.error is not None else (
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
                     f"({server.status().last_error or 'no answer'}).",
@@ -95,28 +123,31 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
         while not stop_requested:
             converter.tick()
             if server.error is not None:
-                return _unfinished(store, jobs, str(server.error))
+                return _unfinished(store, jobs, server.error)
             if converter.engine_gave_up:
-                return _unfinished(store, jobs, converter.engine_error or "")
+                return _unfinished(store, jobs, OcrvlError(converter.engine_error or ""))
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break
             converter.wait(TICK_SECONDS)
     finally:
-        converter.stop(STOP_TIMEOUT)
+        if stop_requested:
+            # Ctrl-C means now: pages in flight are not waited for (they are redone next time).
+            log.info("received %s; stopping now", signal.Signals(stop_requested[0]).name)
+        converter.stop(0 if stop_requested else STOP_TIMEOUT)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stop_requested:
         raise KeyboardInterrupt
     return {
-        path: _reason(store, job_id)
+        path: OcrvlError(_reason(store, job_id))
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
 
 
-def _unfinished(store: Store, jobs: dict[int, Path], reason: str) -> dict[Path, str]:
+def _unfinished(store: Store, jobs: dict[int, Path], reason: OcrvlError) -> dict[Path, OcrvlError]:
     """`reason` for every file not converted yet."""
     return {path: reason for job_id, path in jobs.items() if not _succeeded(store, job_id)}
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import logging
 import os
 import re
-import shlex
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +19,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ocrvl_daemon.errors import NotOursError, OutputError
+
+log = logging.getLogger(__name__)
 
 TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
@@ -66,17 +68,20 @@ def is_current(pdf: Path, sha256: str, model: str) -> bool:
 
 
 def check_writable(pdf: Path) -> None:
-    """Refuse early when an output ocrvl must not replace is in the way."""
+    """Refuse early when the output cannot be written: a read-only folder, or an output
+    ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf)
+    if not os.access(md.parent, os.W_OK):
+        raise _not_writable(md, "no write permission")
     if md.exists() and read_header(md) is None:
         raise NotOursError(
             f"{md} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {pdf}`",
+            "move or rename it",
         )
     if images.exists() and not (images / IMAGES_MARKER).exists():
         raise NotOursError(
             f"{images} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {pdf}`",
+            "move or rename it",
         )
 
 
@@ -133,7 +138,7 @@ def write_document(
         raise _output_error(md, exc) from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # never there, or the folder is read-only
             tmp_md.unlink()
 
 
@@ -192,7 +197,7 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # never there, or the folder is read-only
             tmp.unlink()
 
 
@@ -219,10 +224,7 @@ def _check_free_space(folder: Path, needed: int) -> None:
 
 def _output_error(path: Path, exc: OSError) -> OutputError:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return OutputError(
-            f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
-            f"make {path.parent} writable for this user; ocrvl retries by itself",
-        )
+        return _not_writable(path, exc.strerror or str(exc))
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(
             f"Cannot write {path}: the disk is full.",
@@ -231,26 +233,38 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
     return OutputError(f"Cannot write {path}: {exc}.", "check the folder; ocrvl retries by itself")
 
 
-def write_error_note(
-    pdf: Path, message: str, fix: str | None, *, retry_in: float | None = None
-) -> None:
-    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort).
+def _not_writable(path: Path, detail: str) -> OutputError:
+    return OutputError(
+        f"Cannot write {path}: the folder is not writable: {path.parent} ({detail}).",
+        f"make {path.parent} writable for this user (a read-only mount or share?); "
+        "ocrvl retries by itself",
+    )
 
-    `retry_in` marks a transient failure that ocrvl retries by itself after that many seconds.
+
+def write_error_note(
+    pdf: Path, message: str, fix: str | None, *, redo: str, retry_in: float | None = None
+) -> None:
+    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort: a folder
+    that cannot take it gets a log line instead).
+
+    `redo` is the command that converts it again; `retry_in` marks a transient failure that
+    ocrvl retries by itself after that many seconds.
     """
     note = outputs_for(pdf)[2]
     text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
     if fix:
         text += f"What to do: {fix}\n"
     if retry_in is None:
-        text += f"\nAfter fixing it, run: ocrvl retry {shlex.quote(str(pdf))}\n"
+        text += f"\nAfter fixing it, run: {redo}\n"
     else:
         text += (
             f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
             "once the document is converted.\n"
         )
-    with contextlib.suppress(OSError):
+    try:
         write_atomic(note, text)
+    except OSError as exc:
+        log.warning("no error note could be left at %s (%s)", note, exc.strerror or exc)
 
 
 def remove_error_note(pdf: Path) -> None:
