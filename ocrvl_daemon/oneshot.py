@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from ocrvl_daemon import output
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError, UsageError
+from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.pdf import page_count, parse_pages
 from ocrvl_daemon.server import ServerSupervisor
 from ocrvl_daemon.store import JobState, Store
@@ -44,38 +44,37 @@ def convert_files(
     runs this conversion again, for the advice left in notes. A malformed page list, or one
     beyond a document's last page, is a UsageError before anything is converted.
     """
-    if pages:
-        parse_pages(pages)  # malformed: refused before anything is read
+    paths = [given.expanduser().absolute() for given in pdfs]
+    redo: dict[Path, list[int]] = {}
+    if pages:  # every page list is checked before anything is queued
+        parse_pages(pages)
+        for path in paths:
+            try:
+                count = page_count(path)
+            except OcrvlError:
+                continue  # reported below, as a bad file
+            redo[path] = parse_pages(pages, count, path)
     store = Store(config.state_dir / "convert.sqlite")
     failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
-    redo: dict[int, list[int]] = {}
     try:
-        for given in pdfs:
-            path = given.expanduser().absolute()
+        for path in paths:
             try:
                 _check_input(path)
                 job = enqueue_file(store, path, config.model.name, again)
-                if pages:
-                    redo[job.id] = parse_pages(pages, page_count(path), path)
-            except UsageError:
-                raise
             except OcrvlError as exc:
                 failures[path] = exc
                 continue
             current = output.is_current(path, job.sha256, config.model.name)
-            if job.id not in redo and job.state is JobState.DONE and current:
+            if path not in redo and job.state is JobState.DONE and current:
                 log.info("%s is already converted: %s", path.name,
                          output.outputs_for(path)[0].name)
                 continue
             jobs[job.id] = path
-        for job_id in jobs:  # only now that every page list is known to be right
-            queued = store.job(job_id)
-            assert queued is not None
-            if job_id in redo:
-                store.drop_pages(queued.sha256, queued.model, redo[job_id])
-            if queued.state is not JobState.QUEUED:
-                store.requeue(job_id)
+            if path in redo:
+                store.drop_pages(job.sha256, job.model, redo[path])
+            if job.state is not JobState.QUEUED:
+                store.requeue(job.id)
         if jobs:
             failures.update(_run(config, store, jobs, again))
     finally:
