@@ -157,11 +157,11 @@ def test_names_that_look_like_shell_or_paths_are_written_beside_the_pdf(tmp_path
 
 
 def test_error_notes_say_what_to_do_and_go_away(book: Path) -> None:
-    output.write_error_note(book, "it is broken.", "fix it")
+    output.write_error_note(book, "it is broken.", "fix it", redo=f"ocrvl retry {book}")
     text = outputs_for(book)[2].read_text("utf-8")
     assert "What went wrong: it is broken." in text and "What to do: fix it" in text
-    assert f"ocrvl retry {book}" in text
-    output.write_error_note(book, "disk full.", "free space", retry_in=60)
+    assert f"After fixing it, run: ocrvl retry {book}" in text
+    output.write_error_note(book, "disk full.", "free space", redo="-", retry_in=60)
     assert "tries again by itself in about 60 s" in outputs_for(book)[2].read_text("utf-8")
     output.remove_error_note(book)
     assert not outputs_for(book)[2].exists() and not leftovers(book.parent)
