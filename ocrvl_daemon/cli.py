@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     retry = sub.add_parser(
         "retry",
         parents=[common],
-        help="queue failed documents again",
-        description="Queue documents again: the given PDFs, or every failed "
-        "one with --failed. With --pages, redo only those pages.",
+        help="queue the daemon's failed documents again",
+        description="Queue the daemon's documents again: the given PDFs, or every failed "
+        "one with --failed. With --pages, redo only those pages. (A file converted with "
+        "`ocrvl convert` is redone with `ocrvl convert` again.)",
     )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")
