@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.config import Config, load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError, StateFullError
 from ocrvl_daemon.logs import set_level
+from ocrvl_daemon.pdf import shell_quote
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.status import open_store
@@ -63,6 +64,7 @@ class Daemon:
         self._full: StateFullError | None = None  # the state_dir's disk is full: paused
         self._full_retry_at = 0.0
         self._untaken: list[Path] = []  # found by the watcher, not queued yet (disk full)
+        self.again = _retry_command(config_path)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
@@ -93,7 +95,7 @@ class Daemon:
                 self.store.forget(job.id)
         self.server = ServerSupervisor(config)
         self.watcher = InboxWatcher(config.inbox)
-        self.converter = Converter(config, self.store, self.server)
+        self.converter = Converter(config, self.store, self.server, again=self.again)
         try:
             self.server.start()
             self.watcher.start()
@@ -139,8 +141,10 @@ class Daemon:
     def _pause(self, exc: StateFullError, now: float) -> None:
         """Stop dispatching until the state_dir has space; say so where the user looks."""
         if self._full is None:
-            log.error("paused: %s", exc)
-            self.lock.note(f"paused: {exc}")
+            pause = f"paused: {exc} (conversion resumes by itself once there is space; "
+            pause += "nothing is lost)"
+            log.error("%s", pause)
+            self.lock.note(pause)
         else:
             log.debug("still no space for the state folder: %s", exc)
         self._full = exc
@@ -151,7 +155,7 @@ class Daemon:
 
     def _take(self, path: Path) -> None:
         try:
-            job = enqueue_file(self.store, path, self.config.model.name)
+            job = enqueue_file(self.store, path, self.config.model.name, self.again)
         except StateFullError:
             raise
         except OcrvlError as exc:
@@ -266,3 +270,13 @@ class Daemon:
         self.lock.release()
         log.info("stopped")
 
+
+def _retry_command(config_path: Path | None) -> str:
+    """`ocrvl retry`, with `--config` when a plain `ocrvl retry` would read another file."""
+    try:
+        default = resolve_config_path(None)
+    except ConfigError:
+        default = None
+    if config_path is None or config_path == default:
+        return "ocrvl retry"
+    return f"ocrvl retry --config {shell_quote(config_path.absolute())}"

@@ -164,8 +164,7 @@ class Store:
             if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL or "is full" in str(exc):
                 raise StateFullError(
                     f"The disk holding the state folder {self.path.parent} is full ({exc}): "
-                    "no page can be checkpointed, so conversion is paused; it resumes by "
-                    "itself once there is space, and nothing is lost.",
+                    "no page can be checkpointed.",
                     f"free some space on that disk (`df -h {self.path.parent}`), or move "
                     "state_dir to a larger one",
                 ) from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shlex
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.errors import ExitCode
+from ocrvl_daemon.output import read_header
 from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.harness import free_port, wait_until
 from ocrvl_daemon.testing.runner import (
@@ -161,3 +163,27 @@ def test_a_read_only_inbox_folder_is_named_as_the_cause(tmp_path: Path):
             daemon.log()[-5000:]
         )
     assert not book.with_suffix(".md").exists()
+
+
+def test_a_daemon_note_advises_a_retry_that_reaches_this_daemon(tmp_path: Path):
+    config = daemon_config(tmp_path)
+    inbox = tmp_path / "inbox"
+    book = make_pdf(inbox / "book.pdf", 1)
+    mine = inbox / "book.md"
+    mine.write_text("my own notes\n", encoding="utf-8")
+    note = inbox / "book.ocrvl-error.txt"
+    with DaemonProcess(config) as daemon:
+        daemon.wait_ready(90)
+        wait_until(note.exists, 60, what="an error note next to the book")
+        advice = re.search(r"After fixing it, run: (.+)", note.read_text(encoding="utf-8"))
+        assert advice, note.read_text(encoding="utf-8")
+        command = shlex.split(advice[1])
+        assert command[:2] == ["ocrvl", "retry"] and str(config) in command, (
+            f"the advice would not reach this daemon (it runs with --config {config}): "
+            f"{advice[1]}"
+        )
+        mine.rename(inbox / "my-notes.txt")  # the fix the note asks for
+        result = run_ocrvl(*command[1:], timeout=60)
+        assert result.returncode == 0, result.stderr
+        wait_until(lambda: read_header(book.with_suffix(".md")), 60,
+                   what="the book to be converted after the advised retry")
