@@ -75,9 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="show the server and the queue",
         description="Server state, each document's state, pages done/total, "
-        "rate, ETA and failures. Safe while the daemon runs.",
+        "rate, ETA and failures. Safe while the daemon runs. Lists the documents not done "
+        "yet and the last 10 converted ones, unless --all. A document's ETA is when it "
+        "should be done at the current rate, sharing the server with the documents "
+        "converting and queued ahead of it.",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true", help="every document ocrvl knows")
 
     retry = sub.add_parser(
         "retry",
@@ -100,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         parents=[common],
         help="check GPU, packages and settings",
-        description="One screen of what works and what to fix. Exit code "
-        "non-zero when something blocks conversion.",
+        description="One screen of what works and what to fix: GPU, packages, the layout "
+        "model, the server environment, config, inboxes, the server and systemd. Exit code "
+        "non-zero when something blocks conversion. Without a GPU it prints the `vllm serve` "
+        "line to run on a machine that has one (server.mode: external).",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -121,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the vLLM server environment",
         description="Create a separate virtual environment with vLLM (and "
         "flash-attn for the genai_server launcher), then set "
-        "server.python in the config file.",
+        "server.python in the config file. Without a GPU here it warns that the server "
+        "cannot run on this machine and prints how to run it on one that has a GPU.",
     )
     setup.add_argument(
         "--venv",
@@ -156,8 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="ocrvl: %(message)s")
+    from ocrvl_daemon.logs import basic_logging
+
+    basic_logging(logging.INFO, "ocrvl: %(message)s")
 
 
 def _load(
@@ -214,7 +222,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ocrvl_daemon.status import render_status
 
     config, _ = _load(args)
-    print(render_status(config, as_json=args.json))
+    print(render_status(config, as_json=args.json, everything=args.all))
     return int(ExitCode.OK)
 
 

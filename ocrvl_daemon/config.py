@@ -241,6 +241,7 @@ class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    progress_seconds: float = Field(30.0, gt=0)
 
     @field_validator("state_dir")
     @classmethod

@@ -29,7 +29,10 @@ from ocrvl_daemon.errors import (
     StateFullError,
 )
 from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.page_quality import REDO_SHARE, KeptBecause, RedoLedger
+from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
+    MAX_ACTIVE_DOCUMENTS,
     SHORT_EXTRA,
     SHORT_OF_PAGES,
     DocumentPages,
@@ -41,7 +44,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 
-MAX_ACTIVE_DOCUMENTS = 64
 ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
@@ -124,6 +126,7 @@ class Converter:
         )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
+        self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
         self._worker: EngineWorker | None = None
         self._retiring: list[EngineWorker] = []
         self._worker_retry_at = 0.0
@@ -225,6 +228,7 @@ class Converter:
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
         self._jobs[job.id] = job
+        self._ledgers[job.id] = RedoLedger()
         pending = [p for p in range(count) if p not in done]
         self.active[job.id] = DocumentPages(job.id, count, pending, done=count - len(pending))
         if done:
@@ -235,6 +239,7 @@ class Converter:
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
+        self._ledgers.pop(job.id, None)
         if isinstance(exc, InputVanishedError) and not job.path.exists():
             log.info("%s disappeared; dropping it from the queue", job.path)
             self.store.forget(job.id)
@@ -362,7 +367,8 @@ class Converter:
                     job.id,
                     str(job.path),
                     page,
-                    self.config.model.effective_max_new_tokens,
+                    self._ledgers[doc.job_id].redo_limits.get(
+                        page, self.config.model.effective_max_new_tokens),
                     job.size,
                     job.mtime,
                     # its document's pages in flight before it
@@ -401,13 +407,18 @@ class Converter:
         fields = _fields(job, result.page)
         if result.error is None:
             note = None
+            ledger = self._ledgers[job.id]
+            ledger.count(result.page, result.tokens)
             if result.truncated_at is not None:
-                note = (
-                    f"page {result.page + 1} was cut off at {result.truncated_at} tokens "
-                    "(the server's max-model-len allows no more); its end may be missing. "
-                    "Raise server.vllm_args.max-model-len, then: " +
-                    pdf.retry_command(job.path, str(result.page + 1), self.again)
-                )
+                decision = ledger.decide(result.page, result.truncated_at, result.token_ceiling,
+                                         result.looping)
+                if not isinstance(decision, KeptBecause):
+                    log.warning("%s p.%d: answer cut off at %d tokens; redoing it once with %d",
+                                job.path.name, result.page + 1, result.truncated_at, decision,
+                                extra=fields)
+                    doc.give_back(result.page)
+                    return
+                note = self._cut_off_note(job, result.page, result.truncated_at, decision)
                 log.warning("%s: %s", job.path.name, note, extra=fields)
             self.store.save_page(
                 job.sha256, self.model, result.page, result.markdown, result.images, note=note
@@ -442,6 +453,28 @@ class Converter:
             self._give_up_page(doc, result.page, result.error or "the page is damaged", None)
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
+
+    def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
+        """The note of a page kept although its answer was cut off at `cut_at` tokens."""
+        retry = pdf.retry_command(job.path, str(page + 1), self.again)
+        head = f"page {page + 1} was cut off at {cut_at} tokens"
+        if why is KeptBecause.LOOP:
+            return (f"{head}: the answer repeats itself (the model looped), so more tokens "
+                    "would not end it; its end may be missing or garbled.")
+        if why is KeptBecause.BUDGET:
+            return (f"{head} and not redone: redoing this document's cut-off pages took "
+                    f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
+                    f"Redo it with: {retry}")
+        if why is KeptBecause.REDONE:
+            return (f"{head}, also after a redo with more tokens; its end may be missing. "
+                    f"Raise model.max_new_tokens, then: {retry}")
+        # The server's max-model-len allows no more: where to raise it depends on who runs it.
+        if self.config.server.mode == "external":
+            fix = "Raise --max-model-len on the server you run"
+        else:
+            fix = "Raise server.vllm_args.max-model-len"
+        return (f"{head} (the server's max-model-len allows no more); its end may be missing. "
+                f"{fix}, then: {retry}")
 
     def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
         """Count a failed attempt at `page`: send it again, or give up on it."""
@@ -508,15 +541,24 @@ class Converter:
             return
         self.active.pop(job_id)
         self._jobs.pop(job_id)
-        self.store.set_done(job_id)
+        ledger = self._ledgers.pop(job_id)
+        self.store.set_done(job_id, redo_tokens=ledger.extra)
         output.remove_error_note(job.path)
+        redone = ""
+        if ledger.redo_limits:
+            redone = (f"; redoing {len(ledger.redo_limits)} cut-off page(s) took "
+                      f"{ledger.extra} extra tokens ({ledger.first_pass} the first time)")
         log.info(
-            "%s: done, %d pages -> %s",
+            "%s: done, %d pages -> %s%s",
             job.path.name,
             doc.page_count,
             output.outputs_for(job.path)[0].name,
+            redone,
             extra=_fields(job),
         )
+        short = output.shortened_names(job.path)
+        if short:
+            log.info("%s: %s", job.path.name, short, extra=_fields(job))
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
@@ -563,6 +605,13 @@ class Converter:
             counts[JobState.FAILED],
             self.in_flight,
         )
+
+    def running(self) -> list[DocumentProgress]:
+        """Pages done of each document being converted, oldest first."""
+        return [
+            DocumentProgress(job_id, self._jobs[job_id].path, doc.done, doc.page_count)
+            for job_id, doc in sorted(self.active.items())
+        ]
 
     def stop(self, timeout: float) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers."""
@@ -642,7 +691,7 @@ def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model):
-        log.info("%s: Markdown is already up to date", path.name)
+        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
         output.remove_error_note(path)
         job = store.job(job.id) or job

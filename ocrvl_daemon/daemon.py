@@ -25,7 +25,8 @@ from ocrvl_daemon.config import Config, load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError, StateFullError
 from ocrvl_daemon.logs import set_level
-from ocrvl_daemon.pdf import shell_quote
+from ocrvl_daemon.names import shell_quote
+from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.status import open_store
@@ -96,6 +97,7 @@ class Daemon:
         self.server = ServerSupervisor(config)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.server, again=self.again)
+        self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.server.start()
             self.watcher.start()
@@ -123,10 +125,15 @@ class Daemon:
                 continue
             try:
                 self._untaken += self.watcher.poll(now)
+                # The start-up scan hands over every converted file again: one line says so.
+                converted = 0
                 while self._untaken:
-                    self._take(self._untaken[0])
+                    converted += self._take(self._untaken[0])
                     self._untaken.pop(0)
+                if converted:
+                    log.info("%d document(s) in the inbox already converted", converted)
                 self.converter.tick(now)
+                self.progress_log.update(now, self.converter.running())
                 self._report(now)
             except StateFullError as exc:
                 self._pause(exc, now)
@@ -153,19 +160,21 @@ class Daemon:
             f"paused: the disk of {self.config.state_dir} is full; free some space", now
         )
 
-    def _take(self, path: Path) -> None:
+    def _take(self, path: Path) -> bool:
+        """Queue a file the watcher found; True when it is already converted."""
         try:
             job = enqueue_file(self.store, path, self.config.model.name, self.again)
         except StateFullError:
             raise
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
-            return
+            return False
         self.converter.wake()
         if job.state is JobState.QUEUED:
             log.info("%s: queued", path)
-        else:  # the start-up scan sees every converted file again
+        else:
             log.debug("%s: already %s", path, job.state.value)
+        return job.state is JobState.DONE
 
     def _report(self, now: float) -> None:
         server = self.server.status()
@@ -253,6 +262,7 @@ class Daemon:
             self.converter.server = self.server
             self.server.start()
         self.converter.reconfigure(new)
+        self.progress_log.interval = new.progress_seconds
         log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
         self.notifier.ready()
 

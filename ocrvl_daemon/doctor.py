@@ -23,9 +23,10 @@ from typing import Literal
 import httpx
 from packaging.version import InvalidVersion, Version
 
-from ocrvl_daemon import autotune, gpu
+from ocrvl_daemon import autotune, gpu, launchers, layout_model
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.launchers import server_env
 from ocrvl_daemon.server import ENDPOINT_ABSENT, served_model_fix
 
 Status = Literal["ok", "warn", "fail", "info"]
@@ -82,6 +83,7 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
         ("GPU", lambda: _gpu_checks(config, gpu.probe_gpu())),
         ("WSL2", lambda: _wsl_checks(osrelease)),
         ("client packages", lambda: _client_checks(config)),
+        ("layout model", lambda: _layout_model_checks(config)),
         ("server environment", lambda: _server_env_checks(config)),
         ("inbox", lambda: _inbox_checks(config)),
         ("server", lambda: [_server_check(config)]),
@@ -102,7 +104,8 @@ def render_text(report: DoctorReport) -> str:
     for check in report.checks:
         lines.append(f"{MARKS[check.status]} {check.name:<{width}}  {check.detail}")
         if check.fix:
-            lines.append(f"  {'':<{width}}  → {check.fix}")
+            indent = f"  {'':<{width}}  "
+            lines.append(f"{indent}→ " + check.fix.replace("\n", f"\n{indent}  "))
     failed = sum(c.status == "fail" for c in report.checks)
     warned = sum(c.status == "warn" for c in report.checks)
     if failed:
@@ -138,16 +141,7 @@ def _managed_model_server(config: Config) -> bool:
 def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
     reading = probe.reading
     if reading is None:
-        if _managed_model_server(config):
-            status: Status = "fail"
-        elif config.server.mode == "managed":
-            status = "warn"
-        else:
-            status = "info"
-        why = "; ".join(probe.problems) or "nothing found"
-        return [Check("GPU", status, f"no NVIDIA GPU found ({why})",
-                      "install the NVIDIA driver (on WSL2: the Windows driver) until "
-                      "`nvidia-smi` lists the GPU; CUDA_VISIBLE_DEVICES must name it")]
+        return [_no_gpu_check(config, probe)]
     cc = reading.compute_capability
     checks = [
         Check("GPU", "ok", f"{reading.name} (#{reading.index}, {reading.uuid}), driver "
@@ -171,6 +165,20 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
     if _managed_model_server(config):
         checks.append(_settings_check(config, reading))
     return checks
+
+
+def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
+    found = f"no NVIDIA GPU found ({'; '.join(probe.problems) or 'nothing found'})"
+    if config.server.mode == "external":
+        return Check("GPU", "info", f"{found}; none needed here: the model server runs "
+                     "elsewhere (server.mode: external)")
+    driver_fix = ("install the NVIDIA driver (on WSL2: the Windows driver) until `nvidia-smi` "
+                  "lists the GPU; CUDA_VISIBLE_DEVICES must name it")
+    if not _managed_model_server(config):  # server.command may well run without a GPU
+        return Check("GPU", "warn", found, driver_fix)
+    return Check("GPU", "fail", f"{found}: the managed vLLM server cannot run here",
+                 f"{driver_fix}; or, with no NVIDIA GPU here, "
+                 f"{launchers.external_server_setup(config)}")
 
 
 def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
@@ -248,19 +256,49 @@ def _client_checks(config: Config) -> list[Check]:
     return checks
 
 
+def _layout_model_checks(config: Config) -> list[Check]:
+    if not config.pipeline.use_layout_detection:
+        return []
+    name = config.model.vl_model.layout_model
+    folder = layout_model.model_dir(name)
+    if folder.is_dir() and any(folder.iterdir()):
+        return [Check("layout model", "ok", f"{name} in {folder}")]
+    if folder.exists():
+        return [Check("layout model", "fail", f"{folder} is empty or not a folder: PaddleX "
+                      f"takes it for {name} and cannot load it", f"delete {folder} (it is "
+                      "downloaded again on first use)")]
+    hosts = layout_model.download_hosts()
+    host = layout_model.answering_host(hosts)
+    if host is not None:
+        return [Check("layout model", "ok", f"{name} is not downloaded yet: it will be, into "
+                      f"{folder}, on first use (from {host[0]}, {host[1]} answers)")]
+    repo = layout_model.hugging_face_repo(name)
+    return [Check(
+        "layout model", "fail", f"{name} is not in {folder} and cannot be downloaded: no "
+        f"model host answers ({', '.join(url for _, url in hosts)})",
+        f"on a machine with internet access run `pip install huggingface_hub && hf download "
+        f"{repo} --local-dir {name}`, then copy that {name} folder into {folder.parent}/ "
+        f"here (${layout_model.CACHE_HOME_ENV}, if set, changes where); or set "
+        "pipeline.use_layout_detection: false (each page is then read whole, without layout "
+        "blocks)")]
+
+
 def _server_env_checks(config: Config) -> list[Check]:
     server = config.server
     if server.mode == "external":
         return []
+    # What the launcher gives the server (server.env: PYTHONPATH, LD_LIBRARY_PATH...), so
+    # doctor finds what the server will find.
+    env = server_env(config)
     if server.launcher == "command":
         assert server.command  # the config guarantees it in this mode
         program = server.command[0]
-        if shutil.which(program) or Path(program).is_file():
+        if shutil.which(program, path=env.get("PATH")) or Path(program).is_file():
             return [Check("server command", "ok", program)]
         return [Check("server command", "fail", f"{program} (server.command[0]) not found",
                       "install it or correct server.command")]
     if server.python is None and server.launcher == "vllm":
-        return [_vllm_on_path(config)]
+        return [_vllm_on_path(config, env)]
     python = server.python or Path(sys.executable)
     if not python.is_file():
         return [Check("server python", "fail", f"{python} (server.python) does not exist",
@@ -270,7 +308,7 @@ def _server_env_checks(config: Config) -> list[Check]:
         modules += ["flash_attn", "xformers", "paddleocr"]
     try:
         done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules], capture_output=True,
-                              text=True, timeout=SERVER_PROBE_TIMEOUT, check=False)
+                              text=True, timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
         found = json.loads(done.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
         return [Check("server python", "fail", f"{python} took over {SERVER_PROBE_TIMEOUT:.0f} s "
@@ -290,14 +328,14 @@ def _server_env_checks(config: Config) -> list[Check]:
     return checks
 
 
-def _vllm_on_path(config: Config) -> Check:
-    vllm = shutil.which("vllm")
+def _vllm_on_path(config: Config, env: dict[str, str]) -> Check:
+    vllm = shutil.which("vllm", path=env.get("PATH"))
     if vllm is None:
         return Check("vllm", "fail", "server.python is not set and no `vllm` is on PATH",
                      SETUP_FIX)
     try:
         done = subprocess.run([vllm, "--version"], capture_output=True, text=True,
-                              timeout=SERVER_PROBE_TIMEOUT, check=False)
+                              timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Check("vllm", "fail", f"{vllm} --version failed: {exc}", SETUP_FIX)
     lines = done.stdout.strip().splitlines()

@@ -35,6 +35,8 @@ import httpx
 import psutil
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.logs import basic_logging
+from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.scheduler import SHORT_EXTRA, SHORT_OF_PAGES, ready_margin
 from ocrvl_daemon.systemd import child_env
@@ -84,9 +86,12 @@ class PageResult:
     error: str | None = None
     error_kind: str | None = None  # "server", "input", "damaged" (the page itself), "page"
     seconds: float = 0.0
-    # Set when the model's answer was still cut off at the token limit (finish_reason
-    # "length") after any retry with a larger limit: the limit that cut it off.
+    # Set when an answer of the page was cut off at the token limit (finish_reason
+    # "length"): the limit that cut it off. The converter decides whether to redo the page.
     truncated_at: int | None = None
+    looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
+    token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
+    tokens: int = 0  # completion tokens the page's answers took
 
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
@@ -340,17 +345,27 @@ def _track_completions(pipeline: Any, gate: RequestGate) -> None:
     client.create_chat_completion = tracked
 
 
-def _cut_off(started: list[Any]) -> bool:
-    """Whether any completion of the page ended at the token limit (finish_reason length)."""
+@dataclass(frozen=True)
+class _Answer:
+    finish_reason: str | None
+    text: str
+    tokens: int
+
+
+def _answers(started: list[Any]) -> list[_Answer]:
+    """The page's completions that came back: how each ended, its text, its token count."""
+    answers = []
     for item in started:
         if isinstance(item, Future):
             if not item.done() or item.cancelled() or item.exception() is not None:
                 continue
             item = item.result()
-        with contextlib.suppress(AttributeError, IndexError):
-            if item.choices[0].finish_reason == "length":
-                return True
-    return False
+        with contextlib.suppress(AttributeError, IndexError, TypeError):
+            usage = getattr(item, "usage", None)
+            answers.append(_Answer(item.choices[0].finish_reason,
+                                   item.choices[0].message.content or "",
+                                   int(getattr(usage, "completion_tokens", 0) or 0)))
+    return answers
 
 
 def _token_ceiling(config: Config, server_url: str) -> int:
@@ -403,7 +418,7 @@ def serve() -> None:
     # fd 1 carries the protocol; anything a library prints goes to stderr instead.
     channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING, format=WORKER_LOG_FORMAT)
+    basic_logging(logging.WARNING, WORKER_LOG_FORMAT)
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Paddle warns at import, at every worker start, that ccache is missing: it compiles
@@ -532,30 +547,18 @@ def _run_page(
 def _recognise(
     pipeline: Any, config: Config, server_url: str, image: Any, task: PageTask, result: PageResult
 ) -> Any:
-    """Run the pipeline on one page; a cut-off answer is redone with a larger token limit.
-
-    Long tables often need more tokens than the configured limit. The limit doubles while
-    the server's `max_model_len` allows; an answer still cut off is kept and flagged.
-    """
-    tokens = task.max_new_tokens
-    while True:
-        _COMPLETIONS.started = []
-        (res,) = pipeline.predict(image, max_new_tokens=tokens)
-        if not _cut_off(_COMPLETIONS.started):
-            result.truncated_at = None
-            return res
-        result.truncated_at = tokens
-        larger = min(tokens * 2, _token_ceiling(config, server_url))
-        if larger <= tokens:
-            return res
-        log.warning(
-            "%s p.%d: answer cut off at %d tokens; redoing it with %d",
-            task.pdf,
-            task.page + 1,
-            tokens,
-            larger,
-        )
-        tokens = larger
+    """Run the pipeline on one page and note whether (and how) an answer was cut off."""
+    _COMPLETIONS.started = []
+    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens)
+    answers = _answers(_COMPLETIONS.started)
+    result.tokens = sum(a.tokens for a in answers)
+    cut = [a for a in answers if a.finish_reason == "length"]
+    if cut:
+        result.truncated_at = task.max_new_tokens
+        result.looping = any(looks_like_a_loop(a.text) for a in cut)
+        if not result.looping:
+            result.token_ceiling = _token_ceiling(config, server_url)
+    return res
 
 
 def _is_server_down(exc: BaseException) -> bool:

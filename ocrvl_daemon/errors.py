@@ -88,6 +88,12 @@ class NotOursError(OutputError):
     permanent = True
 
 
+class NameTooLongError(OutputError):
+    """The PDF's name leaves no room for `.md` within the filesystem's limit on a name."""
+
+    permanent = True
+
+
 class ServerError(OcrvlError):
     """The model server is unreachable, not ready, or failed a request."""
 

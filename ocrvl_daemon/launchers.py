@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,9 @@ RECIPE_DEFAULTS: dict[str, Any] = {
 NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill"})
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
 SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
+ANY_HOST = "0.0.0.0"  # a server meant for other machines listens on every address
+# vLLM >= 0.11.1 has the PaddleOCR-VL architecture built in; 1.0 may change the CLI.
+VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
 
 
@@ -173,9 +177,36 @@ def _vllm_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
         raise ServerMissingError("The `vllm` command was not found (vLLM is not installed).",
                                 f"{SETUP_FIX}, or set server.python to the python of a virtual "
                                 "environment that has vLLM")
-    return [*prefix, model_source(config), "--served-model-name", config.model.served,
-            "--trust-remote-code", "--host", server.host, "--port", str(server.port),
-            *vllm_flags(args)]
+    return [*prefix, *_serve_args(config, args, server.host, server.port)]
+
+
+def _serve_args(config: Config, args: Mapping[str, Any], host: str, port: int) -> list[str]:
+    """What follows `vllm serve`: the model, the name it is served under, and the flags."""
+    return [model_source(config), "--served-model-name", config.model.served,
+            "--trust-remote-code", "--host", host, "--port", str(port), *vllm_flags(args)]
+
+
+def vllm_serve_command(config: Config, host: str = ANY_HOST, port: int | None = None) -> str:
+    """The `vllm serve` line that serves `config`'s model as the managed launcher would.
+
+    For a server started by hand, typically on another machine with a GPU (listening on every
+    address by default; `port` defaults to server.port). `auto` flags take the values ocrvl
+    uses when it cannot read the GPU, which start on an 8 GB card.
+    """
+    args = resolve_vllm_args(config).values
+    port = port or config.server.port
+    return shlex.join(["vllm", "serve", *_serve_args(config, args, host, port)])
+
+
+def external_server_setup(config: Config) -> str:
+    """How to use ocrvl without a GPU: the server on another machine, `server.mode: external`."""
+    return (f"run the model server on a machine with an NVIDIA GPU (pip install "
+            f"'{VLLM_REQUIREMENT}' there), with:\n"
+            f"    {vllm_serve_command(config)}\n"
+            f"and set `server: {{mode: external, url: http://GPUHOST:{config.server.port}/v1}}` in "
+            "this machine's config (GPUHOST: that machine's name or address); on a network "
+            "others can reach, also give that server VLLM_API_KEY=<a secret> in its environment "
+            "and set server.api_key to the same secret")
 
 
 def _genai_argv(config: Config, args: Mapping[str, Any]) -> list[str]:

@@ -4,7 +4,8 @@ Under systemd the journal adds the time, so lines carry none; each carries a `<N
 priority prefix that journald parses from stdout/stderr, so `journalctl -p warning` works.
 Where systemd-python is importable and stderr is the journal stream, records go through
 its JournalHandler instead and `extra=` fields such as OCRVL_PDF become journal fields
-(`journalctl --user -u ocrvl OCRVL_PDF=/path/book.pdf`).
+(`journalctl --user -u ocrvl OCRVL_PDF=/path/book.pdf`). File names whose bytes are not UTF-8
+are shown escaped (`\\xff`) in lines and fields alike: journald and terminals want UTF-8.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 from typing import IO, Any
+
+from ocrvl_daemon.names import shown
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERR
 
 def doc_fields(pdf: Path, page: int | None = None, job: int | None = None) -> dict[str, Any]:
     """Journal fields naming a document (and page, job) for a log call's `extra=`."""
-    fields: dict[str, Any] = {"OCRVL_PDF": str(pdf)}
+    fields: dict[str, Any] = {"OCRVL_PDF": shown(pdf)}
     if page is not None:
         fields["OCRVL_PAGE"] = page
     if job is not None:
@@ -43,7 +46,22 @@ def syslog_priority(levelno: int) -> int:
     return PRIORITIES[logging.DEBUG]
 
 
-class PriorityFormatter(logging.Formatter):
+class PrintableFormatter(logging.Formatter):
+    """A formatter whose lines show file names that are not UTF-8 escaped (`names.shown`).
+
+    The record's `message` and `exc_text` are escaped too: JournalHandler sends them along
+    as fields, and a name's raw surrogates would make it drop the whole record.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = shown(super().format(record))
+        record.message = shown(record.message)
+        if record.exc_text:
+            record.exc_text = shown(record.exc_text)
+        return text
+
+
+class PriorityFormatter(PrintableFormatter):
     """`<N>name: message`, with the prefix on every line so a traceback keeps its priority."""
 
     def __init__(self) -> None:
@@ -86,7 +104,7 @@ def setup_logging(level: str | int, *, stream: IO[str] | None = None) -> logging
         if under_systemd(stream):
             handler.setFormatter(PriorityFormatter())
         else:
-            handler.setFormatter(logging.Formatter(HUMAN_FORMAT, datefmt="%H:%M:%S"))
+            handler.setFormatter(PrintableFormatter(HUMAN_FORMAT, datefmt="%H:%M:%S"))
     handler.set_name(PACKAGE_LOGGER)
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == PACKAGE_LOGGER]:
@@ -99,6 +117,13 @@ def setup_logging(level: str | int, *, stream: IO[str] | None = None) -> logging
     log.debug("Logging through %s, formatted by %s", type(handler).__name__,
               type(handler.formatter).__name__)
     return handler
+
+
+def basic_logging(level: int, fmt: str) -> None:
+    """`logging.basicConfig` to stderr with file names escaped, unless logging is set up."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def set_level(level: str | int) -> None:
@@ -120,7 +145,7 @@ def _journal_handler(stream: IO[str]) -> logging.Handler | None:
     # JournalHandler sends every record attribute along; journald keeps the UPPERCASE ones,
     # so `extra={"OCRVL_PDF": ...}` arrives as a field without a subclass.
     handler: logging.Handler = journal.JournalHandler(SYSLOG_IDENTIFIER=SYSLOG_IDENTIFIER)
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setFormatter(PrintableFormatter("%(name)s: %(message)s"))
     return handler
 
 

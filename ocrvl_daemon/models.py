@@ -24,6 +24,7 @@ class VLModel:
     pipeline_version: str
     hf_repo: str  # what `vllm serve` downloads unless `model.weights` says otherwise
     min_vllm: str
+    layout_model: str  # what the pipeline detects layout blocks with (a PaddleX model)
 
     def request_token_budget(self, max_new_tokens: int) -> int:
         """The context length one page request can need (vLLM's `max-model-len` floor)."""
@@ -33,9 +34,12 @@ class VLModel:
 MODELS: dict[str, VLModel] = {
     m.name: m
     for m in (
-        VLModel("PaddleOCR-VL-0.9B", "v1", "PaddlePaddle/PaddleOCR-VL", "0.11.1"),
-        VLModel("PaddleOCR-VL-1.5-0.9B", "v1.5", "PaddlePaddle/PaddleOCR-VL-1.5", "0.11.1"),
-        VLModel("PaddleOCR-VL-1.6-0.9B", "v1.6", "PaddlePaddle/PaddleOCR-VL-1.6", "0.11.1"),
+        VLModel("PaddleOCR-VL-0.9B", "v1", "PaddlePaddle/PaddleOCR-VL", "0.11.1",
+                "PP-DocLayoutV2"),
+        VLModel("PaddleOCR-VL-1.5-0.9B", "v1.5", "PaddlePaddle/PaddleOCR-VL-1.5", "0.11.1",
+                "PP-DocLayoutV3"),
+        VLModel("PaddleOCR-VL-1.6-0.9B", "v1.6", "PaddlePaddle/PaddleOCR-VL-1.6", "0.11.1",
+                "PP-DocLayoutV3"),
     )
 }
 DEFAULT_MODEL = "PaddleOCR-VL-1.6-0.9B"

@@ -8,17 +8,21 @@ leaves in notes is to run `ocrvl convert` again (`--pages` for single pages).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
 from types import FrameType
 from urllib.parse import urlparse
 
-from ocrvl_daemon import output
+from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
-from ocrvl_daemon.pdf import page_count, parse_pages
+from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server import ServerSupervisor
 from ocrvl_daemon.store import JobState, Store
 
@@ -33,6 +37,9 @@ MAX_ATTEMPTS = 3
 # run; the daemon keeps trying (the network may come back, the install be repaired).
 ENGINE_START_ATTEMPTS = 2
 STOP_TIMEOUT = 30.0
+# After Ctrl-C, pages in flight get only this long: the person asked to stop, and pages
+# not checkpointed are simply redone by the next run.
+INTERRUPT_DRAIN_SECONDS = 2.0
 
 
 def convert_files(
@@ -47,13 +54,13 @@ def convert_files(
     paths = [given.expanduser().absolute() for given in pdfs]
     redo: dict[Path, list[int]] = {}
     if pages:  # every page list is checked before anything is queued
-        parse_pages(pages)
+        pdf.parse_pages(pages)
         for path in paths:
             try:
-                count = page_count(path)
+                count = pdf.page_count(path)
             except OcrvlError:
                 continue  # reported below, as a bad file
-            redo[path] = parse_pages(pages, count, path)
+            redo[path] = pdf.parse_pages(pages, count, path)
     store = Store(config.state_dir / "convert.sqlite")
     failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
@@ -101,6 +108,7 @@ def _run(
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
+    view = _progress_view(config, store, jobs)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
     converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
@@ -108,19 +116,19 @@ def _run(
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
             # A server that answers but cannot serve this configuration has its own fix.
+            server_port = urlparse(config.server.base_url).port or 80
             reason = server.error if server.error is not None else (
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
                     f"({server.status().last_error or 'no answer'}).",
-                    f"start it (e.g. `vllm serve {config.model.vl_model.hf_repo} "
-                    f"--served-model-name {config.model.served} --trust-remote-code --port "
-                    f"{urlparse(config.server.base_url).port or 80}`), or run without "
-                    "--server-url so ocrvl starts one itself",
+                    f"start it (e.g. `{vllm_serve_command(config, port=server_port)}`), or "
+                    "run without --server-url so ocrvl starts one itself",
                 )
             )
             return dict.fromkeys(jobs.values(), reason)
         while not stop_requested:
             converter.tick()
+            view.update(time.monotonic(), converter.running())
             if server.error is not None:
                 return _unfinished(store, jobs, server.error)
             if converter.engine_gave_up:
@@ -130,10 +138,11 @@ def _run(
                 break
             converter.wait(TICK_SECONDS)
     finally:
+        view.close()
         if stop_requested:
-            # Ctrl-C means now: pages in flight are not waited for (they are redone next time).
-            log.info("received %s; stopping now", signal.Signals(stop_requested[0]).name)
-        converter.stop(0 if stop_requested else STOP_TIMEOUT)
+            log.warning("stopping (%s): pages done so far are kept; the same command resumes",
+                        signal.Signals(stop_requested[0]).name)
+        converter.stop(INTERRUPT_DRAIN_SECONDS if stop_requested else STOP_TIMEOUT)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -144,6 +153,22 @@ def _run(
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
+
+
+def _progress_view(config: Config, store: Store, jobs: dict[int, Path]) -> ProgressView:
+    """Bars for a person at a terminal, else a line per document now and then."""
+    totals, done = {}, {}
+    for job_id, path in jobs.items():
+        # A file that does not open has its failure reported when it is converted.
+        with contextlib.suppress(OcrvlError, OSError):
+            totals[job_id] = pdf.page_count(path)
+        job = store.job(job_id)
+        if job is not None:
+            done[job_id] = store.count_pages(job.sha256, job.model)
+    tally = RunTally(totals, done, lambda job_id: _succeeded(store, job_id))
+    if sys.stderr.isatty():
+        return ProgressBars(sys.stderr, tally)
+    return ProgressLog(config.progress_seconds, tally)
 
 
 def _unfinished(store: Store, jobs: dict[int, Path], reason: OcrvlError) -> dict[Path, OcrvlError]:

@@ -1,7 +1,9 @@
 """Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
 
 Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
-a Markdown file or image folder that ocrvl did not write is never replaced.
+a Markdown file or image folder that ocrvl did not write is never replaced. Names keep the PDF's
+raw bytes; where `<stem>_images` or `<stem>.ocrvl-error.txt` would be longer than the
+filesystem allows, that one gets a shortened name (`names.fit_name`) and says so.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from ocrvl_daemon.errors import NotOursError, OutputError
+from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
+from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
 
 log = logging.getLogger(__name__)
 
 TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
+IMAGES_SUFFIX = "_images"
 ERROR_SUFFIX = ".ocrvl-error.txt"
+# What a temporary name adds to the name it stands for: a dot, "-new-" or "-old-", a pid.
+_TMP_EXTRA = 1 + 5 + 10
 _HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
 # Room for the Markdown and its images, plus slack for the filesystem.
@@ -42,12 +48,41 @@ class Page:
 
 
 def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
-    """The Markdown file, image folder and error note that belong to `pdf`."""
+    """The Markdown file, image folder and error note that belong to `pdf`.
+
+    The Markdown always has the PDF's stem (`check_writable` refuses a name too long for
+    it); the image folder and error note are shortened where the full name would not fit.
+    """
+    limit = _name_limit(pdf)
     return (
         pdf.with_suffix(".md"),
-        pdf.with_name(pdf.stem + "_images"),
-        pdf.with_name(pdf.stem + ERROR_SUFFIX),
+        pdf.with_name(fit_name(pdf.stem, IMAGES_SUFFIX, limit)),
+        pdf.with_name(fit_name(pdf.stem, ERROR_SUFFIX, limit)),
     )
+
+
+def _name_limit(pdf: Path) -> int:
+    """The longest name, in bytes, beside `pdf`. At least the PDF's own: a filesystem that
+    counts characters rather than bytes (NTFS under WSL2) may report less than it holds."""
+    return max(name_max(pdf.parent), name_bytes(pdf.name))
+
+
+def _shorter_name_fix(limit: int) -> str:
+    return (f"rename the PDF to a shorter name (at most {limit - 3} bytes before .pdf); in an "
+            "inbox the renamed file is picked up by itself")
+
+
+def shortened_names(pdf: Path) -> str | None:
+    """What got a shortened name because the full one is too long for the filesystem."""
+    _, images, note = outputs_for(pdf)
+    short = [f"{what} is {path.name}" for what, path, suffix in (
+        ("the image folder", images, IMAGES_SUFFIX), ("the error note", note, ERROR_SUFFIX))
+        if path.name != pdf.stem + suffix]
+    if not short:
+        return None
+    return (f"the name is too long to add {IMAGES_SUFFIX} or {ERROR_SUFFIX} within this "
+            f"filesystem's limit of {_name_limit(pdf)} bytes, so {' and '.join(short)} "
+            "(the start of the name, ~ and a hash of it)")
 
 
 def read_header(md: Path) -> dict[str, str] | None:
@@ -73,6 +108,13 @@ def check_writable(pdf: Path) -> None:
     md, images, _ = outputs_for(pdf)
     if not os.access(md.parent, os.W_OK):
         raise _not_writable(md, "no write permission")
+    limit = _name_limit(pdf)
+    if name_bytes(md.name) > limit:
+        raise NameTooLongError(
+            f"{md.name} would be {name_bytes(md.name)} bytes long; this filesystem allows "
+            f"{limit} bytes in a file name.",
+            _shorter_name_fix(limit),
+        )
     if md.exists() and read_header(md) is None:
         raise NotOursError(
             f"{md} already exists and was not written by ocrvl; it is left untouched.",
@@ -104,7 +146,7 @@ def write_document(
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
     tmp_md = _temporary(md)
     tmp_dir = _temporary(images_dir)
-    link_base = quote(images_dir.name)
+    link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
         check_writable(pdf)
         # A killed run leaves its temporaries under its own pid; they are useless now.
@@ -112,7 +154,7 @@ def write_document(
         _remove_temporaries(images_dir)
         with tmp_md.open("w", encoding="utf-8") as out:
             out.write(
-                f'<!-- ocrvl source="{_attr(pdf.name)}" sha256="{sha256}" '
+                f'<!-- ocrvl source="{_attr(shown(pdf.name))}" sha256="{sha256}" '
                 f'model="{model}" pages="{page_count}" -->\n'
             )
             for page in pages:
@@ -144,11 +186,16 @@ def write_document(
 
 def _temporary(path: Path, kind: str = "new") -> Path:
     """A hidden name beside `path` for work in progress (never matched by the inbox)."""
-    return path.with_name(f".{path.name}{TMP_MARK}-{kind}-{os.getpid()}")
+    return path.with_name(f"{_temporary_prefix(path)}-{kind}-{os.getpid()}")
+
+
+def _temporary_prefix(path: Path) -> str:
+    """`.<name>.ocrvl-tmp`, the name shortened where a temporary name would not fit."""
+    return "." + fit_name(path.name, TMP_MARK, name_max(path.parent) - _TMP_EXTRA)
 
 
 def _remove_temporaries(path: Path) -> None:
-    for stale in path.parent.glob(f".{glob.escape(path.name)}{TMP_MARK}-*"):
+    for stale in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}-*"):
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -223,6 +270,11 @@ def _check_free_space(folder: Path, needed: int) -> None:
 
 
 def _output_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno == errno.ENAMETOOLONG:  # the filesystem holds less than it said
+        return NameTooLongError(
+            f"Cannot write {path}: the name is too long for this filesystem.",
+            _shorter_name_fix(name_max(path.parent)),
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return _not_writable(path, exc.strerror or str(exc))
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -261,8 +313,11 @@ def write_error_note(
             f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
             "once the document is converted.\n"
         )
+    short = shortened_names(pdf)
+    if short:
+        text += f"\nNote: {short}.\n"
     try:
-        write_atomic(note, text)
+        write_atomic(note, shown(text))
     except OSError as exc:
         log.warning("no error note could be left at %s (%s)", note, exc.strerror or exc)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from ocrvl_daemon.errors import (
     PageDamagedError,
     UsageError,
 )
+from ocrvl_daemon.names import shell_quote
 
 # PDFium is not thread-safe; every call into it goes through this lock.
 PDFIUM_LOCK = threading.RLock()
@@ -57,11 +57,6 @@ def check_unchanged(path: Path, size: int, mtime: float) -> None:
         raise InputVanishedError(f"{path} disappeared while it was being converted.") from exc
     if (st.st_size, st.st_mtime) != (size, mtime):
         raise InputVanishedError(f"{path} changed while it was being converted.")
-
-
-def shell_quote(path: Path) -> str:
-    """`path` as it would be typed in a shell, for the commands suggested to the user."""
-    return shlex.quote(str(path))
 
 
 def retry_command(path: Path, pages: str | None = None, again: str = "ocrvl retry") -> str:

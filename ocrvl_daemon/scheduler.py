@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 # document with many pages in flight instead of waiting for one to finish.
 SHORT_OF_PAGES = 4
 SHORT_EXTRA = 4
+# Documents converted at once, sharing the server; the queue behind them waits for a slot.
+MAX_ACTIVE_DOCUMENTS = 64
 
 
 def ready_margin(limit: int) -> int:

@@ -8,6 +8,7 @@ exactly as they would run, environment variables included.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shlex
 import shutil
@@ -28,9 +29,10 @@ from ruamel.yaml.error import YAMLError
 from ocrvl_daemon.config import DEFAULT_CONFIG_PATH, Config, expand_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
 from ocrvl_daemon.gpu import GpuReading, read_gpu
+from ocrvl_daemon.launchers import VLLM_REQUIREMENT, external_server_setup
 
-# vLLM >= 0.11.1 has the PaddleOCR-VL architecture built in; 1.0 may change the CLI.
-VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
+log = logging.getLogger(__name__)
+
 # What PaddleX's vLLM genai server checks for, minus its vllm==0.10.2 pin.
 GENAI_SERVER_EXTRAS = ("xformers", "einops", "uvloop", "transformers<5")
 FLASH_ATTN_VERSION = "2.8.3"
@@ -259,9 +261,19 @@ def setup_server(config: Config, config_path: Path | None, venv: Path, *, dry_ru
     """Plan for this machine and run (or print) it; the CLI's `setup-server`."""
     venv = expand_path(venv).absolute()
     target = config_path or expand_path(DEFAULT_CONFIG_PATH)
+    gpu = read_gpu()
+    if gpu is None:
+        _warn_no_gpu(config)
     plan = plan_setup(
         venv, config, python_version=(sys.version_info.major, sys.version_info.minor),
-        torch_cuda=torch_version(venv / "bin" / "python"), gpu=read_gpu(), config_path=target,
+        torch_cuda=torch_version(venv / "bin" / "python"), gpu=gpu, config_path=target,
         uv=shutil.which("uv"))
     run_setup(plan, dry_run)
     return ExitCode.OK
+
+
+def _warn_no_gpu(config: Config) -> None:
+    # The environment can still be made (e.g. to copy it), so this is a warning, not a stop.
+    log.warning("No NVIDIA GPU found on this machine (`ocrvl doctor` says why): the server "
+                "environment can be created, but the model server will not run here. To use "
+                "ocrvl on this machine, %s.", external_server_setup(config))

@@ -12,7 +12,10 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
-from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command, shell_quote
+from ocrvl_daemon.names import shell_quote, shown
+from ocrvl_daemon.output import shortened_names
+from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
+from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
@@ -20,6 +23,10 @@ from ocrvl_daemon.systemd import format_duration
 log = logging.getLogger(__name__)
 
 DAEMON_DB = "jobs.sqlite"
+# Without --all: every document not done yet, and this many of the last finished.
+RECENT_DONE = 10
+# A daemon that has not published for this long is taken for dead (it publishes every 2 s).
+STALE_SECONDS = 30.0
 
 
 def open_store(config: Config) -> Store:
@@ -27,7 +34,7 @@ def open_store(config: Config) -> Store:
     return Store(config.state_dir / DAEMON_DB)
 
 
-def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
+def _job_view(store: Store, job: Job) -> dict[str, Any]:
     done = (
         store.count_pages(job.sha256, job.model)
         if job.state is not JobState.DONE
@@ -35,7 +42,7 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
     )
     total = job.page_count
     view: dict[str, Any] = {
-        "path": str(job.path),
+        "path": shown(job.path),
         "state": job.state.value,
         "pages_done": done,
         "pages_total": total,
@@ -46,26 +53,103 @@ def _job_view(store: Store, job: Job, rate: float) -> dict[str, Any]:
             p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
+        "redo_tokens": job.redo_tokens,
     }
-    if job.state is JobState.RUNNING and total and rate > 0:
-        view["eta_seconds"] = round((total - done) / rate)
+    short = shortened_names(job.path)
+    if short:
+        view["names_shortened"] = shown(short)
     if job.state is JobState.QUEUED and job.not_before > time.time():
         view["retry_in_seconds"] = round(job.not_before - time.time())
     return view
 
 
-def collect_status(config: Config) -> dict[str, Any]:
-    """Everything `ocrvl status` shows, as a dict."""
+def finish_times(
+    pages_left: list[tuple[int, int]], rate: float, slots: int = MAX_ACTIVE_DOCUMENTS
+) -> dict[int, float]:
+    """Seconds until each document is done, as the daemon shares the server.
+
+    `pages_left` holds (job id, pages left) in queue order. Up to `slots` documents are
+    converted at once and share `rate` evenly (the scheduler's fair interleaving), so a
+    letter behind a book is done first; the next in the queue takes a freed slot.
+    """
+    waiting = [(job, float(left)) for job, left in pages_left]
+    active: dict[int, float] = {}
+    clock, times = 0.0, {}
+    while waiting or active:
+        while waiting and len(active) < slots:
+            job, left = waiting.pop(0)
+            active[job] = left
+        first = min(active, key=active.__getitem__)
+        step = active[first]
+        clock += step * len(active) / rate
+        active = {job: left - step for job, left in active.items()}
+        for job in [j for j, left in active.items() if left <= 0]:
+            times[job] = clock
+            del active[job]
+    return times
+
+
+def _add_etas(jobs: list[Job], views: dict[int, dict[str, Any]], rate: float) -> None:
+    """`eta_seconds` for every document that is being converted or waits its turn."""
+    if rate <= 0:
+        return
+    wall = time.time()
+    # Running documents hold their slots; the queue follows in order (as the converter takes it).
+    order = sorted(
+        (j for j in jobs
+         if j.state is JobState.RUNNING
+         or (j.state is JobState.QUEUED and j.not_before <= wall and j.page_count)),
+        key=lambda j: (j.state is not JobState.RUNNING, j.id),
+    )
+    left = [(j.id, max(0, (j.page_count or 0) - views[j.id]["pages_done"])) for j in order]
+    for job_id, seconds in finish_times(left, rate).items():
+        views[job_id]["eta_seconds"] = round(seconds)
+
+
+def _recent(jobs: list[Job]) -> list[Job]:
+    """Every document not done yet, and the last RECENT_DONE finished ones."""
+    finished = sorted((j for j in jobs if j.state is JobState.DONE),
+                      key=lambda j: j.finished or j.updated)
+    keep = {j.id for j in finished[-RECENT_DONE:]}
+    return [j for j in jobs if j.state is not JobState.DONE or j.id in keep]
+
+
+def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:
+    """The server as the daemon last saw it; only a running daemon can vouch for it."""
+    server = dict(daemon.get("server") or {})
+    if alive:
+        return server
+    view: dict[str, Any] = {"state": "unknown", "why": "the daemon is not running"}
+    if server:
+        view["last_known"] = server
+        view["last_known_at"] = daemon.get("updated")
+    return view
+
+
+def collect_status(config: Config, *, everything: bool = True) -> dict[str, Any]:
+    """Everything `ocrvl status` shows, as a dict (paths `shown`, as people read them);
+    without `everything`, recent documents."""
+    return _collect_status(config, everything)[0]
+
+
+def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], list[Path]]:
+    """The status, and each listed document's path as it is (for the commands shown with it)."""
     store = open_store(config)
     try:
         daemon = store.get_meta("daemon") or {}
-        rate = float(daemon.get("pages_per_s") or 0.0)
         alive = (
             "updated" in daemon
-            and time.time() - float(daemon["updated"]) < 30
+            and time.time() - float(daemon["updated"]) < STALE_SECONDS
             and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
         )
-        jobs = [_job_view(store, j, rate) for j in store.jobs()]
+        # A dead daemon's last rate would promise ETAs nobody is working towards.
+        rate = float(daemon.get("pages_per_s") or 0.0) if alive else 0.0
+        jobs = store.jobs()
+        listed = jobs if everything else _recent(jobs)
+        listed_ids = {j.id for j in listed}
+        views = {j.id: _job_view(store, j) for j in jobs
+                 if j.state in (JobState.RUNNING, JobState.QUEUED) or j.id in listed_ids}
+        _add_etas(jobs, views, rate)
     finally:
         store.close()
     # A daemon paused by a full disk cannot publish to the store; its lock file says why.
@@ -75,14 +159,15 @@ def collect_status(config: Config) -> dict[str, Any]:
         daemon = {**daemon, "pid": paused[0], "paused": paused[1]}
     return {
         "daemon": {"running": alive, **daemon},
-        "server": daemon.get("server", {}),
-        "documents": jobs,
-    }
+        "server": _server_view(daemon, alive),
+        "documents": [views[j.id] for j in listed],
+        "documents_not_shown": len(jobs) - len(listed),
+    }, [j.path for j in listed]
 
 
-def render_status(config: Config, *, as_json: bool) -> str:
-    """The status as text (one screen) or JSON."""
-    status = collect_status(config)
+def render_status(config: Config, *, as_json: bool, everything: bool = False) -> str:
+    """The status as text (one screen) or JSON; recent documents unless `everything`."""
+    status, paths = _collect_status(config, everything)
     if as_json:
         return json.dumps(status, indent=2)
     daemon, server = status["daemon"], status["server"]
@@ -96,16 +181,26 @@ def render_status(config: Config, *, as_json: bool) -> str:
         if daemon.get("paused"):
             lines.append(daemon["paused"])
         lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
+        if server.get("last_error"):
+            since = " (it has recovered since)" if state == "ready" else ""
+            lines.append(f"  last error{since}: {server['last_error']}")
         if server.get("diagnosis"):
             lines.append(f"  likely cause: {server['diagnosis']}")
         if daemon.get("engine_error"):
             lines.append(f"engine: {daemon['engine_error']}")
     else:
         lines.append("daemon: not running (start it with `systemctl --user start ocrvl`)")
+        last = server.get("last_known")
+        if last:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(server["last_known_at"]))
+            lines.append(f"server: unknown (daemon not running; {last.get('state', '?')} "
+                         f"at {when}, when the daemon last reported)")
+            if last.get("last_error"):
+                lines.append(f"  last error: {last['last_error']}")
     docs = status["documents"]
     if not docs:
         lines.append("no documents yet")
-    for doc in docs:
+    for doc, path in zip(docs, paths, strict=True):
         pages = f"{doc['pages_done']}/{doc['pages_total'] or '?'} pages"
         extra = ""
         if "eta_seconds" in doc:
@@ -115,7 +210,8 @@ def render_status(config: Config, *, as_json: bool) -> str:
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
-        path = Path(doc["path"])
+        if doc.get("names_shortened"):
+            lines.append(f"         note: {doc['names_shortened']}")
         for key, what in (("failed_pages", "pages that failed"),
                           ("flagged_pages", "pages that were cut off"),
                           ("damaged_pages", "pages damaged in the PDF")):  # fmt: skip
@@ -124,7 +220,13 @@ def render_status(config: Config, *, as_json: bool) -> str:
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
                         else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
                 lines.append(f"         {what}: {pages_list} ({hint})")
-    return "\n".join(lines)
+    if status["documents_not_shown"]:
+        lines.append(f"... and {status['documents_not_shown']} older converted documents "
+                     "(`ocrvl status --all` lists everything)")
+    if any("eta_seconds" in doc for doc in docs):
+        lines.append("ETA: when each document should be done at the current rate, sharing the "
+                     "server with those converting and queued ahead of it")
+    return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
 def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) -> ExitCode:

@@ -4,6 +4,8 @@ Page checkpoints are keyed by the document's content hash and the model, not by 
 renamed or moved file whose content was already converted reuses them, and a resumed run
 assembles exactly what an uninterrupted run would have. Every page is committed with
 `synchronous=FULL` before it counts as done, so a power cut loses only the pages in flight.
+A document's path is kept as the raw bytes of its name (any name the filesystem allows);
+texts for people (errors, page notes) are kept `shown`, since SQLite text must be UTF-8.
 `ocrvl status` and `ocrvl retry` open the same database while the daemon runs; SQLite's
 locking keeps them from corrupting it.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon.errors import ConfigError, StateFullError
+from ocrvl_daemon.names import shown
 
 SCHEMA_VERSION = 1
 SQLITE_FULL = 13  # "database or disk is full"
@@ -30,7 +33,7 @@ PAGE_BATCH = 256
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY,
-    path TEXT NOT NULL UNIQUE,
+    path BLOB NOT NULL UNIQUE,  -- os.fsencode(path): names need not be UTF-8
     sha256 TEXT NOT NULL,
     size INTEGER NOT NULL,
     mtime REAL NOT NULL,
@@ -43,7 +46,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     updated REAL NOT NULL,
     started REAL,
     finished REAL,
-    not_before REAL NOT NULL DEFAULT 0
+    not_before REAL NOT NULL DEFAULT 0,
+    redo_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS pages (
@@ -104,6 +108,7 @@ class Job:
     started: float | None
     finished: float | None
     not_before: float
+    redo_tokens: int  # extra tokens its last conversion took redoing cut-off pages
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,22 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
+        self._paths_as_bytes()
+        self._add_redo_tokens()
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def _paths_as_bytes(self) -> None:
+        """Databases of earlier versions kept paths as text: turn them into bytes, in place."""
+        if self._db.execute("SELECT 1 FROM jobs WHERE typeof(path)='text' LIMIT 1").fetchone():
+            with self._tx() as db:
+                db.execute("UPDATE OR REPLACE jobs SET path=CAST(path AS BLOB) "
+                           "WHERE typeof(path)='text'")
+
+    def _add_redo_tokens(self) -> None:
+        """Databases of earlier versions did not count the tokens of redone cut-off pages."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "redo_tokens" not in columns:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN redo_tokens INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         """Close the connection."""
@@ -179,7 +199,7 @@ class Store:
 
     def job_for_path(self, path: Path) -> Job | None:
         """The job of the document at `path`, if any."""
-        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+        row = self._db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row) if row else None
 
     def jobs(self, *states: JobState) -> list[Job]:
@@ -209,12 +229,12 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
             if row is None:
                 db.execute(
                     "INSERT INTO jobs (path, sha256, size, mtime, model, state, created, updated)"
                     " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
-                    (str(path), sha256, size, mtime, model, now, now),
+                    (os.fsencode(path), sha256, size, mtime, model, now, now),
                 )
             elif row["sha256"] != sha256 or row["model"] != model:
                 db.execute(
@@ -225,7 +245,7 @@ class Store:
                 )
             else:
                 db.execute("UPDATE jobs SET size=?, mtime=? WHERE id=?", (size, mtime, row["id"]))
-            row = db.execute("SELECT * FROM jobs WHERE path = ?", (str(path),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row)
 
     def requeue(self, job_id: int, *, reset_attempts: bool = True) -> None:
@@ -248,13 +268,14 @@ class Store:
                 (page_count, now, now, job_id),
             )
 
-    def set_done(self, job_id: int) -> None:
-        """Mark a job as converted."""
+    def set_done(self, job_id: int, redo_tokens: int = 0) -> None:
+        """Mark a job as converted; `redo_tokens` it took redoing cut-off pages."""
         now = time.time()
         with self._tx() as db:
             db.execute(
-                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=? WHERE id=?",
-                (now, now, job_id),
+                "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=?, "
+                "redo_tokens=? WHERE id=?",
+                (now, now, redo_tokens, job_id),
             )
 
     def set_failed(
@@ -266,7 +287,7 @@ class Store:
             db.execute(
                 "UPDATE jobs SET state=?, attempts=attempts+1, last_error=?, updated=?, "
                 "not_before=? WHERE id=?",
-                ("failed" if permanent else "queued", error, now, now + retry_in, job_id),
+                ("failed" if permanent else "queued", shown(error), now, now + retry_in, job_id),
             )
 
     def forget(self, job_id: int) -> None:
@@ -301,7 +322,7 @@ class Store:
             )
             db.execute(
                 "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sha256, model, page, markdown, note, int(failure), now),
+                (sha256, model, page, markdown, note and shown(note), int(failure), now),
             )
             db.executemany(
                 "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
@@ -406,7 +427,7 @@ class Store:
 def _job(row: sqlite3.Row) -> Job:
     return Job(
         id=row["id"],
-        path=Path(row["path"]),
+        path=Path(os.fsdecode(row["path"])),
         sha256=row["sha256"],
         size=row["size"],
         mtime=row["mtime"],
@@ -420,4 +441,5 @@ def _job(row: sqlite3.Row) -> Job:
         started=row["started"],
         finished=row["finished"],
         not_before=row["not_before"],
+        redo_tokens=row["redo_tokens"],
     )

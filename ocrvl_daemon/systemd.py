@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import sdnotify
 
+from ocrvl_daemon.names import shown
+
 log = logging.getLogger(__name__)
 
 # Variables addressed to this process alone: a child that inherited them could tell systemd
@@ -111,8 +113,8 @@ class Notifier:
             return
         try:
             # Not sdnotify's notify(): it encodes as Latin-1, and systemd drops a STATUS=
-            # that is not UTF-8 (the status line uses '·').
-            self._sd.socket.sendall(message.encode("utf-8"))
+            # that is not UTF-8 (the status line uses '·', a file name may be any bytes).
+            self._sd.socket.sendall(shown(message).encode("utf-8"))
         except OSError as exc:
             if not self._warned:
                 self._warned = True
@@ -177,14 +179,18 @@ def format_status(snap: StatusSnapshot) -> str:
         pages = f"p.{snap.page_done}" + (f"/{snap.page_total}" if snap.page_total else "")
         rate = eta = ""
         if snap.pages_per_s:
-            rate = f"{snap.pages_per_s:.1f} p/s" if snap.pages_per_s >= 0.95 else \
-                f"{snap.pages_per_s:.2f} p/s"
+            rate = format_rate(snap.pages_per_s)
             if snap.page_total:
                 left = max(snap.page_total - snap.page_done, 0) / snap.pages_per_s
                 eta = f"ETA {format_duration(left)}"
         return _join(f"{snap.current_doc} {pages}", rate, eta, queue, failed)
     idle = f"idle, {snap.done} done, {snap.queued} queued"
     return f"{idle}, {failed}" if failed else idle
+
+
+def format_rate(pages_per_s: float) -> str:
+    """1.6 p/s, 0.24 p/s."""
+    return f"{pages_per_s:.1f} p/s" if pages_per_s >= 0.95 else f"{pages_per_s:.2f} p/s"
 
 
 def format_duration(seconds: float) -> str:

@@ -507,7 +507,7 @@ class InboxWatcher:
             return False
         targets.add(real)
         if state.opens:
-            log.info("%s is stable, queueing", path)
+            log.debug("%s is stable, queueing", path)  # the daemon says what it did with it
         else:
             log.info("%s is stable but does not open as a PDF; queueing it so the failure "
                      "is reported", path)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ocrvl_daemon.config import load_config
+from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.output import read_header
 from ocrvl_daemon.testing.documents import (
     make_damaged_page_pdf,
@@ -174,7 +176,8 @@ def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):
     result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf)
     assert result.returncode == 5, "a server problem is exit code 5"
     assert f"Cannot reach the model server at {url}" in result.stderr
-    assert "vllm serve" in result.stderr
+    serve = vllm_serve_command(load_config(config)[0], port=9)
+    assert serve in result.stderr, "the hint is not the line the managed launcher would run"
     assert not (tmp_path / "book.md").exists()
 
 

@@ -60,6 +60,12 @@ class Setup:
                    if line]
         return collections.Counter(r["digest"] for r in records if r["digest"] is not None)
 
+    def checkpointed_digests(self) -> set[str]:
+        """The image digests of the pages checkpointed so far."""
+        db = self.root / "state" / "jobs.sqlite"
+        with sqlite3.connect(db, timeout=10) as conn:
+            return {d for (md,) in conn.execute("SELECT markdown FROM pages") for d in digests(md)}
+
     def checkpointed_pages(self) -> int:
         db = self.root / "state" / "jobs.sqlite"
         if not db.exists():
@@ -139,12 +145,16 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         # request log final for the first run. Not when its port closes: the requests in
         # flight are answered (500) and logged after that.
         wait_until(lambda: not process_alive(server_pid), 30, what="the first run's server to die")
-        assert setup.status()["daemon"]["running"] is False, (
+        status = setup.status()
+        assert status["daemon"]["running"] is False, (
             "`ocrvl status` shows a killed daemon as running"
         )
-        done_before_kill = setup.checkpointed_pages()
+        assert status["server"]["state"] == "unknown", (
+            f"`ocrvl status` vouches for the server of a killed daemon: {status['server']}"
+        )
+        done_before_kill = setup.checkpointed_digests()
         requested_before_kill = setup.requests_by_digest()
-        assert done_before_kill < pages, "the book finished before the kill; slow the server"
+        assert len(done_before_kill) < pages, "the book finished before the kill; slow the server"
         daemon.start()
         wait_for_markdown(book)
     finally:
@@ -158,12 +168,40 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
     assert book.with_suffix(".md").read_text("utf-8") == \
         (ref.inbox / "book.md").read_text("utf-8"), "resumed output differs from a clean run"
     counts = setup.requests_by_digest()
+    assert len(done_before_kill) >= 12
+    sent_again = [d for d in done_before_kill if counts[d] != 1]
+    assert not sent_again, f"pages checkpointed before the kill were sent again: {sent_again}"
     repeated = [d for d, n in counts.items() if n > 1]
     assert len(counts) == pages
     assert len(repeated) <= 4, f"{len(repeated)} pages redone; only the 4 in flight may be"
     assert all(requested_before_kill[d] >= 1 for d in repeated), \
         "a page never requested before the kill was requested twice"
     assert sum(counts.values()) <= pages + 4
+
+
+def test_the_engine_worker_is_warm_before_the_first_file_arrives(tmp_path: Path):
+    # The server takes a while to start, as vLLM does: the worker starts beside it.
+    setup = Setup(tmp_path, "--startup-delay", "3")
+    with setup.daemon() as daemon:
+        worker_ready = re.compile(r"engine worker (\d+) ready in")
+        wait_until(lambda: worker_ready.search(daemon.log()), 90,
+                   what="the engine worker to be ready with no file in the inbox")
+        daemon.wait_ready()
+        log = daemon.log()
+        assert log.index("engine worker started") < log.index("server ready at"), (
+            "the engine worker waited for the server instead of starting beside it")
+        match = worker_ready.search(log)
+        assert match is not None
+        pid = int(match.group(1))
+        letter = make_pdf(setup.inbox / "letter.pdf", 1, seed=21)
+        wait_for_markdown(letter)
+        log = daemon.log()
+        after_drop = log[log.index("letter.pdf: queued"):]
+        assert "engine worker started" not in after_drop and worker_ready.search(after_drop) is \
+            None, "the dropped file waited for an engine worker to start"
+        assert log.count("engine worker started") == 1 and process_alive(pid), (
+            "the warm worker was not the one that converted the file")
+        assert sum(setup.requests_by_digest().values()) == 1
 
 
 def test_small_letter_dropped_after_a_big_book_does_not_wait_for_it(tmp_path: Path):

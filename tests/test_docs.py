@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from ocrvl_daemon import gpu
 from ocrvl_daemon.cli import COMMANDS, build_parser
 from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.process_group import terminate_group
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import free_port
+from ocrvl_daemon.testing.runner import ocrvl_env
 
 REPO = Path(__file__).resolve().parents[1]
+NO_GPU = REPO / "tests" / "fixtures" / "gpu" / "nogpu.sh"
+
+
+def readme() -> str:
+    return (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def shell_block(text: str, needle: str) -> str:
+    """The fenced shell block of `text` that contains `needle`."""
+    blocks = re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S)
+    found = [b for b in blocks if needle in b]
+    assert len(found) == 1, f"README has {len(found)} shell blocks with {needle!r}"
+    return found[0]
 
 
 def _keys(data: dict, prefix: str = "") -> set[str]:
@@ -46,3 +69,53 @@ def test_readme_test_command_is_what_ci_runs():
     command = next(line.strip() for line in readme.splitlines()
                    if "pip install -e '.[test]'" in line)
     assert command in ci, ".ci/run does not run the README's test command"
+
+
+def test_readme_vllm_serve_line_is_the_generated_one():
+    """The line users run on a GPU machine is what ocrvl's managed launcher runs (and what
+    `ocrvl doctor` prints) for the default config, flag for flag."""
+    block = shell_block(readme(), "vllm serve")
+    documented = shlex.split(block.replace("\\\n", " "), comments=True)
+    serve = shlex.split(vllm_serve_command(Config()))
+    start = documented.index("vllm")
+    assert documented[start:] == serve, "README's `vllm serve` line differs from ocrvl's"
+    assert "server: {mode: external, url: http://GPUHOST:8118/v1}" in readme()
+
+
+def test_no_gpu_set_up_is_in_help_and_config_example():
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    doctor = subparsers.choices["doctor"]  # type: ignore[attr-defined]
+    text = " ".join(doctor.format_help().split())
+    assert "layout model" in text and "vllm serve" in text, "`ocrvl doctor --help` is out of date"
+    example = (REPO / "config.example.yaml").read_text(encoding="utf-8")
+    assert "No GPU on this machine" in example and "official_models" in example, \
+        "config.example.yaml does not point a user without a GPU at the external set-up"
+
+
+@pytest.mark.slow
+def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
+    """Run README's "Try it end to end without any GPU" commands, on a machine without a GPU.
+
+    Only the places are swapped: the PDF, the scratch folder, the port (8118 may be taken)
+    and `.venv/bin/` (this interpreter's)."""
+    block = shell_block(readme(), "ocrvl_daemon.testing.fake_server")
+    port = free_port()
+    script = (block.replace("/tmp/ocrvl-try", str(tmp_path / "try"))
+              .replace("8118", str(port))
+              .replace(".venv/bin/", f"{Path(sys.executable).parent}/"))
+    make_pdf(tmp_path / "your.pdf", 2)
+    env = ocrvl_env(HOME=str(tmp_path / "home"), **{gpu.NO_NVML_ENV: "1",
+                                                     gpu.NVIDIA_SMI_ENV: str(NO_GPU)})
+    env.pop("OCRVL_CONFIG", None)
+    shell = subprocess.Popen(["bash", "-eu", "-c", script], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        output, _ = shell.communicate(timeout=240)
+    finally:
+        terminate_group(shell.pid, 10, "README commands", reap=shell.poll)
+    assert shell.returncode == 0, f"README's commands failed:\n{output}"
+    markdown = (tmp_path / "try" / "book.md").read_text(encoding="utf-8")
+    assert "<!-- page 2 -->" in markdown and "fake-ocr OCR" in markdown, markdown
+    assert "Nothing blocks conversion" in output, "doctor finds a problem in the documented set-up"
+    assert "none needed here" in output, "doctor did not run without a GPU"

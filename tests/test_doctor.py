@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from ocrvl_daemon import doctor, gpu
+from ocrvl_daemon import doctor, gpu, layout_model
+from ocrvl_daemon.config import load_config
 from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
+from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
 from ocrvl_daemon.testing.plain_server import plain_openai_server
 
@@ -36,6 +41,18 @@ def gpu_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setenv(gpu.NVIDIA_SMI_ENV, str(target))
 
     return use
+
+
+@pytest.fixture(autouse=True)
+def paddlex_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PaddleX cache holding both layout models, so no test asks the internet for them."""
+    home = tmp_path / "paddlex"
+    monkeypatch.setenv(layout_model.CACHE_HOME_ENV, str(home))
+    for name in ("PP-DocLayoutV2", "PP-DocLayoutV3"):
+        folder = home / "official_models" / name
+        folder.mkdir(parents=True)
+        (folder / "inference.yml").write_text(f"Global:\n  model_name: {name}\n")
+    return home
 
 
 def fake_python(tmp_path: Path, versions: dict[str, str]) -> Path:
@@ -132,12 +149,35 @@ def test_no_gpu_blocks_managed_mode(tmp_path: Path, gpu_env: Any, fixture: str,
         assert "NVIDIA-SMI has failed" in check.detail
 
 
+def test_no_gpu_with_a_managed_server_names_the_external_server_set_up(
+        tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("nogpu")
+    config = managed(tmp_path)
+    report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "GPU")
+    assert check.status == "fail" and report.blocking
+    assert check.fix, "no fix for a missing GPU"
+    port = load_config(config)[0].server.port
+    serve = vllm_serve_command(load_config(config)[0])
+    assert serve.startswith("vllm serve PaddlePaddle/PaddleOCR-VL-1.6 --served-model-name "
+                            "PaddleOCR-VL-1.6-0.9B --trust-remote-code --host 0.0.0.0 "
+                            f"--port {port}")
+    assert f"\n    {serve}\n" in check.fix, "the `vllm serve` line is not on a line of its own"
+    assert f"server: {{mode: external, url: http://GPUHOST:{port}/v1}}" in check.fix
+    assert "VLLM_API_KEY" in check.fix and "server.api_key" in check.fix
+    text = render_text(report)
+    assert any(line.strip() == serve for line in text.splitlines()), \
+        "the `vllm serve` line cannot be copied from doctor's output"
+
+
 def test_no_gpu_is_info_for_an_external_server(tmp_path: Path, gpu_env: Any,
                                                fake_vllm: InProcessFakeServer) -> None:
     gpu_env("nogpu")
     config = write_config(tmp_path, server={"mode": "external", "url": fake_vllm.url + "/v1"})
     report = run_doctor(config, osrelease=NOT_WSL)
-    assert by_name(report, "GPU").status == "info"
+    gpu_check = by_name(report, "GPU")
+    assert gpu_check.status == "info" and gpu_check.fix is None, \
+        "an external server needs no GPU here, yet doctor asks to install a driver"
     server = by_name(report, "server")
     assert server.status == "ok" and MODEL in server.detail
     assert not report.blocking, render_text(report)
@@ -221,6 +261,26 @@ def test_no_server_python_and_no_vllm_on_path(tmp_path: Path, gpu_env: Any,
     assert check.status == "fail" and "PATH" in check.detail
 
 
+@pytest.mark.parametrize("with_env", [True, False])
+def test_server_python_is_probed_with_server_env(tmp_path: Path, gpu_env: Any,
+                                                 with_env: bool) -> None:
+    """A server whose vllm is only importable with server.env's PYTHONPATH is fine, as it is
+    for the launcher; without server.env the same interpreter cannot import it."""
+    gpu_env("rtx4060")
+    site = tmp_path / "server-site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text('__version__ = "0.11.2"\n')
+    server: dict[str, Any] = {"python": sys.executable}
+    if with_env:
+        server["env"] = {"PYTHONPATH": str(site)}
+    report = run_doctor(write_config(tmp_path, server=server), osrelease=NOT_WSL)
+    check = by_name(report, "vllm")
+    if with_env:
+        assert check.status == "ok", f"server.env was not used to probe the server: {check}"
+    else:
+        assert check.status == "fail" and "No module named 'vllm'" in check.detail, check
+
+
 def test_old_vllm_blocks(tmp_path: Path, gpu_env: Any) -> None:
     gpu_env("rtx4060")
     python = fake_python(tmp_path, {"vllm": "0.10.2"})
@@ -298,3 +358,95 @@ def test_renderers(tmp_path: Path, gpu_env: Any) -> None:
     data = json.loads(render_json(report))
     assert data["blocking"] is True
     assert {"name", "status", "detail", "fix"} <= set(data["checks"][0])
+
+
+class _Host(BaseHTTPRequestHandler):
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def model_host() -> Iterator[str]:
+    """A local stand-in for a model host: answers PaddleX's HEAD health check."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Host)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def no_model_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model host PaddleX knows is a closed local port (as with no internet)."""
+    monkeypatch.delenv(layout_model.HUGGING_FACE_ENDPOINT_ENV, raising=False)
+    monkeypatch.delenv(layout_model.MODEL_SOURCE_ENV, raising=False)
+    monkeypatch.setattr(layout_model, "MODEL_HOSTS", {
+        source: f"http://127.0.0.1:{free_port()}" for source in layout_model.MODEL_HOSTS})
+
+
+def external(tmp_path: Path, url: str, **pipeline: Any) -> str:
+    return write_config(tmp_path, server={"mode": "external", "url": url}, pipeline=pipeline)
+
+
+@pytest.mark.parametrize(("model", "layout"), [("PaddleOCR-VL-0.9B", "PP-DocLayoutV2"),
+                                               ("PaddleOCR-VL-1.6-0.9B", "PP-DocLayoutV3")])
+def test_cached_layout_model_is_ok(tmp_path: Path, gpu_env: Any, paddlex_cache: Path,
+                                   no_model_host: None, model: str, layout: str) -> None:
+    gpu_env("nogpu")
+    config = write_config(tmp_path, server={"mode": "external", "url": "http://127.0.0.1:9/v1"},
+                          model={"name": model})
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "layout model")
+    assert check.status == "ok", check
+    assert str(paddlex_cache / "official_models" / layout) in check.detail
+
+
+def test_layout_model_not_cached_but_downloadable_is_ok_with_a_note(
+        tmp_path: Path, gpu_env: Any, paddlex_cache: Path, no_model_host: None,
+        model_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("nogpu")
+    shutil.rmtree(paddlex_cache / "official_models" / "PP-DocLayoutV3")
+    # The preferred source is asked first; PaddleX lets the Hugging Face endpoint be moved.
+    monkeypatch.setenv(layout_model.HUGGING_FACE_ENDPOINT_ENV, model_host)
+    check = by_name(run_doctor(external(tmp_path, "http://127.0.0.1:9/v1"), osrelease=NOT_WSL),
+                    "layout model")
+    assert check.status == "ok", check
+    assert "not downloaded yet" in check.detail and model_host in check.detail
+
+
+def test_layout_model_neither_cached_nor_downloadable_blocks_with_the_fix(
+        tmp_path: Path, gpu_env: Any, paddlex_cache: Path, no_model_host: None,
+        fake_vllm: InProcessFakeServer) -> None:
+    gpu_env("nogpu")
+    shutil.rmtree(paddlex_cache / "official_models" / "PP-DocLayoutV3")
+    report = run_doctor(external(tmp_path, fake_vllm.url + "/v1"), osrelease=NOT_WSL)
+    check = by_name(report, "layout model")
+    assert check.status == "fail" and report.blocking, render_text(report)
+    assert check.fix, "no fix for a layout model that cannot be downloaded"
+    assert "hf download PaddlePaddle/PP-DocLayoutV3" in check.fix
+    assert str(paddlex_cache / "official_models") in check.fix, "the fix does not say where"
+    assert "pipeline.use_layout_detection: false" in check.fix
+    # ...which is a way out: without layout detection nothing blocks.
+    fixed = run_doctor(external(tmp_path, fake_vllm.url + "/v1", use_layout_detection=False),
+                       osrelease=NOT_WSL)
+    assert not any(c.name == "layout model" for c in fixed.checks)
+    assert not fixed.blocking, render_text(fixed)
+
+
+def test_an_empty_layout_model_folder_blocks(tmp_path: Path, gpu_env: Any,
+                                             paddlex_cache: Path) -> None:
+    gpu_env("nogpu")
+    folder = paddlex_cache / "official_models" / "PP-DocLayoutV3"
+    shutil.rmtree(folder)
+    folder.mkdir()
+    check = by_name(run_doctor(external(tmp_path, "http://127.0.0.1:9/v1"), osrelease=NOT_WSL),
+                    "layout model")
+    assert check.status == "fail" and check.fix == f"delete {folder} (it is downloaded again " \
+        "on first use)"

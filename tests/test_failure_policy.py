@@ -7,6 +7,7 @@ exactly. The daemon tests at the end check the token-limit handling end to end.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import shutil
@@ -23,6 +24,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.errors import InputFileError
+from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.scheduler import pick_pages
 from ocrvl_daemon.store import Job, JobState
 from ocrvl_daemon.testing.documents import deny_reading, make_pdf, make_random_bytes
@@ -42,11 +44,11 @@ class ReadyServer:
 class Policy:
     """A converter over a real store and real PDFs, with page results injected by hand."""
 
-    def __init__(self, tmp_path: Path, **pipeline: object) -> None:
+    def __init__(self, tmp_path: Path, server: dict | None = None, **pipeline: object) -> None:
         self.folder = tmp_path / "inbox"
         self.folder.mkdir()
         self.config = Config.model_validate(
-            {"state_dir": str(tmp_path / "state"), "pipeline": pipeline})
+            {"state_dir": str(tmp_path / "state"), "pipeline": pipeline, "server": server or {}})
         self.store = status.open_store(self.config)
         self.converter = Converter(self.config, self.store, ReadyServer())
 
@@ -188,6 +190,32 @@ def test_a_cut_off_page_is_kept_flagged_and_shown(policy: Policy):
     assert "pages that were cut off: 1" in status.render_status(policy.config, as_json=False)
 
 
+@pytest.mark.parametrize("mode", ["managed", "external"])
+def test_the_cut_off_note_names_the_max_model_len_the_user_can_change(tmp_path: Path, mode: str):
+    server = {"mode": "external", "url": "http://127.0.0.1:9/v1"} if mode == "external" else {}
+    policy = Policy(tmp_path, server=server)
+    book = make_pdf(policy.folder / "table.pdf", 1)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0, truncated_at=4096)  # the server allows no more (ceiling unknown: 0)
+    md = book.with_suffix(".md").read_text("utf-8")
+    if mode == "external":
+        assert "server.vllm_args" not in md, "told to change a key that does nothing for an " \
+            "external server"
+        assert "Raise --max-model-len on the server you run, then: ocrvl retry" in md
+    else:
+        assert "Raise server.vllm_args.max-model-len, then: ocrvl retry" in md
+    policy.store.close()
+
+
+def test_a_loop_is_told_from_long_text_and_tables():
+    prose = Path(__file__).parent.parent.joinpath("README.md").read_text("utf-8")
+    table = "".join(f"| {1900 + i} | {i * 7919 % 10007} | {i * 31 % 97} |\n" for i in range(200))
+    looped = "Chapter 3\n" + "the value of the item in the row is shown " * 100
+    assert not looks_like_a_loop(prose) and not looks_like_a_loop(table)
+    assert looks_like_a_loop(looped)
+
+
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(convert, "retry_delay", lambda attempts: 0.0)
@@ -264,27 +292,32 @@ def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
 # --- end to end: answers cut off at the token limit ----------------------------------------
 
 
-def token_setup(tmp_path: Path, max_model_len: int) -> Setup:
-    """A daemon whose server always answers 100 tokens while 64 are asked for."""
-    setup = Setup(tmp_path, "--output-tokens", "fixed:100")
+def token_setup(tmp_path: Path, max_model_len: int, answer_tokens: int = 100,
+                max_new_tokens: int = 64, *fake_args: str) -> Setup:
+    """A daemon whose server answers `answer_tokens` tokens while `max_new_tokens` are asked."""
+    setup = Setup(tmp_path, "--output-tokens", f"fixed:{answer_tokens}", *fake_args)
     data = yaml.safe_load(setup.config.read_text("utf-8"))
-    data["model"] = {"max_new_tokens": 64}
+    data["model"] = {"max_new_tokens": max_new_tokens}
     data["server"]["vllm_args"] = {"max-model-len": max_model_len}
     setup.config.write_text(yaml.safe_dump(data), encoding="utf-8")
     return setup
 
 
-def convert_one(setup: Setup) -> str:
-    book = make_pdf(setup.inbox / "table.pdf", 1)
+def convert_one(setup: Setup, pages: int = 1) -> str:
+    book = make_pdf(setup.inbox / "table.pdf", pages)
     with setup.daemon() as daemon:
         daemon.wait_ready()
         wait_for_markdown(book)
         return book.with_suffix(".md").read_text("utf-8")
 
 
-def requested_tokens(setup: Setup) -> list[int]:
+def requests(setup: Setup) -> list[dict]:
     lines = setup.requests.read_text("utf-8").splitlines()
-    return [json.loads(line)["max_tokens"] for line in lines if line]
+    return [json.loads(line) for line in lines if line]
+
+
+def requested_tokens(setup: Setup) -> list[int]:
+    return [r["max_tokens"] for r in requests(setup)]
 
 
 @pytest.mark.slow
@@ -304,3 +337,44 @@ def test_a_cut_off_answer_is_kept_and_flagged_when_the_server_allows_no_more(tmp
     assert "<!-- ocrvl: page 1 was cut off at 64 tokens" in md and "fake-ocr OCR" in md
     doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
     assert doc["flagged_pages"] == [1]
+
+
+@pytest.mark.slow
+def test_a_cut_off_page_is_redone_once_not_doubled_up_to_the_servers_limit(tmp_path: Path):
+    setup = token_setup(tmp_path, max_model_len=16384, answer_tokens=5000)
+    md = convert_one(setup)
+    assert requested_tokens(setup) == [64, 128], "a cut-off page must be redone at most once"
+    assert "page 1 was cut off at 128 tokens, also after a redo" in md
+    assert "Raise model.max_new_tokens" in md
+
+
+@pytest.mark.slow
+def test_a_looping_answer_is_not_redone_with_more_tokens(tmp_path: Path):
+    setup = token_setup(tmp_path, 16384, 100, 256, "--looping-answers")
+    md = convert_one(setup)
+    assert requested_tokens(setup) == [256], "more tokens were asked for an answer that loops"
+    assert "page 1 was cut off at 256 tokens: the answer repeats itself" in md
+    doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
+    assert doc["flagged_pages"] == [1] and doc["redo_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_redoing_cut_off_pages_stays_within_a_quarter_of_the_documents_tokens(tmp_path: Path):
+    pages = 8
+    setup = token_setup(tmp_path, max_model_len=16384, answer_tokens=5000)
+    md = convert_one(setup, pages)
+    asked = collections.Counter((r["digest"], r["max_tokens"]) for r in requests(setup))
+    first = [d for (d, tokens) in asked if tokens == 64]
+    redone = [d for (d, tokens) in asked if tokens == 128]
+    assert len(first) == pages and set(asked.values()) == {1}, f"a page was asked twice: {asked}"
+    assert {tokens for _, tokens in asked} <= {64, 128}, f"more than one redo per page: {asked}"
+    first_pass = 64 * pages
+    # No redo starts once the redos (done or asked) reach 25% of the first pass: at most
+    # one redo's worth beyond it.
+    assert len(redone) >= 1 and 128 * (len(redone) - 1) < first_pass // 4, (
+        f"{len(redone)} redos of 128 tokens for a first pass of {first_pass} tokens")
+    assert md.count("and not redone: redoing this document's cut-off pages took 25%") == \
+        pages - len(redone)
+    doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
+    assert doc["redo_tokens"] == 128 * len(redone)
+    assert doc["flagged_pages"] == list(range(1, pages + 1))

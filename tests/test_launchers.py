@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ocrvl_daemon.launchers import (
     prepare_launch,
     resolve_vllm_args,
     vllm_flags,
+    vllm_serve_command,
 )
 
 
@@ -60,6 +62,23 @@ def test_vllm_argv_from_server_python_with_recipe_defaults(tmp_path: Path) -> No
     assert flag_value(argv, "--max-num-seqs") == "32"
     assert not any("flash" in a for a in argv)
     assert spec.env["PATH"].split(os.pathsep)[0] == str(python.parent)
+
+
+def test_vllm_serve_line_for_another_machine_is_what_the_managed_launcher_runs(
+        tmp_path: Path) -> None:
+    python = fake_venv(tmp_path, "vllm")
+    config = make_config(tmp_path, python=str(python), port=9001,
+                         vllm_args={"enforce-eager": True, "max-num-seqs": 16})
+    managed = prepare_launch(config).argv
+    by_hand = shlex.split(vllm_serve_command(config))
+    assert by_hand[:2] == ["vllm", "serve"]
+    assert flag_value(by_hand, "--host") == "0.0.0.0", "other machines cannot reach the server"
+    assert by_hand[2:] == [a if a != "127.0.0.1" else "0.0.0.0" for a in managed[2:]], \
+        "the documented `vllm serve` line differs from what ocrvl itself would run"
+    assert flag_value(by_hand, "--port") == "9001"
+    assert flag_value(by_hand, "--max-num-seqs") == "16" and "--enforce-eager" in by_hand
+    on_port = shlex.split(vllm_serve_command(config, host="127.0.0.1", port=8000))
+    assert flag_value(on_port, "--host") == "127.0.0.1" and flag_value(on_port, "--port") == "8000"
 
 
 def test_user_vllm_args_override_recipe_defaults(tmp_path: Path) -> None:

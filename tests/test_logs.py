@@ -149,3 +149,19 @@ def test_journal_handler_sends_fields(pipe: tuple[IO[str], IO[str]],
     assert fields["SYSLOG_IDENTIFIER"] == "ocrvl"
     assert (fields["OCRVL_PDF"], fields["OCRVL_PAGE"], fields["OCRVL_JOB"]) == (
         "/in/book.pdf", 7, 3)
+
+
+def test_a_name_that_is_not_utf8_is_logged_escaped(pipe: tuple[IO[str], IO[str]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = Path(os.fsdecode(b"/in/\xff\xfebook.pdf"))
+    writer, reader = pipe  # strict UTF-8, like a journal stream or a terminal
+    _no_systemd_python(monkeypatch)
+    monkeypatch.setenv("JOURNAL_STREAM", _journal_stream_of(writer))
+    setup_logging("INFO", stream=writer)
+    logging.getLogger("ocrvl_daemon.test").info("%s: done", odd, extra=doc_fields(odd))
+    assert _lines(writer, reader) == ["<6>ocrvl_daemon.test: /in/\\xff\\xfebook.pdf: done"]
+    assert doc_fields(odd) == {"OCRVL_PDF": "/in/\\xff\\xfebook.pdf"}
+    # JournalHandler also sends the record's `message`: it must be escaped as well.
+    record = logging.makeLogRecord({"msg": "%s failed", "args": (odd,), "levelno": logging.ERROR})
+    PriorityFormatter().format(record)
+    assert record.message == "/in/\\xff\\xfebook.pdf failed"

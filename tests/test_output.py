@@ -13,11 +13,13 @@ import shutil
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote_to_bytes
 
 import pytest
 
 from ocrvl_daemon import output, pdf
-from ocrvl_daemon.errors import InputFileError, NotOursError, OutputError
+from ocrvl_daemon.errors import InputFileError, NameTooLongError, NotOursError, OutputError
+from ocrvl_daemon.names import name_max
 from ocrvl_daemon.output import Page, outputs_for, read_header, write_document
 from ocrvl_daemon.store import Store
 from ocrvl_daemon.testing.documents import deny_reading, make_gigantic_page_pdf, make_pdf
@@ -165,6 +167,80 @@ def test_error_notes_say_what_to_do_and_go_away(book: Path) -> None:
     assert "tries again by itself in about 60 s" in outputs_for(book)[2].read_text("utf-8")
     output.remove_error_note(book)
     assert not outputs_for(book)[2].exists() and not leftovers(book.parent)
+
+
+def image_links(md: Path) -> list[bytes]:
+    """The raw paths (relative to the Markdown) that its image links point to."""
+    return [unquote_to_bytes(link) for link in re.findall(r"!\[\]\(([^)]+)\)",
+                                                          md.read_text("utf-8"))]
+
+
+def test_a_name_that_is_not_utf8_keeps_its_raw_stem_and_its_links_resolve(
+        tmp_path: Path) -> None:
+    book = tmp_path / os.fsdecode(b"\xff\xfebook.pdf")
+    book.write_bytes(b"%PDF-1.4\n")
+    write_document(book, "x", MODEL, 3, pages(3, image_every=2))
+    names = set(os.listdir(os.fsencode(tmp_path)))
+    assert {b"\xff\xfebook.md", b"\xff\xfebook_images"} <= names, names
+    md = outputs_for(book)[0]
+    links = image_links(md)
+    assert links == [b"\xff\xfebook_images/p0001_img_0.jpg", b"\xff\xfebook_images/p0003_img_2.jpg"]
+    assert all(os.path.exists(os.fsencode(tmp_path) + b"/" + link) for link in links)
+    assert read_header(md)["source"] == "\\xff\\xfebook.pdf"
+    output.write_error_note(book, f"{book} is broken.", None, redo=pdf.retry_command(book))
+    assert b"\xff\xfebook.ocrvl-error.txt" in os.listdir(os.fsencode(tmp_path))
+    note = outputs_for(book)[2].read_text("utf-8")
+    assert "\\xff\\xfebook.pdf is broken" in note
+    assert f"ocrvl retry $'{tmp_path}/\\xff\\xfebook.pdf'" in note, note
+
+
+def test_companions_too_long_for_the_filesystem_get_a_short_name_and_still_work(
+        tmp_path: Path) -> None:
+    limit = name_max(tmp_path)
+    book = tmp_path / ("Ä" * ((limit - 4) // 2) + "x" * (limit % 2) + ".pdf")
+    assert len(os.fsencode(book.name)) == limit
+    book.write_bytes(b"%PDF-1.4\n")
+    write_document(book, "x", MODEL, 3, pages(3, image_every=2))
+    md, images, note = outputs_for(book)
+    assert md.name == book.stem + ".md", "the Markdown itself must keep the PDF's name"
+    assert images.is_dir() and images.name.endswith("_images") and "~" in images.name
+    assert [tmp_path / os.fsdecode(link) for link in image_links(md)] == [
+        images / "p0001_img_0.jpg", images / "p0003_img_2.jpg"]
+    assert not leftovers(tmp_path)
+    output.write_error_note(book, "it is broken.", None, redo=pdf.retry_command(book))
+    assert note.exists() and note.name.endswith(".ocrvl-error.txt")
+    assert f"limit of {limit} bytes" in note.read_text("utf-8")
+    assert images.name in (output.shortened_names(book) or "")
+
+
+def test_a_name_with_no_room_for_md_fails_clearly_naming_the_limit(tmp_path: Path) -> None:
+    limit = name_max(tmp_path)
+    scan = tmp_path / ("n" * limit)  # `ocrvl convert` takes any file; `.md` cannot be added
+    scan.write_bytes(b"%PDF-1.4\n")
+    with pytest.raises(NameTooLongError, match=f"allows {limit} bytes") as caught:
+        write_document(scan, "x", MODEL, 1, pages(1))
+    assert caught.value.permanent and "rename the PDF to a shorter name" in str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == [scan.name]
+
+
+def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NTFS under WSL2 counts characters, so it may hold more or fewer bytes than it says."""
+    book = tmp_path / ("日本語" * 10 + ".pdf")  # 94 bytes
+    book.write_bytes(b"%PDF-1.4\n")
+    monkeypatch.setattr(output, "name_max", lambda folder: 40)
+    write_document(book, "x", MODEL, 1, pages(1, image_every=1))
+    md, images, _ = outputs_for(book)
+    assert md.name == book.stem + ".md" and images.is_dir() and "~" in images.name
+
+    def too_long(*args: object) -> None:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+
+    monkeypatch.setattr(output.os, "replace", too_long)
+    with pytest.raises(NameTooLongError, match="name is too long") as caught:
+        write_document(book, "y", MODEL, 1, pages(1))
+    assert caught.value.permanent, "retrying cannot make a name fit"
+    assert "rename the PDF to a shorter name" in str(caught.value)
 
 
 def test_a_gigantic_page_is_rendered_within_the_pixel_budget(tmp_path: Path) -> None:

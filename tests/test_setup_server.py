@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from ocrvl_daemon import gpu
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import DependencyError, ExitCode
 from ocrvl_daemon.gpu import GpuReading
+from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.setup_server import (
     FLASH_ATTN_VERSION,
     Step,
@@ -220,3 +223,34 @@ def test_setup_server_dry_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert f"set server.python: {tmp_path / 'venv' / 'bin' / 'python'} in {config_path}" in out
     assert config_path.read_text() == "server:\n  launcher: genai_server\n"
     assert not (tmp_path / "venv").exists()
+
+
+
+def dry_run_with_gpu(tmp_path: Path, fixture: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """`ocrvl setup-server --dry-run` as a user runs it, on a fake nvidia-smi; and its config."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    nvidia_smi = Path(__file__).parent / "fixtures" / "gpu" / f"{fixture}.sh"
+    env = {**os.environ, gpu.NO_NVML_ENV: "1", gpu.NVIDIA_SMI_ENV: str(nvidia_smi)}
+    done = subprocess.run([sys.executable, "-m", "ocrvl_daemon", "setup-server", "--dry-run",
+                           "--config", str(config), "--venv", str(tmp_path / "venv")],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    return done, str(config)
+
+
+def test_no_gpu_warns_that_the_server_will_not_run_here_but_plans_anyway(tmp_path: Path
+                                                                         ) -> None:
+    done, config = dry_run_with_gpu(tmp_path, "nogpu")
+    assert done.returncode == 0, f"the dry run failed without a GPU: {done.stderr}"
+    assert "vllm>=0.11.1,<1.0" in done.stdout, "the plan was not printed"
+    assert "No NVIDIA GPU found on this machine" in done.stderr
+    assert "will not run here" in done.stderr
+    assert vllm_serve_command(load_config(config)[0]) in done.stderr, \
+        "the warning does not give the `vllm serve` line to run on a GPU machine"
+    assert "server: {mode: external, url: http://GPUHOST:8118/v1}" in done.stderr
+
+
+def test_a_gpu_gives_no_such_warning(tmp_path: Path) -> None:
+    done, _ = dry_run_with_gpu(tmp_path, "rtx4060")
+    assert done.returncode == 0, done.stderr
+    assert "No NVIDIA GPU" not in done.stderr

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from ocrvl_daemon.status import finish_times
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config
+from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 
@@ -31,3 +38,105 @@ def test_status_piped_into_head_stops_quietly(tmp_path: Path):
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, (
         f"`ocrvl status | head` printed a traceback:\n{stderr}"
     )
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (like a SIGKILLed daemon)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def daemon_said(store: Store, pid: int, server: dict, rate: float = 0.0) -> None:
+    """Publish what a daemon publishes every two seconds, as the daemon `pid`."""
+    store.put_meta("daemon", {"pid": pid, "updated": time.time(), "pages_per_s": rate,
+                              "server": {"url": "http://127.0.0.1:8118/v1", **server}})
+
+
+def status_of(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    result = run_ocrvl("status", "--config", config, *args, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[tuple[Path, Store]]:
+    config = write_config(tmp_path / "config.yaml", state_dir=str(tmp_path / "state"))
+    store = Store(tmp_path / "state" / "jobs.sqlite")
+    try:
+        yield config, store
+    finally:
+        store.close()
+
+
+def test_server_of_a_killed_daemon_is_not_shown_ready(state):
+    config, store = state
+    # What a daemon SIGKILLed a moment ago leaves: a fresh report, a pid that is gone.
+    daemon_said(store, dead_pid(), {"state": "ready", "last_error": "/health answered 503"})
+    shown = json.loads(status_of(config, "--json").stdout)
+    assert shown["daemon"]["running"] is False
+    assert shown["server"]["state"] == "unknown", (
+        f"`ocrvl status --json` vouches for the server of a dead daemon: {shown['server']}")
+    assert shown["server"]["last_known"]["state"] == "ready", "the last known state was lost"
+    text = status_of(config).stdout
+    assert "server: ready" not in text, f"a dead daemon's server is shown as ready:\n{text}"
+    assert "server: unknown (daemon not running; ready at" in text, text
+    assert "last error: /health answered 503" in text, text
+
+
+def test_text_status_shows_the_servers_last_error(state):
+    config, store = state
+    daemon_said(store, os.getpid(), {"state": "restarting", "attempt": 2,
+                                     "last_error": "the server exited with status 1"})
+    text = status_of(config).stdout
+    assert "server: restarting" in text, text
+    assert "last error: the server exited with status 1" in text, (
+        f"the text view hides why the server is restarting:\n{text}")
+
+
+def test_status_lists_recent_documents_unless_all(state):
+    config, store = state
+    for n in range(30):
+        job = store.enqueue(Path(f"/scans/old-{n:02d}.pdf"), f"sha-{n}", 1, float(n), MODEL)
+        store.set_running(job.id, 1)
+        store.set_done(job.id)
+    failed = store.enqueue(Path("/scans/broken.pdf"), "sha-broken", 1, 0.0, MODEL)
+    store.set_failed(failed.id, "not a PDF", permanent=True)
+    store.enqueue(Path("/scans/waiting.pdf"), "sha-waiting", 1, 0.0, MODEL)
+
+    recent = json.loads(status_of(config, "--json").stdout)
+    names = [Path(d["path"]).name for d in recent["documents"]]
+    assert names == [f"old-{n:02d}.pdf" for n in range(20, 30)] + ["broken.pdf", "waiting.pdf"], (
+        "by default status should list what is not done and the last 10 converted")
+    assert recent["documents_not_shown"] == 20
+    assert "20 older converted documents (`ocrvl status --all`" in status_of(config).stdout
+    everything = json.loads(status_of(config, "--json", "--all").stdout)
+    assert len(everything["documents"]) == 32 and everything["documents_not_shown"] == 0
+    assert "old-00.pdf" in status_of(config, "--all").stdout
+
+
+def test_eta_of_each_document_counts_the_documents_sharing_the_server(state):
+    config, store = state
+    book = store.enqueue(Path("/scans/book.pdf"), "sha-book", 1, 0.0, MODEL)
+    store.set_running(book.id, 100)
+    for page in range(20):
+        store.save_page("sha-book", MODEL, page, "text", {})
+    letter = store.enqueue(Path("/scans/letter.pdf"), "sha-letter", 1, 0.0, MODEL)
+    store.set_running(letter.id, 4)
+    again = store.enqueue(Path("/scans/again.pdf"), "sha-again", 1, 0.0, MODEL)
+    store.set_running(again.id, 10)
+    store.requeue(again.id)  # `ocrvl retry`: queued, its page count known
+    daemon_said(store, os.getpid(), {"state": "ready"}, rate=2.0)
+
+    etas = {Path(d["path"]).name: d.get("eta_seconds")
+            for d in json.loads(status_of(config, "--json").stdout)["documents"]}
+    # 2 pages/s shared by three documents: the letter's 4 pages take 6 s, the next 6 pages of
+    # `again` 6 s more, and the book's last 70 pages 35 s more.
+    assert etas == {"letter.pdf": 6, "again.pdf": 12, "book.pdf": 47}, etas
+    assert "ETA 47s" in status_of(config).stdout
+
+
+def test_eta_of_a_document_waiting_for_a_slot_counts_the_documents_ahead():
+    # Two slots: the third document starts once the second is done.
+    times = finish_times([(1, 100), (2, 10), (3, 10)], rate=1.0, slots=2)
+    assert times == {2: 20.0, 3: 40.0, 1: 120.0}

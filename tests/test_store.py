@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import os
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -67,5 +69,46 @@ def test_states_counts_and_page_flags(tmp_path: Path) -> None:
         assert store.count_pages("sha-a", MODEL) == 4
         assert store.recover_running() == 1
         assert store.job(a.id).state is JobState.QUEUED  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_a_name_that_is_not_utf8_round_trips_and_its_errors_are_kept_escaped(
+        tmp_path: Path) -> None:
+    odd = tmp_path / os.fsdecode(b"\xff\xfebook.pdf")
+    store = Store(tmp_path / "jobs.sqlite")
+    try:
+        job = store.enqueue(odd, "sha", 1, 1.0, MODEL)
+        assert store.job_for_path(odd) == job and os.fsencode(job.path) == os.fsencode(odd)
+        assert store.job_for_path(tmp_path / "\ufffd\ufffdbook.pdf") is None
+        store.set_failed(job.id, f"{odd} is encrypted", permanent=True)
+        store.save_page("sha", MODEL, 0, "", {}, note=f"redo {odd}", failure=PageFailure.DAMAGED)
+        [failed] = store.jobs(JobState.FAILED)
+        assert failed.last_error == f"{tmp_path}/\\xff\\xfebook.pdf is encrypted"
+        assert next(store.iter_pages("sha", MODEL)).note == f"redo {tmp_path}/\\xff\\xfebook.pdf"
+    finally:
+        store.close()
+
+
+def test_a_database_of_an_earlier_version_keeps_its_jobs(tmp_path: Path) -> None:
+    """Paths were stored as text before names that are not UTF-8 were kept as bytes."""
+    db = tmp_path / "jobs.sqlite"
+    with sqlite3.connect(db) as old:
+        old.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE, "
+                    "sha256 TEXT NOT NULL, size INTEGER NOT NULL, mtime REAL NOT NULL, "
+                    "model TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL "
+                    "DEFAULT 0, last_error TEXT, page_count INTEGER, created REAL NOT NULL, "
+                    "updated REAL NOT NULL, started REAL, finished REAL, not_before REAL NOT "
+                    "NULL DEFAULT 0)")
+        old.execute("INSERT INTO jobs (path, sha256, size, mtime, model, state, created, "
+                    "updated) VALUES (?, 'sha', 1, 1.0, ?, 'done', 0, 0)",
+                    (str(tmp_path / "Ünï book.pdf"), MODEL))
+    store = Store(db)
+    try:
+        job = store.job_for_path(tmp_path / "Ünï book.pdf")
+        assert job is not None and job.state is JobState.DONE, "an old job was lost"
+        assert job.redo_tokens == 0
+        assert store.enqueue(job.path, "sha", 1, 1.0, MODEL).id == job.id
+        assert len(store.jobs()) == 1, "the old job was duplicated"
     finally:
         store.close()

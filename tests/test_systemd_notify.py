@@ -112,6 +112,12 @@ def test_status_is_utf8_one_line_and_deduplicated(notify_socket: NotifySocket) -
     assert len(notify_socket.messages) == 3
 
 
+def test_a_status_naming_a_file_that_is_not_utf8_is_sent_escaped(
+        notify_socket: NotifySocket) -> None:
+    Notifier().status(os.fsdecode(b"\xff\xfebook.pdf p.1/2"))
+    assert notify_socket.texts(1) == ["STATUS=\\xff\\xfebook.pdf p.1/2"]
+
+
 def test_abstract_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     name = f"ocrvl-test-{uuid.uuid4().hex}"
     listener = NotifySocket("\0" + name)

@@ -12,7 +12,8 @@ accepted and ignored, so ocrvl can launch it exactly like ``vllm serve``.
 Replies are derived from the image, so tests can prove which page landed where:
 ``fake-ocr {kind} {w}x{h} mean={gray} sha={digest}`` (kind = first word of the prompt without
 its colon, e.g. ``OCR`` or ``Table``; digest = first 12 hex of the sha256 of the decoded RGB
-pixels; gray = mean gray level), then deterministic filler words up to the output length.
+pixels; gray = mean gray level), then deterministic, non-repeating filler words up to the output
+length.
 
 Token model: the base line counts as 16 tokens and each filler word as one (so with a cap
 below 16 the base line is still sent whole). Image tokens are ceil(w/28)*ceil(h/28) after
@@ -23,6 +24,8 @@ Output length (``--output-tokens``): ``fixed:N``, ``uniform:A:B`` or ``lognormal
 (MEAN is the distribution's mean), drawn from an RNG seeded with the image digest so the
 same image always gets the same length; capped by the request's max tokens
 (finish_reason ``length``). ``--request-log`` records each answer's length (``tokens``).
+``--looping-answers``: every answer repeats one short phrase up to the request's max tokens
+(finish_reason ``length``), like a model caught in a loop.
 
 ``POST /fake/reset`` starts the time-weighted statistics of ``/fake/stats`` (occupancy,
 mean and max active) afresh; counters keep counting, so callers take differences.
@@ -65,7 +68,6 @@ import base64
 import binascii
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import http
 import io
@@ -198,6 +200,7 @@ class FakeServerConfig:
     fake_kv_gib_per_token: float = 0.0000183
     spawn_engine_child: bool = False
     request_log: str | None = None
+    looping_answers: bool = False
     access_log: bool = True
     ignored_args: tuple[str, ...] = ()
 
@@ -254,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fake-kv-gib-per-token", type=float, default=d.fake_kv_gib_per_token)
     p.add_argument("--spawn-engine-child", action="store_true")
     p.add_argument("--request-log", default=None, help="append one JSON line per chat request")
+    p.add_argument("--looping-answers", action="store_true",
+                   help="every answer repeats one phrase until the token limit (a model loop)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     return p
 
@@ -293,6 +298,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         fake_kv_gib_per_token=ns.fake_kv_gib_per_token,
         spawn_engine_child=ns.spawn_engine_child,
         request_log=ns.request_log,
+        looping_answers=ns.looping_answers,
         access_log=not ns.disable_uvicorn_access_log,
         ignored_args=tuple(unknown),
     )
@@ -399,21 +405,22 @@ def image_tokens(width: int, height: int, max_pixels: int) -> int:
     return math.ceil(width / PATCH_PIXELS) * math.ceil(height / PATCH_PIXELS)
 
 
-@functools.lru_cache(maxsize=4096)
-def _filler_words(digest: str) -> tuple[str, ...]:
-    raw = hashlib.sha256(digest.encode()).digest()
-    return tuple(FILLER_VOCAB[b % len(FILLER_VOCAB)] for b in raw)
+LOOP_PHRASE_WORDS = 6
 
 
-def reply_text(kind: str, info: ImageInfo, tokens: int) -> str:
-    """The reply: the base line, then digest-derived filler up to ``tokens`` tokens."""
+def reply_text(kind: str, info: ImageInfo, tokens: int, looping: bool = False) -> str:
+    """The reply: the base line, then digest-derived filler up to ``tokens`` tokens.
+
+    The filler does not repeat itself (a shorter answer is a prefix of a longer one), unless
+    `looping`: then one short phrase is repeated, like a model caught in a loop.
+    """
     base = f"fake-ocr {kind} {info.width}x{info.height} mean={info.mean_gray} sha={info.digest}"
     extra = tokens - BASE_LINE_TOKENS
     if extra <= 0:
         return base
-    return (
-        base + " " + " ".join(itertools.islice(itertools.cycle(_filler_words(info.digest)), extra))
-    )
+    words = random.Random(info.digest).choices(FILLER_VOCAB, k=LOOP_PHRASE_WORDS if looping
+                                               else extra)
+    return base + " " + " ".join(itertools.islice(itertools.cycle(words), extra))
 
 
 class RequestError(Exception):
@@ -903,7 +910,8 @@ class FakeServer:
             cfg.error_500_rate > 0 and self._rng.random() < cfg.error_500_rate
         ):
             raise _engine_error()
-        drawn = self.lengths.draw(info.digest)
+        # A loop never ends by itself: it runs to the limit.
+        drawn = max_tokens + 1 if cfg.looping_answers else self.lengths.draw(info.digest)
         produced = min(drawn, max_tokens)
         if cfg.simulate:
             await self._generate(prompt_tokens, img_tokens, produced)
@@ -925,7 +933,8 @@ class FakeServer:
                         "index": 0,
                         "message": {
                             "role": "assistant",
-                            "content": reply_text(prompt_kind(chat.prompt), info, produced),
+                            "content": reply_text(prompt_kind(chat.prompt), info, produced,
+                                                  cfg.looping_answers),
                         },
                         "logprobs": None,
                         "finish_reason": finish,
