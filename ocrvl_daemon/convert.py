@@ -237,9 +237,14 @@ class Converter:
             log.info("%s: %d pages queued", path.name, count, extra=_fields(job))
 
     def _fail(self, job: Job, exc: OcrvlError) -> None:
+        # The store first: when the state disk is full (StateFullError) the job stays as it
+        # is, to fail again, properly recorded, once there is space.
+        self._record_failure(job, exc)
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
         self._ledgers.pop(job.id, None)
+
+    def _record_failure(self, job: Job, exc: OcrvlError) -> None:
         if isinstance(exc, InputVanishedError) and not job.path.exists():
             log.info("%s disappeared; dropping it from the queue", job.path)
             self.store.forget(job.id)
