@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -103,8 +104,14 @@ async def _replay(url: str, model: str, lengths: list[int], concurrency: int) ->
     jpegs = images(min(len(lengths), 200))
     bodies = [chat_payload(jpegs[i % len(jpegs)], model=model, max_completion_tokens=n)
               for i, n in enumerate(lengths)]  # fmt: skip
+    return await send_all(url, bodies, concurrency)
+
+
+async def send_all(url: str, bodies: list[dict[str, Any]], concurrency: int) -> float:
+    """Seconds to send `bodies` in order with `concurrency` always in flight (until the last
+    one is sent, then the rest drain): the direct feeder."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         queue = iter(bodies)
 
         async def worker() -> None:

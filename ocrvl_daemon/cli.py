@@ -88,11 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="queue the daemon's failed documents again",
         description="Queue the daemon's documents again: the given PDFs, or every failed "
-        "one with --failed. With --pages, redo only those pages. (A file converted with "
-        "`ocrvl convert` is redone with `ocrvl convert` again.)",
+        "one with --failed. With --pages, redo only those pages; with --flagged, only the "
+        "pages flagged suspect or bad (of the given PDFs, or of every document). (A file "
+        "converted with `ocrvl convert` is redone with `ocrvl convert` again.)",
     )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")
+    retry.add_argument("--flagged", action="store_true",
+                       help="redo the pages flagged suspect or bad (looping, cut off, empty, "
+                       "garbage)")
     retry.add_argument(
         "--pages",
         metavar="LIST",
@@ -232,7 +236,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
     config, _ = _load(args)
     _setup_fallback_logging()
-    return int(retry(config, args.pdfs, failed=args.failed, pages=args.pages))
+    return int(retry(config, args.pdfs, failed=args.failed, pages=args.pages,
+                     flagged=args.flagged))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

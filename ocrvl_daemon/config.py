@@ -232,6 +232,21 @@ class ServerConfig(_Section):
         return self.base_url.removesuffix("/v1")
 
 
+class OutputConfig(_Section):
+    """What is written next to each PDF."""
+
+    # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks).
+    formats: list[Literal["markdown", "json"]] = ["markdown"]  # pydantic copies it
+
+    @field_validator("formats")
+    @classmethod
+    def _markdown_first(cls, value: list[str]) -> list[str]:
+        if "markdown" not in value:
+            raise ValueError("must include markdown (the Markdown is always written); "
+                             "use [markdown] or [markdown, json]")
+        return value
+
+
 class Config(_Section):
     """The whole ocrvl configuration."""
 
@@ -239,6 +254,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     progress_seconds: float = Field(30.0, gt=0)

@@ -29,7 +29,14 @@ from ocrvl_daemon.errors import (
     StateFullError,
 )
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.page_quality import REDO_SHARE, KeptBecause, RedoLedger
+from ocrvl_daemon.page_quality import (
+    REDO_SHARE,
+    KeptBecause,
+    PageQuality,
+    Redo,
+    RedoLedger,
+    assess,
+)
 from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
     MAX_ACTIVE_DOCUMENTS,
@@ -51,6 +58,10 @@ WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_RESTART_MAX_SECONDS = 300.0
+# After a worker crash with several pages in flight, which page crashed it is unknown: those
+# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
+# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
+ISOLATION_SPLIT = 4
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -137,6 +148,10 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
+        # Pages in flight at a worker crash, not yet done, and how many of them may be in
+        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
+        self._suspects: set[tuple[int, int]] = set()
+        self._isolation_bound = 1
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -223,7 +238,7 @@ class Converter:
             job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
             if job.state is not JobState.QUEUED:
                 return
-        output.check_writable(path)
+        output.check_writable(path, json_output="json" in self.config.output.formats)
         count = pdf.page_count(path)
         done = self.store.done_pages(job.sha256, self.model)
         self.store.set_running(job.id, count)
@@ -328,18 +343,46 @@ class Converter:
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
     def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
-        """Pages a stopped worker still had go back; after a `crash` they count an attempt,
-        so a page that kills the worker every time ends as a placeholder, not a loop."""
-        for job_id, page in list(worker.in_flight):
-            doc = self.active.get(job_id)
-            if doc is None:
-                continue
-            if crash is None:
+        """Pages a stopped worker still had go back. After a `crash` with one page in flight
+        that page counts an attempt, so a page that kills the worker every time ends as a
+        placeholder, not a loop; with several, none does: they are sent again a few at a
+        time (`_isolating_pages`) until a crash names the page."""
+        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in self.active]
+        if crash is not None and len(lost) > 1:
+            self._suspects |= set(lost)
+            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
+            log.warning("%d pages were in flight when the engine worker crashed; sending them "
+                        "again, %d at a time, to find the page that crashes it", len(lost),
+                        self._isolation_bound)
+        for job_id, page in lost:
+            doc = self.active[job_id]
+            if crash is None or len(lost) > 1:
                 doc.give_back(page)
             else:
                 self._page_failed(doc, page, crash)
         worker.in_flight.clear()
         worker.sent.clear()
+
+    def _isolating_pages(self) -> list[tuple[DocumentPages, int]] | None:
+        """The pages to send while a crash is being narrowed down (None: no crash is)."""
+        self._suspects = {(j, p) for j, p in self._suspects
+                          if j in self.active and (p in self.active[j].pending
+                                                   or p in self.active[j].in_flight)}
+        if not self._suspects:
+            return None
+        room = self._isolation_bound - sum(
+            p in self.active[j].in_flight for j, p in self._suspects)
+        chosen = []
+        for job_id, page in sorted(self._suspects):
+            doc = self.active[job_id]
+            if room <= 0:
+                break
+            if page in doc.pending:
+                doc.pending.remove(page)
+                doc.in_flight.add(page)
+                chosen.append((doc, page))
+                room -= 1
+        return chosen
 
     # --- pages --------------------------------------------------------------------------
 
@@ -360,24 +403,28 @@ class Converter:
         preparing = max(0, in_flight - self._at_server())
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
-        chosen = pick_pages(docs, slots)
-        room = limit + margin + SHORT_EXTRA - self.in_flight
-        chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
+        chosen = self._isolating_pages()
+        if chosen is None:
+            chosen = pick_pages(docs, slots)
+            room = limit + margin + SHORT_EXTRA - self.in_flight
+            chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:
             later[doc.job_id] -= 1
             job = self._jobs[doc.job_id]
+            redo = self._ledgers[doc.job_id].redos.get(
+                page, Redo(self.config.model.effective_max_new_tokens))
             worker.submit(
                 PageTask(
                     job.id,
                     str(job.path),
                     page,
-                    self._ledgers[doc.job_id].redo_limits.get(
-                        page, self.config.model.effective_max_new_tokens),
+                    redo.max_new_tokens,
                     job.size,
                     job.mtime,
                     # its document's pages in flight before it
                     len(doc.in_flight) - 1 - later[doc.job_id],
+                    redo.repetition_penalty,
                 )
             )
 
@@ -411,35 +458,36 @@ class Converter:
             return  # the job failed or was dropped meanwhile
         fields = _fields(job, result.page)
         if result.error is None:
-            note = None
             ledger = self._ledgers[job.id]
             ledger.count(result.page, result.tokens)
+            cut_off = result.truncated_at is not None
+            quality = assess(result.markdown, "length" if cut_off else result.finish_reason,
+                             result.tokens, result.looping, result.has_ink, result.repetition)
+            decision: Redo | KeptBecause | None = None
             if result.truncated_at is not None:
                 decision = ledger.decide(result.page, result.truncated_at, result.token_ceiling,
                                          result.looping)
-                if not isinstance(decision, KeptBecause):
-                    log.warning("%s p.%d: answer cut off at %d tokens; redoing it once with %d",
-                                job.path.name, result.page + 1, result.truncated_at, decision,
-                                extra=fields)
+                if isinstance(decision, Redo):
+                    ledger.best(result.page, quality, result)
+                    how = (f"it loops; sending it again with repetition_penalty "
+                           f"{decision.repetition_penalty}" if result.looping else
+                           f"redoing it once with {decision.max_new_tokens}")
+                    log.warning("%s p.%d: answer cut off at %d tokens; %s", job.path.name,
+                                result.page + 1, result.truncated_at, how, extra=fields)
                     doc.give_back(result.page)
                     return
-                note = self._cut_off_note(job, result.page, result.truncated_at, decision)
-                log.warning("%s: %s", job.path.name, note, extra=fields)
-            self.store.save_page(
-                job.sha256, self.model, result.page, result.markdown, result.images, note=note
-            )
-            doc.in_flight.discard(result.page)
-            doc.done += 1
-            self.completed_pages += 1
-            self._recent.append(time.monotonic())
-            log.debug(
-                "%s p.%d/%d done in %.1f s",
-                job.path.name,
-                result.page + 1,
-                doc.page_count,
-                result.seconds,
-                extra=fields,
-            )
+            # A page that stays bad keeps its best answer.
+            quality, result = ledger.best(result.page, quality, result)
+            self._checkpoint(doc, job, result, quality,
+                             self._quality_note(job, result, quality, decision))
+            return
+        kept = self._ledgers[job.id].kept(result.page)
+        if kept is not None and result.error_kind in ("page", "damaged"):
+            # A redo that fails costs the page nothing: its earlier answer stays.
+            quality, answer = kept
+            note = (f"{self._quality_note(job, answer, quality, None)} (sending it again "
+                    f"failed: {(result.error or 'unknown error').rstrip('.')})")
+            self._checkpoint(doc, job, answer, quality, note)
             return
         if result.error_kind == "server":
             log.info(
@@ -459,15 +507,53 @@ class Converter:
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
 
+    def _checkpoint(self, doc: DocumentPages, job: Job, result: PageResult,
+                    quality: PageQuality, note: str | None) -> None:
+        """Save the answer kept for a page, with its quality record (and `note` if flagged)."""
+        fields = _fields(job, result.page)
+        self._ledgers[job.id].settle(result.page)
+        if note is not None:
+            log.warning("%s: %s", job.path.name, note,
+                        extra={**fields, "OCRVL_VERDICT": quality.verdict.value,
+                               "OCRVL_REASON": quality.reason})
+        self.store.save_page(
+            job.sha256, self.model, result.page, result.markdown, result.images, note=note,
+            quality=quality.to_json(),
+            layout={"size": list(result.size), "blocks": result.blocks},
+        )
+        doc.in_flight.discard(result.page)
+        doc.done += 1
+        self.completed_pages += 1
+        self._recent.append(time.monotonic())
+        log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1, doc.page_count,
+                  result.seconds, extra=fields)
+
+    def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
+                      why: Redo | KeptBecause | None) -> str | None:
+        """The note of a page kept although it is not ok (None when it is ok)."""
+        if not quality.flagged:
+            return None
+        page = result.page
+        if isinstance(why, KeptBecause) and result.truncated_at is not None:
+            return self._cut_off_note(job, page, result.truncated_at, why)
+        retry = pdf.retry_command(job.path, str(page + 1), self.again)
+        what = {"repetition": "the answer repeats itself (the model looped)",
+                "empty": "the answer is empty although the page has ink on it",
+                "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
+                           "characters",
+                "cut-off": "the answer was cut off at the token limit"}.get(
+                    quality.reason or "", str(quality.reason))
+        return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
+
     def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
         """The note of a page kept although its answer was cut off at `cut_at` tokens."""
         retry = pdf.retry_command(job.path, str(page + 1), self.again)
         head = f"page {page + 1} was cut off at {cut_at} tokens"
         if why is KeptBecause.LOOP:
-            return (f"{head}: the answer repeats itself (the model looped), so more tokens "
-                    "would not end it; its end may be missing or garbled.")
+            return (f"{head}: the answer repeats itself (the model looped), also when sent "
+                    "again with a repetition penalty; its end may be missing or garbled.")
         if why is KeptBecause.BUDGET:
-            return (f"{head} and not redone: redoing this document's cut-off pages took "
+            return (f"{head} and not redone: redoing this document's bad pages took "
                     f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
                     f"Redo it with: {retry}")
         if why is KeptBecause.REDONE:
@@ -534,6 +620,7 @@ class Converter:
                 doc.page_count,
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.model),
+                json_output="json" in self.config.output.formats,
             )
         except StateFullError:
             raise
@@ -550,16 +637,23 @@ class Converter:
         self.store.set_done(job_id, redo_tokens=ledger.extra)
         output.remove_error_note(job.path)
         redone = ""
-        if ledger.redo_limits:
-            redone = (f"; redoing {len(ledger.redo_limits)} cut-off page(s) took "
-                      f"{ledger.extra} extra tokens ({ledger.first_pass} the first time)")
+        if ledger.redos:
+            redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
+                      f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
+                      "first time)")
+        fields = _fields(job)
+        flagged = ",".join(str(p + 1) for p in self.store.flagged_pages(job.sha256, self.model))
+        if flagged:
+            redo = pdf.retry_command(job.path, flagged, self.again)
+            redone += f"; flagged pages: {flagged} (redo: {redo})"
+            fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
             "%s: done, %d pages -> %s%s",
             job.path.name,
             doc.page_count,
             output.outputs_for(job.path)[0].name,
             redone,
-            extra=_fields(job),
+            extra=fields,
         )
         short = output.shortened_names(job.path)
         if short:
@@ -568,7 +662,8 @@ class Converter:
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
-            yield output.Page(page.page, page.markdown, page.images, page.note)
+            yield output.Page(page.page, page.markdown, page.images, page.note,
+                              page.quality, page.layout)
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import importlib
 import io
 import itertools
 import logging
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -36,7 +38,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.logs import basic_logging
-from ocrvl_daemon.page_quality import looks_like_a_loop
+from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.scheduler import SHORT_EXTRA, SHORT_OF_PAGES, ready_margin
 from ocrvl_daemon.systemd import child_env
@@ -73,6 +75,20 @@ class PageTask:
     # fewest through first (a letter's pages pass the book pages already waiting), and lets
     # one of a document short of pages bump a young request of a document with many.
     priority: int = 0
+    # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
+    repetition_penalty: float | None = None
+
+
+# A page image with more than this share of dark pixels has ink on it: an empty answer for
+# it is a failure, not a blank page. One line of small text on a 2x-rendered A4 page is
+# about 0.1%; scanner noise on a blank page stays well below.
+INK_SHARE = 0.0005
+INK_LEVEL = 128
+
+
+def has_ink(image: Any) -> bool:
+    """Whether a rendered page (an H x W x 3 array) has anything dark on it."""
+    return bool((image.min(axis=2) < INK_LEVEL).mean() > INK_SHARE)
 
 
 @dataclass
@@ -92,6 +108,12 @@ class PageResult:
     looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
     token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
     tokens: int = 0  # completion tokens the page's answers took
+    finish_reason: str | None = None  # "length" if any answer was cut off, else the first's
+    repetition: float = 0.0  # the worst page_quality.repetition of its answers
+    has_ink: bool = False  # the page image is not blank
+    size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
+    # The pipeline's blocks: label, bbox [x0, y0, x1, y1] in page pixels, text.
+    blocks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
@@ -117,6 +139,10 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         kwargs["vl_rec_api_key"] = config.server.api_key
     if p.device:
         kwargs["device"] = p.device
+    elif not (p.use_layout_detection or p.use_doc_orientation_classify or p.use_doc_unwarping):
+        # Nothing runs here but requests to the server: naming a device spares paddlex its
+        # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
+        kwargs["device"] = "cpu"
     return kwargs
 
 
@@ -403,6 +429,42 @@ def _plain_paddlex_log() -> None:
         handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
 
 
+def _lean_paddlex_import() -> None:
+    """Keep paddlex's import from loading torch, transformers and peft, which the worker never
+    uses: ~10 s of a worker's start where they are installed (a GPU machine's Python).
+
+    modelscope, which paddlex imports, replaces itself with a lazy module after importing
+    `modelscope.hub`, so the lazy module lacks the `hub` attribute; paddlex's `import
+    modelscope.hub.errors as ...` then asks for it, and modelscope looks for a `hub` in
+    transformers and peft in turn, importing them (and torch). Giving it its `hub` first
+    avoids that. Its logger also imports `modelscope.utils.torch_utils` (and torch) only to
+    ask whether torch.distributed runs: a stand-in answers that; anything else asked of the
+    module loads the real one.
+    """
+    name = "modelscope.utils.torch_utils"
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+
+        def real(attr: str) -> Any:
+            if attr.startswith("__"):  # the import system's own questions (__path__...)
+                raise AttributeError(attr)
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+            return getattr(importlib.import_module(name), attr)
+
+        stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
+        stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
+        stand_in.__getattr__ = real  # type: ignore[method-assign]
+        sys.modules[name] = stand_in
+    try:
+        import modelscope
+        import modelscope.hub.errors  # binds `modelscope` only: no lookup on the lazy module
+    except ImportError:
+        return
+    if "hub" not in vars(modelscope):
+        modelscope.hub = sys.modules["modelscope.hub"]  # type: ignore[attr-defined]
+
+
 def serve() -> None:
     """The worker process's main: `python -c "from ocrvl_daemon.engine import serve; serve()"`.
 
@@ -427,6 +489,7 @@ def serve() -> None:
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
+        _lean_paddlex_import()
         from paddleocr import PaddleOCRVL
 
         _plain_paddlex_log()
@@ -522,8 +585,11 @@ def _run_page(
         )
         # Checked again: the file may have been replaced while the page was being rendered.
         check_unchanged(path, task.size, task.mtime)
+        result.has_ink = has_ink(image)
+        result.size = (int(image.shape[1]), int(image.shape[0]))
         res = _recognise(pipeline, config, server_url, image, task, result)
         del image
+        result.blocks = _blocks(res)
         md = res.markdown
         result.markdown = md.get("markdown_texts", "") or ""
         for name, img in (md.get("markdown_images") or {}).items():
@@ -549,16 +615,32 @@ def _recognise(
 ) -> Any:
     """Run the pipeline on one page and note whether (and how) an answer was cut off."""
     _COMPLETIONS.started = []
-    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens)
+    sampling: dict[str, Any] = {}
+    if task.repetition_penalty is not None:  # PaddleX sends it in the request's extra_body
+        sampling["repetition_penalty"] = task.repetition_penalty
+    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
     answers = _answers(_COMPLETIONS.started)
     result.tokens = sum(a.tokens for a in answers)
+    result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     cut = [a for a in answers if a.finish_reason == "length"]
+    result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
     if cut:
         result.truncated_at = task.max_new_tokens
         result.looping = any(looks_like_a_loop(a.text) for a in cut)
         if not result.looping:
             result.token_ceiling = _token_ceiling(config, server_url)
     return res
+
+
+def _blocks(res: Any) -> list[dict[str, Any]]:
+    """The pipeline's blocks of one page, as plain values (label, bbox in pixels, text)."""
+    blocks = []
+    for block in res.get("parsing_res_list") or []:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            blocks.append({"label": str(block.label),
+                           "bbox": [round(float(v), 1) for v in list(block.bbox)[:4]],
+                           "text": str(block.content or "")})
+    return blocks
 
 
 def _is_server_down(exc: BaseException) -> bool:

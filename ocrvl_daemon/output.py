@@ -1,4 +1,6 @@
-"""Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`.
+"""Writing results next to the PDF: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`,
+and with `output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout
+blocks; its JSON Schema is `data/document.schema.json`).
 
 Nothing half-written is ever visible under a final name (temporary name + fsync + rename), and
 a Markdown file or image folder that ocrvl did not write is never replaced. Names keep the PDF's
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import logging
 import os
 import re
@@ -18,6 +21,7 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
@@ -29,6 +33,11 @@ TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
 IMAGES_SUFFIX = "_images"
 ERROR_SUFFIX = ".ocrvl-error.txt"
+JSON_FORMAT = "ocrvl-document"
+JSON_VERSION = 1
+# How every ocrvl JSON output starts: what tells it from a JSON file ocrvl did not write.
+_JSON_START = f'{{"format": "{JSON_FORMAT}", "version": {JSON_VERSION},'
+SCHEMA_FILE = Path(__file__).parent / "data" / "document.schema.json"
 # What a temporary name adds to the name it stands for: a dot, "-new-" or "-old-", a pid.
 _TMP_EXTRA = 1 + 5 + 10
 _HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
@@ -45,6 +54,8 @@ class Page:
     markdown: str
     images: dict[str, bytes] = field(default_factory=dict)
     note: str | None = None  # why the page is a placeholder or flagged
+    quality: dict[str, Any] | None = None  # page_quality.PageQuality.to_json()
+    layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
 
 
 def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
@@ -59,6 +70,19 @@ def outputs_for(pdf: Path) -> tuple[Path, Path, Path]:
         pdf.with_name(fit_name(pdf.stem, IMAGES_SUFFIX, limit)),
         pdf.with_name(fit_name(pdf.stem, ERROR_SUFFIX, limit)),
     )
+
+
+def json_for(pdf: Path) -> Path:
+    """The JSON output that belongs to `pdf` (`output.formats: [markdown, json]`)."""
+    return pdf.with_suffix(".json")
+
+
+def _is_our_json(path: Path) -> bool:
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as f:
+            return f.read(len(_JSON_START)) == _JSON_START
+    except OSError:
+        return False
 
 
 def _name_limit(pdf: Path) -> int:
@@ -102,12 +126,18 @@ def is_current(pdf: Path, sha256: str, model: str) -> bool:
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path) -> None:
+def check_writable(pdf: Path, *, json_output: bool = False) -> None:
     """Refuse early when the output cannot be written: a read-only folder, or an output
     ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf)
     if not os.access(md.parent, os.W_OK):
         raise _not_writable(md, "no write permission")
+    data = json_for(pdf)
+    if json_output and data.exists() and not _is_our_json(data):
+        raise NotOursError(
+            f"{data} already exists and was not written by ocrvl; it is left untouched.",
+            "move or rename it",
+        )
     limit = _name_limit(pdf)
     if name_bytes(md.name) > limit:
         raise NameTooLongError(
@@ -134,8 +164,11 @@ def write_document(
     page_count: int,
     pages: Iterable[Page],
     size_hint: int = 0,
+    *,
+    json_output: bool = False,
 ) -> None:
-    """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically.
+    """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
+    `json_output` `<stem>.json` too (renamed in just before the Markdown).
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
     swapped in first and the Markdown renamed last, so the Markdown never links to images
@@ -146,26 +179,47 @@ def write_document(
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
     tmp_md = _temporary(md)
     tmp_dir = _temporary(images_dir)
+    data = json_for(pdf)
+    tmp_json = _temporary(data)
     link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
-        check_writable(pdf)
+        check_writable(pdf, json_output=json_output)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         _remove_temporaries(md)
         _remove_temporaries(images_dir)
-        with tmp_md.open("w", encoding="utf-8") as out:
+        if json_output:
+            _remove_temporaries(data)
+        with contextlib.ExitStack() as files:
+            out = files.enter_context(tmp_md.open("w", encoding="utf-8"))
+            js = files.enter_context(tmp_json.open("w", encoding="utf-8")) if json_output else None
             out.write(
                 f'<!-- ocrvl source="{_attr(shown(pdf.name))}" sha256="{sha256}" '
                 f'model="{model}" pages="{page_count}" -->\n'
             )
+            if js is not None:
+                js.write(f"{_JSON_START}\n" + json.dumps(
+                    {"source": shown(pdf.name), "sha256": sha256, "model": model,
+                     "page_count": page_count, "markdown": shown(md.name)})[1:-1]
+                    + ',\n"pages": [')
+            separator = "\n"
             for page in pages:
                 text = page.markdown
-                for name, data in sorted(page.images.items()):
+                image_paths = []
+                for name, image in sorted(page.images.items()):
                     new_name = f"p{page.index + 1:04d}_{Path(name).name}"
-                    _write_image(tmp_dir, new_name, data)
+                    _write_image(tmp_dir, new_name, image)
                     text = text.replace(name, f"{link_base}/{quote(new_name)}")
+                    image_paths.append(f"{shown(images_dir.name)}/{new_name}")
                 out.write(_page_block(page, text, first=page.index == 0))
-            out.flush()
-            os.fsync(out.fileno())
+                if js is not None:
+                    js.write(separator + json.dumps(_page_json(page, image_paths)))
+                    separator = ",\n"
+            if js is not None:
+                js.write("\n]}\n")
+            for written in (out, js):
+                if written is not None:
+                    written.flush()
+                    os.fsync(written.fileno())
         if tmp_dir.exists():
             _fsync_dir(tmp_dir)
         if images_dir.exists():
@@ -174,14 +228,33 @@ def write_document(
             shutil.rmtree(old, ignore_errors=True)
         if tmp_dir.exists():
             os.replace(tmp_dir, images_dir)
+        if json_output:
+            os.replace(tmp_json, data)
         os.replace(tmp_md, md)
         _fsync_dir(md.parent)
     except OSError as exc:
         raise _output_error(md, exc) from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):  # never there, or the folder is read-only
-            tmp_md.unlink()
+        for tmp in (tmp_md, tmp_json):
+            with contextlib.suppress(OSError):  # never there, or the folder is read-only
+                tmp.unlink()
+
+
+def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
+    """One page of the JSON output (see data/document.schema.json)."""
+    quality = dict(page.quality or {})
+    verdict, reason = quality.pop("verdict", None), quality.pop("reason", None)
+    if verdict is None:  # a placeholder, or a page recorded before quality records
+        failed = bool(page.note) and not page.markdown.strip()
+        verdict, reason = ("bad", "failed") if failed else ("unknown", None)
+    layout = page.layout or {}
+    blocks = layout.get("blocks")
+    if blocks is None:  # recorded before layouts were kept: the page as one block
+        blocks = [{"label": "text", "bbox": None, "text": page.markdown}]
+    return {"number": page.index + 1, "verdict": verdict, "reason": reason,
+            "signals": quality or None, "note": page.note, "size": layout.get("size"),
+            "blocks": blocks, "markdown": page.markdown, "images": image_paths}
 
 
 def _temporary(path: Path, kind: str = "new") -> Path:
@@ -206,6 +279,10 @@ def _page_block(page: Page, text: str, *, first: bool) -> str:
     """A page's Markdown, preceded by a visible boundary (a rule and a page comment)."""
     lines = [] if first else ["---"]
     lines.append(f"<!-- page {page.index + 1} -->")
+    verdict = (page.quality or {}).get("verdict", "ok")
+    if verdict != "ok":
+        lines.append(f"<!-- ocrvl: page {page.index + 1} {verdict}: "
+                     f"{_comment(str(page.quality.get('reason') if page.quality else ''))} -->")
     if page.note:
         lines.append(f"<!-- ocrvl: {_comment(page.note)} -->")
     if text.strip():

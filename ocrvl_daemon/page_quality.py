@@ -1,20 +1,35 @@
-"""What to do with a page whose answer was cut off at the token limit.
+"""How good a page's answer is, and what to do with a page whose answer is not.
+
+Vision-language OCR fails in ways plain OCR does not: an answer that repeats a phrase until
+the token limit (a loop), an answer cut off at the limit, an empty answer for a page with
+ink on it, garbage characters. `assess` turns the signals of one answer into a
+`PageQuality` record (kept in the store, shown in the Markdown, `ocrvl status` and the JSON
+output) with a verdict: ok, suspect or bad.
 
 A cut-off answer is either a page that needs more tokens (a long table) or a model caught in
-a loop, repeating itself until the limit. More tokens help only the first, and a redo starts
-the page from scratch, so it is bounded: a page is redone at most once, with at most
-REDO_GROWTH times its first limit (never above what the server's `max-model-len` allows),
-and the redos of a document may take about REDO_SHARE of the tokens its pages took the
-first time. An answer that is not redone, or is cut off again, is kept and flagged.
+a loop. More tokens help only the first: a cut-off page that does not loop is redone at most
+once, with at most REDO_GROWTH times its first limit (never above what the server's
+`max-model-len` allows). A loop is sent again, at most LOOP_RETRIES times, with vLLM's
+loop-breaking sampling parameter (`repetition_penalty` > 1) and the same limit. Every redo
+starts the page from scratch, so the redos of a document may take about REDO_SHARE of the
+tokens its pages took the first time. A page that stays bad keeps its best answer, flagged.
 """
 
 from __future__ import annotations
 
+import unicodedata
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Any
 
 REDO_GROWTH = 2
+# vLLM's repetition_penalty divides the logits of tokens already in the prompt or the
+# answer. 1.05 is what PaddleOCR-VL's own examples suggest against repetition; a second
+# try goes further. Above ~1.3 a page of real text (which repeats "the", digits, table
+# pipes) starts to lose words, so the penalty is used only on a page that looped.
+LOOP_PENALTIES = (1.05, 1.15)
+LOOP_RETRIES = len(LOOP_PENALTIES)
 REDO_SHARE = 0.25
 # A loop is told from text by how well the end of the answer compresses. zlib over the last
 # 2,000 characters measured 1.6-1.7 on English prose, 2.5-3.3 on Markdown tables, numbered
@@ -27,58 +42,200 @@ LOOP_WINDOW_CHARS = 2000
 LOOP_COMPRESSION_RATIO = 8.0
 
 
-def looks_like_a_loop(text: str) -> bool:
-    """Whether the end of `text` repeats itself like a model caught in a loop."""
+# Replacement (U+FFFD) and control characters (not newline or tab) in a page's text. Real
+# OCR output has none; a few may come from a damaged scan, so 1% makes a page suspect and
+# 10% (garbage more than text) bad. Pages under BAD_CHARS_MIN_TEXT characters are not judged.
+BAD_CHARS_SUSPECT = 0.01
+BAD_CHARS_BAD = 0.10
+BAD_CHARS_MIN_TEXT = 20
+
+
+def repetition(text: str) -> float:
+    """How well the end of `text` compresses (zlib ratio over LOOP_WINDOW_CHARS; 0: empty)."""
     tail = text[-LOOP_WINDOW_CHARS:].encode("utf-8")
     if not tail:
-        return False
-    return len(tail) / len(zlib.compress(tail, 9)) >= LOOP_COMPRESSION_RATIO
+        return 0.0
+    return len(tail) / len(zlib.compress(tail, 9))
+
+
+def looks_like_a_loop(text: str) -> bool:
+    """Whether the end of `text` repeats itself like a model caught in a loop."""
+    return repetition(text) >= LOOP_COMPRESSION_RATIO
+
+
+def bad_char_share(text: str) -> float:
+    """The share of replacement and control characters in `text`."""
+    if not text:
+        return 0.0
+    bad = sum(1 for c in text
+              if c == "\ufffd" or (unicodedata.category(c) == "Cc" and c not in "\n\r\t"))
+    return bad / len(text)
+
+
+class Verdict(str, Enum):
+    """How much a page's text can be trusted (in order: a higher one is better)."""
+
+    BAD = "bad"
+    SUSPECT = "suspect"
+    OK = "ok"
+
+    @property
+    def rank(self) -> int:
+        """0 for bad, 1 for suspect, 2 for ok."""
+        return list(Verdict).index(self)
+
+
+@dataclass(frozen=True)
+class PageQuality:
+    """The quality record of one page's answer, and its verdict with the reason."""
+
+    finish_reason: str | None  # "length" when an answer was cut off at the token limit
+    output_tokens: int
+    repetition: float  # zlib ratio of the answer's end (LOOP_COMPRESSION_RATIO: a loop)
+    empty_with_ink: bool  # the page image has content, the answer has none
+    bad_chars: float  # share of replacement and control characters
+    verdict: Verdict = Verdict.OK
+    reason: str | None = None  # repetition, cut-off, empty, garbage
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as plain JSON values."""
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        data["repetition"] = round(self.repetition, 2)
+        data["bad_chars"] = round(self.bad_chars, 4)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PageQuality:
+        """A record read back from `to_json`."""
+        return cls(**{**data, "verdict": Verdict(data["verdict"])})
+
+    @property
+    def merit(self) -> tuple[int, bool]:
+        """What makes one answer of a page better than another (higher is better)."""
+        return self.verdict.rank, not self.empty_with_ink
+
+    @property
+    def flagged(self) -> bool:
+        """Whether the page is not ok."""
+        return self.verdict is not Verdict.OK
+
+
+def assess(text: str, finish_reason: str | None, output_tokens: int, looping: bool,
+           has_ink: bool, answer_repetition: float = 0.0) -> PageQuality:
+    """The quality record of a page's answer `text`.
+
+    `looping`: an answer cut off at the limit repeats itself (the engine checks each answer,
+    since one looping block of many need not be at the end of the page). `has_ink`: the page
+    image is not blank. `answer_repetition`: the worst repetition of the page's answers.
+    """
+    rep = max(answer_repetition, repetition(text))
+    empty = has_ink and not text.strip()
+    share = bad_char_share(text) if len(text) >= BAD_CHARS_MIN_TEXT else 0.0
+    verdict, reason = Verdict.OK, None
+    if looping:
+        verdict, reason = Verdict.BAD, "repetition"
+    elif empty:
+        verdict, reason = Verdict.BAD, "empty"
+    elif share >= BAD_CHARS_BAD:
+        verdict, reason = Verdict.BAD, "garbage"
+    elif finish_reason == "length":
+        verdict, reason = Verdict.SUSPECT, "cut-off"
+    elif share >= BAD_CHARS_SUSPECT:
+        verdict, reason = Verdict.SUSPECT, "garbage"
+    return PageQuality(finish_reason, output_tokens, rep, empty, share, verdict, reason)
 
 
 class KeptBecause(str, Enum):
-    """Why a cut-off answer is kept as it is."""
+    """Why an answer that is cut off or loops is kept as it is."""
 
-    LOOP = "loop"  # more tokens would not end it
+    LOOP = "loop"  # it looped again after LOOP_RETRIES loop-breaking tries
     CEILING = "ceiling"  # the server's max-model-len allows no more tokens
     REDONE = "redone"  # cut off again after its one redo
     BUDGET = "budget"  # the document's redos took their share already
 
 
+@dataclass(frozen=True)
+class Redo:
+    """How a page is sent again: its token limit, and the loop-breaking penalty if any."""
+
+    max_new_tokens: int
+    repetition_penalty: float | None = None
+
+
 @dataclass
 class RedoLedger:
-    """The tokens one document's pages took, first time and redone, and which were redone."""
+    """The tokens one document's pages took, first time and redone, and how each was redone."""
 
     first_pass: int = 0
     extra: int = 0
-    redo_limits: dict[int, int] = field(default_factory=dict)  # page -> its redo's limit
+    redos: dict[int, Redo] = field(default_factory=dict)  # page -> how it is sent now
+    loop_tries: dict[int, int] = field(default_factory=dict)
+    _grown: set[int] = field(default_factory=set)  # pages redone with more tokens
     _out: set[int] = field(default_factory=set)  # redos not answered yet
+    _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
+
+    @property
+    def cap(self) -> int:
+        """The extra tokens this document's redos may take (about; see `decide`)."""
+        return int(REDO_SHARE * self.first_pass)
 
     def count(self, page: int, tokens: int) -> None:
-        """The answer of `page` took `tokens` (its first time, or its redo)."""
+        """The answer of `page` took `tokens` (its first time, or a redo)."""
         if page in self._out:
             self._out.discard(page)
             self.extra += tokens
-        elif page not in self.redo_limits:
+        elif page not in self.redos:
             self.first_pass += tokens
 
-    def decide(self, page: int, cut_at: int, ceiling: int, looping: bool) -> int | KeptBecause:
-        """The token limit to redo `page` with, or why its answer cut off at `cut_at` stays.
+    def decide(self, page: int, cut_at: int, ceiling: int, looping: bool) -> Redo | KeptBecause:
+        """How to send `page` again, or why its answer, cut off at `cut_at`, stays.
 
         `ceiling`: the most new tokens the server allows a request (0: it does not say).
         """
-        if page in self.redo_limits:
-            return KeptBecause.CEILING if cut_at >= ceiling else KeptBecause.REDONE
+        before = self.redos.get(page)
         if looping:
-            # A loop is not redone with more tokens: it would only loop longer.
-            return KeptBecause.LOOP
-        limit = min(cut_at * REDO_GROWTH, ceiling)
-        if limit <= cut_at:
-            return KeptBecause.CEILING
+            # More tokens would only loop longer: the same limit, with a penalty.
+            tries = self.loop_tries.get(page, 0)
+            if tries >= LOOP_RETRIES:
+                return KeptBecause.LOOP
+            redo = Redo(cut_at, LOOP_PENALTIES[tries])
+        else:
+            if page in self._grown:
+                return KeptBecause.CEILING if cut_at >= ceiling else KeptBecause.REDONE
+            limit = min(cut_at * REDO_GROWTH, ceiling)
+            if limit <= cut_at:
+                return KeptBecause.CEILING
+            # A page that stopped looping keeps its penalty.
+            redo = Redo(limit, before.repetition_penalty if before else None)
         # Redos not answered yet count with the tokens they asked for, so pages cut off
         # together cannot all start one before the first is counted.
-        asked = sum(self.redo_limits[p] for p in self._out)
+        asked = sum(self.redos[p].max_new_tokens for p in self._out)
         if self.extra + asked >= REDO_SHARE * self.first_pass:
             return KeptBecause.BUDGET
-        self.redo_limits[page] = limit
+        if looping:
+            self.loop_tries[page] = self.loop_tries.get(page, 0) + 1
+        else:
+            self._grown.add(page)
+        self.redos[page] = redo
         self._out.add(page)
-        return limit
+        return redo
+
+    def best(self, page: int, quality: PageQuality, answer: Any) -> tuple[PageQuality, Any]:
+        """The best answer of `page` so far, this one included: the better verdict, then one
+        with text over an empty one; a later one wins a tie."""
+        kept = self._best.get(page)
+        if kept is None or quality.merit >= kept[0].merit:
+            kept = (quality, answer)
+        self._best[page] = kept
+        return kept
+
+    def kept(self, page: int) -> tuple[PageQuality, Any] | None:
+        """The best answer of `page` while it is being sent again, if any."""
+        return self._best.get(page)
+
+    def settle(self, page: int) -> None:
+        """`page` is checkpointed: its earlier answers are no longer needed (and a redo of it
+        that failed asks for no tokens any more)."""
+        self._best.pop(page, None)
+        self._out.discard(page)

@@ -53,6 +53,11 @@ def _job_view(store: Store, job: Job) -> dict[str, Any]:
             p + 1 for p in store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED)
         ],
         "flagged_pages": [p + 1 for p in store.flagged_pages(job.sha256, job.model)],
+        "suspect_pages": [
+            p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "suspect")
+        ],
+        "bad_pages": [p + 1 for p in store.pages_with_verdict(job.sha256, job.model, "bad")],
+        "verdicts": store.verdict_counts(job.sha256, job.model),
         "redo_tokens": job.redo_tokens,
     }
     short = shortened_names(job.path)
@@ -213,12 +218,16 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         if doc.get("names_shortened"):
             lines.append(f"         note: {doc['names_shortened']}")
         for key, what in (("failed_pages", "pages that failed"),
-                          ("flagged_pages", "pages that were cut off"),
+                          ("flagged_pages", "pages flagged"),
                           ("damaged_pages", "pages damaged in the PDF")):  # fmt: skip
             if doc[key]:
                 pages_list = ",".join(map(str, doc[key]))
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
                         else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
+                if key == "flagged_pages":
+                    verdicts = "".join(f"{v}: {','.join(map(str, doc[f'{v}_pages']))}; "
+                                       for v in ("bad", "suspect") if doc[f"{v}_pages"])
+                    hint = f"{verdicts}redo: ocrvl retry --flagged {shell_quote(path)}"
                 lines.append(f"         {what}: {pages_list} ({hint})")
     if status["documents_not_shown"]:
         lines.append(f"... and {status['documents_not_shown']} older converted documents "
@@ -229,10 +238,12 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
     return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
-def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) -> ExitCode:
-    """Queue documents again; with `pages`, drop only those checkpoints."""
-    if not pdfs and not failed:
-        raise UsageError("Nothing to retry.", "name PDFs, or use --failed")
+def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
+          flagged: bool = False) -> ExitCode:
+    """Queue documents again; with `pages`, drop only those checkpoints; with `flagged`,
+    only the flagged pages (of `pdfs`, or of every document)."""
+    if not pdfs and not failed and not flagged:
+        raise UsageError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
     if pages:
         parse_pages(pages)  # a malformed list is refused before the store is even opened
     store = open_store(config)
@@ -245,6 +256,9 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
                 for j in store.jobs()
                 if store.failed_pages(j.sha256, j.model) and j not in targets
             ]
+        if flagged and not pdfs:
+            targets += [j for j in store.jobs(JobState.DONE)
+                        if store.flagged_pages(j.sha256, j.model) and j not in targets]
         for given in pdfs:
             job = store.job_for_path(given.expanduser().absolute())
             if job is None:
@@ -255,16 +269,23 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None) 
                 )
             targets.append(job)
         if not targets:
-            log.info("nothing to retry: no document or page failed (pages damaged in the PDF "
-                     "are left out: only a repaired file can help them)")
+            log.info("nothing to retry: no document or page failed or is flagged (pages "
+                     "damaged in the PDF are left out: only a repaired file can help them)")
         # Every page list is checked before anything is queued again.
-        chosen = {
-            job.id: parse_pages(pages, job.page_count or page_count(job.path), job.path)
-            if pages else store.failed_pages(job.sha256, job.model)
-            for job in targets
-        }
+        chosen: dict[int, list[int]] = {}
+        for job in targets:
+            if pages:
+                count = job.page_count or page_count(job.path)
+                chosen[job.id] = parse_pages(pages, count, job.path)
+            elif flagged:
+                chosen[job.id] = store.flagged_pages(job.sha256, job.model)
+            else:
+                chosen[job.id] = store.failed_pages(job.sha256, job.model)
         for job in targets:
             redo = chosen[job.id]
+            if flagged and not pages and not redo:
+                log.info("%s has no flagged pages", job.path)
+                continue
             if redo:
                 store.drop_pages(job.sha256, job.model, redo)
             elif job.state is JobState.DONE:

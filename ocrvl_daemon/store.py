@@ -58,6 +58,8 @@ CREATE TABLE IF NOT EXISTS pages (
     note TEXT,
     failed INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
+    quality TEXT,  -- JSON: page_quality.PageQuality.to_json()
+    layout TEXT,  -- JSON: {"size": [w, h], "blocks": [{label, bbox, text}]}
     PRIMARY KEY (sha256, model, page)
 );
 CREATE TABLE IF NOT EXISTS page_images (
@@ -120,6 +122,13 @@ class StoredPage:
     note: str | None
     failed: bool
     images: dict[str, bytes]
+    quality: dict[str, Any] | None = None  # page_quality.PageQuality.to_json()
+    layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
+
+    @property
+    def verdict(self) -> str | None:
+        """ok, suspect or bad (None: recorded before quality records, or a placeholder)."""
+        return self.quality["verdict"] if self.quality else None
 
 
 class Store:
@@ -150,6 +159,7 @@ class Store:
         self._db.executescript(_SCHEMA)
         self._paths_as_bytes()
         self._add_redo_tokens()
+        self._add_page_quality()
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
 
     def _paths_as_bytes(self) -> None:
@@ -164,6 +174,13 @@ class Store:
         columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
         if "redo_tokens" not in columns:
             self._db.execute("ALTER TABLE jobs ADD COLUMN redo_tokens INTEGER NOT NULL DEFAULT 0")
+
+    def _add_page_quality(self) -> None:
+        """Databases of earlier versions kept no quality record or layout per page."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(pages)")}
+        for column in ("quality", "layout"):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE pages ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         """Close the connection."""
@@ -312,6 +329,8 @@ class Store:
         *,
         note: str | None = None,
         failure: PageFailure = PageFailure.NONE,
+        quality: dict[str, Any] | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         """Checkpoint one page durably (Markdown and images in one transaction)."""
         now = time.time()
@@ -321,8 +340,10 @@ class Store:
                 (sha256, model, page),
             )
             db.execute(
-                "INSERT OR REPLACE INTO pages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sha256, model, page, markdown, note and shown(note), int(failure), now),
+                "INSERT OR REPLACE INTO pages (sha256, model, page, markdown, note, failed, "
+                "created, quality, layout) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sha256, model, page, markdown, note and shown(note), int(failure), now,
+                 _json_or_null(quality), _json_or_null(layout)),
             )
             db.executemany(
                 "INSERT INTO page_images VALUES (?, ?, ?, ?, ?)",
@@ -346,8 +367,28 @@ class Store:
         )
         return [r[0] for r in rows]
 
+    def pages_with_verdict(self, sha256: str, model: str, verdict: str) -> list[int]:
+        """Pages whose quality record has this verdict (ok, suspect, bad)."""
+        rows = self._db.execute(
+            "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=0 "
+            "AND json_extract(quality, '$.verdict')=? ORDER BY page",
+            (sha256, model, verdict),
+        )
+        return [r[0] for r in rows]
+
+    def verdict_counts(self, sha256: str, model: str) -> dict[str, int]:
+        """How many checkpointed pages have each verdict (ok, suspect, bad; every one, maybe 0)."""
+        counts = dict.fromkeys(("ok", "suspect", "bad"), 0)
+        for verdict, n in self._db.execute(
+            "SELECT json_extract(quality, '$.verdict'), COUNT(*) FROM pages "
+            "WHERE sha256=? AND model=? AND failed=0 AND quality IS NOT NULL GROUP BY 1",
+            (sha256, model),
+        ):
+            counts[verdict] = n
+        return counts
+
     def flagged_pages(self, sha256: str, model: str) -> list[int]:
-        """Pages kept with a warning (e.g. cut off at the token limit)."""
+        """Pages kept with a warning (cut off, looping, empty, garbage)."""
         rows = self._db.execute(
             "SELECT page FROM pages WHERE sha256=? AND model=? AND failed=0 "
             "AND note IS NOT NULL ORDER BY page",
@@ -392,7 +433,7 @@ class Store:
         last = -1
         while True:
             rows = self._db.execute(
-                "SELECT page, markdown, note, failed FROM pages "
+                "SELECT page, markdown, note, failed, quality, layout FROM pages "
                 "WHERE sha256=? AND model=? AND page>? ORDER BY page LIMIT ?",
                 (sha256, model, last, PAGE_BATCH),
             ).fetchall()
@@ -407,7 +448,8 @@ class Store:
                     )
                 }
                 yield StoredPage(
-                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images
+                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images,
+                    _json_or_none(row["quality"]), _json_or_none(row["layout"]),
                 )
             last = rows[-1]["page"]
 
@@ -422,6 +464,14 @@ class Store:
         """Read a published value, or None."""
         row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return json.loads(row[0]) if row else None
+
+
+def _json_or_null(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _json_or_none(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
 
 
 def _job(row: sqlite3.Row) -> Job:

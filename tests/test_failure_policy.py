@@ -186,8 +186,11 @@ def test_a_cut_off_page_is_kept_flagged_and_shown(policy: Policy):
     policy.answer(job, 0, truncated_at=4096)
     md = book.with_suffix(".md").read_text("utf-8")
     assert "<!-- ocrvl: page 1 was cut off at 4096 tokens" in md and "text of page 1" in md
-    assert policy.view(book)["flagged_pages"] == [1]
-    assert "pages that were cut off: 1" in status.render_status(policy.config, as_json=False)
+    assert "<!-- ocrvl: page 1 suspect: cut-off -->" in md
+    view = policy.view(book)
+    assert view["flagged_pages"] == view["suspect_pages"] == [1] and view["bad_pages"] == []
+    assert "pages flagged: 1 (suspect: 1; redo: ocrvl retry --flagged" in status.render_status(
+        policy.config, as_json=False)
 
 
 @pytest.mark.parametrize("mode", ["managed", "external"])
@@ -349,13 +352,17 @@ def test_a_cut_off_page_is_redone_once_not_doubled_up_to_the_servers_limit(tmp_p
 
 
 @pytest.mark.slow
-def test_a_looping_answer_is_not_redone_with_more_tokens(tmp_path: Path):
+def test_a_looping_answer_is_sent_again_with_a_penalty_not_more_tokens(tmp_path: Path):
+    # --looping-answers: a loop that no penalty breaks; the document's cap allows one redo.
     setup = token_setup(tmp_path, 16384, 100, 256, "--looping-answers")
     md = convert_one(setup)
-    assert requested_tokens(setup) == [256], "more tokens were asked for an answer that loops"
-    assert "page 1 was cut off at 256 tokens: the answer repeats itself" in md
+    asked = [(r["max_tokens"], r["repetition_penalty"]) for r in requests(setup)]
+    assert asked == [(256, None), (256, 1.05)], (
+        f"a looping page must be sent again with the same tokens and a penalty: {asked}")
+    assert "<!-- ocrvl: page 1 bad: repetition -->" in md
+    assert "page 1 was cut off at 256 tokens and not redone" in md
     doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
-    assert doc["flagged_pages"] == [1] and doc["redo_tokens"] == 0
+    assert doc["flagged_pages"] == doc["bad_pages"] == [1] and doc["redo_tokens"] == 256
 
 
 @pytest.mark.slow
@@ -373,7 +380,7 @@ def test_redoing_cut_off_pages_stays_within_a_quarter_of_the_documents_tokens(tm
     # one redo's worth beyond it.
     assert len(redone) >= 1 and 128 * (len(redone) - 1) < first_pass // 4, (
         f"{len(redone)} redos of 128 tokens for a first pass of {first_pass} tokens")
-    assert md.count("and not redone: redoing this document's cut-off pages took 25%") == \
+    assert md.count("and not redone: redoing this document's bad pages took 25%") == \
         pages - len(redone)
     doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
     assert doc["redo_tokens"] == 128 * len(redone)

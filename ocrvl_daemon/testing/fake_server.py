@@ -25,7 +25,13 @@ Output length (``--output-tokens``): ``fixed:N``, ``uniform:A:B`` or ``lognormal
 same image always gets the same length; capped by the request's max tokens
 (finish_reason ``length``). ``--request-log`` records each answer's length (``tokens``).
 ``--looping-answers``: every answer repeats one short phrase up to the request's max tokens
-(finish_reason ``length``), like a model caught in a loop.
+(finish_reason ``length``), like a model caught in a loop, whatever the request asks.
+Pages are picked by their image width in pixels (``make_pdf`` page i rendered at scale 2 is
+``2 * page_width(i)`` wide): ``--loop-widths W,...`` loop like that unless the request
+carries a loop-breaking sampling parameter (``repetition_penalty`` > 1, or a
+``frequency_penalty`` / ``presence_penalty`` > 0), as vLLM's would stop; ``--cut-widths``
+get non-repeating text up to the limit (cut off, not a loop); ``--empty-widths`` get an
+empty answer.
 
 ``POST /fake/reset`` starts the time-weighted statistics of ``/fake/stats`` (occupancy,
 mean and max active) afresh; counters keep counting, so callers take differences.
@@ -201,6 +207,9 @@ class FakeServerConfig:
     spawn_engine_child: bool = False
     request_log: str | None = None
     looping_answers: bool = False
+    loop_widths: frozenset[int] = frozenset()
+    cut_widths: frozenset[int] = frozenset()
+    empty_widths: frozenset[int] = frozenset()
     access_log: bool = True
     ignored_args: tuple[str, ...] = ()
 
@@ -259,8 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-log", default=None, help="append one JSON line per chat request")
     p.add_argument("--looping-answers", action="store_true",
                    help="every answer repeats one phrase until the token limit (a model loop)")
+    for kind, what in (("loop", "loop unless the request breaks loops"),
+                       ("cut", "are cut off at the limit"), ("empty", "get an empty answer")):
+        p.add_argument(f"--{kind}-widths", type=_widths, default=frozenset(),
+                       help=f"pages whose image is this many pixels wide {what} (W,W,...)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     return p
+
+
+def _widths(spec: str) -> frozenset[int]:
+    return frozenset(int(w) for w in spec.split(",") if w.strip())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
@@ -299,6 +316,9 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         spawn_engine_child=ns.spawn_engine_child,
         request_log=ns.request_log,
         looping_answers=ns.looping_answers,
+        loop_widths=ns.loop_widths,
+        cut_widths=ns.cut_widths,
+        empty_widths=ns.empty_widths,
         access_log=not ns.disable_uvicorn_access_log,
         ignored_args=tuple(unknown),
     )
@@ -454,6 +474,7 @@ class ChatRequest:
     image: bytes | None
     max_tokens: int | None
     max_pixels: int
+    breaks_loops: bool = False  # a loop-breaking sampling parameter is set
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -486,7 +507,14 @@ def parse_chat(body: Any) -> ChatRequest:
     max_pixels = mm_kwargs.get("max_pixels") if isinstance(mm_kwargs, dict) else None
     if not isinstance(max_pixels, int) or max_pixels <= 0:
         max_pixels = DEFAULT_MAX_PIXELS
-    return ChatRequest(str(body.get("model")), "\n".join(texts), image, max_tokens, max_pixels)
+    def above(key: str, floor: float) -> bool:
+        value = body.get(key)
+        return isinstance(value, (int, float)) and value > floor
+
+    breaks = (above("repetition_penalty", 1.0) or above("frequency_penalty", 0.0)
+              or above("presence_penalty", 0.0))
+    return ChatRequest(str(body.get("model")), "\n".join(texts), image, max_tokens, max_pixels,
+                       breaks)
 
 
 def _decode_data_url(url: str) -> bytes:
@@ -881,7 +909,8 @@ class FakeServer:
         except ValueError as exc:
             raise RequestError(400, f"Invalid JSON: {exc}", "BadRequestError") from exc
         chat = parse_chat(body)
-        record.update(model=chat.model, prompt=chat.prompt, max_tokens=chat.max_tokens)
+        record.update(model=chat.model, prompt=chat.prompt, max_tokens=chat.max_tokens,
+                      repetition_penalty=body.get("repetition_penalty"))
         if chat.model not in cfg.served_model_names:
             raise RequestError(
                 404, f"The model `{chat.model}` does not exist.", "NotFoundError", "model"
@@ -911,7 +940,12 @@ class FakeServer:
         ):
             raise _engine_error()
         # A loop never ends by itself: it runs to the limit.
-        drawn = max_tokens + 1 if cfg.looping_answers else self.lengths.draw(info.digest)
+        looping = cfg.looping_answers or (info.width in cfg.loop_widths and not chat.breaks_loops)
+        drawn = self.lengths.draw(info.digest)
+        if looping or info.width in cfg.cut_widths:
+            drawn = max_tokens + 1
+        elif info.width in cfg.empty_widths:
+            drawn = 0
         produced = min(drawn, max_tokens)
         if cfg.simulate:
             await self._generate(prompt_tokens, img_tokens, produced)
@@ -934,7 +968,7 @@ class FakeServer:
                         "message": {
                             "role": "assistant",
                             "content": reply_text(prompt_kind(chat.prompt), info, produced,
-                                                  cfg.looping_answers),
+                                                  looping) if produced else "",
                         },
                         "logprobs": None,
                         "finish_reason": finish,

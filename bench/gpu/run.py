@@ -1,0 +1,453 @@
+"""ocrvl's benchmark of record on a real GPU: one vLLM server, the same pages for everyone.
+
+    python -m bench.gpu --model-dir DIR          # random weights (make DIR: bench.gpu.dummy_model)
+    python -m bench.gpu --model PaddlePaddle/PaddleOCR-VL   # real weights from the hub
+    python -m bench.gpu --server-url URL         # a server already running (lengths its own)
+
+Contenders, one after another on an idle server, each on the same `--pages`-page book:
+  capacity  the direct feeder: the book's pages pre-rendered as clients render them,
+            exactly `--concurrency` (ocrvl's default bound, 64) requests always in flight
+  B2        one warm `PaddleOCRVL(...).predict([book])` (bench/run.py's; predict timed)
+  convert   `ocrvl convert BOOK --server-url URL` (timed from the worker's ready line,
+            like B2, and from the command's start)
+  run       `ocrvl run` with an inbox: a daemon whose engine worker is ready, then the book
+            dropped; first drop -> last `.md` (and worker ready -> last `.md` if later)
+  small     `--small` two-page documents, each alone in an idle daemon, then dropped
+            `--gap` s apart while a book runs: each one's time against its own solo time
+Prints a table (ratios, requests-running timelines from /metrics) and writes results.json.
+With random weights the server's answers end at lengths from `bench.gpu.answer_lengths`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from PIL import Image  # noqa: E402
+
+from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS  # noqa: E402
+from bench.gpu.lengths import AnswerLengths  # noqa: E402
+from bench.gpu.vllm_server import Metrics, ServeOptions, started, version  # noqa: E402
+from bench.loadgen import send_all  # noqa: E402
+from bench.run import B2_SCRIPT, Ocrvl, drop, md_done, solo_times, start_daemon  # noqa: E402
+from ocrvl_daemon.config import PipelineConfig  # noqa: E402
+from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL  # noqa: E402
+from ocrvl_daemon.pdf import render_page  # noqa: E402
+from ocrvl_daemon.testing.documents import make_pdf  # noqa: E402
+from ocrvl_daemon.testing.harness import chat_payload, free_port, wait_until  # noqa: E402
+from ocrvl_daemon.testing.runner import write_config  # noqa: E402
+
+PAGE_HEIGHT = 792  # points: 400..1380 x 792 pt pages, as bench/run.py's
+PIPELINE = PipelineConfig()
+WORKER_READY = re.compile(r"engine worker \S+ ready in ([0-9.]+) s")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Result:
+    """One contender's run on the book."""
+
+    name: str
+    pages: int
+    seconds: float
+    what: str  # what the seconds span
+    timeline: list[int | None] = field(default_factory=list)  # mean requests running per slice
+    preemptions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pages_per_s(self) -> float:
+        return self.pages / self.seconds
+
+
+class Bench:
+    """The contenders against one server, its /metrics sampled throughout."""
+
+    def __init__(self, url: str, work: Path, book: Path, pages: int, concurrency: int) -> None:
+        self.url, self.work, self.book, self.pages = url, work, book, pages
+        self.concurrency = concurrency
+        self.metrics = Metrics(url)
+        self.results: dict[str, Result] = {}
+
+    # `solo_times` in bench/run.py waits for an idle server through this
+    def idle(self) -> bool:
+        return self.metrics.idle()
+
+    def measure(self, name: str, what: str, run: Callable[[], tuple[float, float, int]],
+                **extra: Any) -> Result:  # fmt: skip
+        """`run` returns (start, end, pages) in time.monotonic(); the timeline spans them."""
+        self.metrics.wait_idle()
+        log(f"{name} ...")
+        t0, t1, pages = run()
+        r = Result(name, pages, t1 - t0, what, self.metrics.timeline(t0, t1),
+                   self.metrics.preemptions(t0, t1), extra)  # fmt: skip
+        log(f"{name}: {r.pages_per_s:.2f} pages/s ({r.seconds:.1f} s, {what}); "
+            f"running {r.timeline}; preemptions {r.preemptions}")  # fmt: skip
+        self.results[name] = r
+        return r
+
+    def capacity(self) -> Result:
+        jpegs = page_jpegs(self.book, self.pages)
+        tokens = DEFAULT_MAX_NEW_TOKENS  # what ocrvl and PaddleX ask for per page
+        bodies = [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=tokens) for j in jpegs]
+
+        def run() -> tuple[float, float, int]:
+            t0 = time.monotonic()
+            seconds = asyncio.run(send_all(self.url, bodies, self.concurrency))
+            return t0, t0 + seconds, len(bodies)
+
+        return self.measure("capacity", f"{self.concurrency} always in flight", run)
+
+    def b2(self) -> Result:
+        def run() -> tuple[float, float, int]:
+            proc = subprocess.run([sys.executable, "-c", B2_SCRIPT, self.url + "/v1",
+                                   str(self.book)], capture_output=True, text=True,
+                                  check=False)  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"B2 failed: {proc.stderr[-2000:]}")
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            end = time.monotonic()
+            return end - out["seconds"], end, out["pages"]
+
+        return self.measure("B2", "predict() only", run)
+
+    def convert(self) -> Result:
+        cfg = write_config(self.work / "convert.yaml", state_dir=str(self.work / "state-convert"))
+        info: dict[str, Any] = {}
+
+        def run() -> tuple[float, float, int]:
+            t0 = time.monotonic()
+            proc = Ocrvl("convert", "--config", cfg, "--server-url", self.url, self.book)
+            code = proc.wait(3600)
+            t1 = time.monotonic()
+            if code != 0:
+                raise RuntimeError("ocrvl convert failed:\n" + "\n".join(proc.grep("")[-30:]))
+            ready = proc.first("ready in")
+            info["from_start_s"] = t1 - t0
+            info["worker_ready_s"] = worker_ready_s(proc)
+            info["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
+            return (ready or t0), t1, self.pages
+
+        r = self.measure("ocrvl convert", "from the worker's ready line", run)
+        r.extra.update(info)
+        r.extra["pages_per_s_from_start"] = self.pages / info["from_start_s"]
+        return r
+
+    def run_daemon(self) -> Result:
+        info: dict[str, Any] = {}
+
+        def run() -> tuple[float, float, int]:
+            daemon, inbox, _ = start_daemon(self.url, self.work, "run")
+            try:
+                t_ready = daemon.first("ready in") or time.monotonic()
+                info["worker_ready_s"] = worker_ready_s(daemon)
+                t0 = drop(self.book, inbox)
+                wait_until(lambda: md_done(inbox, self.book.name), 3600, interval=0.02,
+                           what="the book's .md")  # fmt: skip
+                t1 = time.monotonic()
+                if t_ready > t0:  # the worker was not warm when the book came
+                    info["from_worker_ready_pages_per_s"] = self.pages / (t1 - t_ready)
+                info["concurrency"] = [line.split("] ")[-1] for line in daemon.grep("concurrency")]
+                return t0, t1, self.pages
+            finally:
+                daemon.stop()
+
+        r = self.measure("ocrvl run", "first drop -> last .md, worker warm", run)
+        r.extra.update(info)
+        return r
+
+    def small_documents(self, count: int, gap: float) -> dict[str, Any]:
+        smalls = [make_pdf(self.work / "small" / f"small{i:02d}.pdf", 2, height=PAGE_HEIGHT,
+                           seed=300 + i) for i in range(count)]  # fmt: skip
+        self.metrics.wait_idle()
+        log(f"small documents: {count} alone")
+        alone = solo_times(self, smalls, self.work)  # type: ignore[arg-type]
+        dropped: dict[str, float] = {}
+        done: dict[str, float] = {}
+
+        def run() -> tuple[float, float, int]:
+            daemon, inbox, _ = start_daemon(self.url, self.work, "busy")
+            try:
+                t0 = drop(self.book, inbox)
+
+                def collect() -> None:
+                    for name in dropped:
+                        if name not in done and md_done(inbox, name):
+                            done[name] = time.monotonic()
+
+                wait_until(lambda: (self.metrics.last() or (0, 0))[1] >= min(16, self.pages),
+                           300, what="the book under way")  # fmt: skip
+                for doc in smalls:
+                    dropped[doc.name] = drop(doc, inbox)
+                    t_next = time.monotonic() + gap
+                    while time.monotonic() < t_next:
+                        collect()
+                        time.sleep(0.02)
+                while len(done) < len(smalls) or not md_done(inbox, self.book.name):
+                    collect()
+                    if time.monotonic() - t0 > 3600:
+                        raise RuntimeError("the small documents did not finish")
+                    time.sleep(0.02)
+                return t0, time.monotonic(), self.pages + 2 * len(smalls)
+            finally:
+                daemon.stop()
+
+        r = self.measure("book + small documents", "book's drop -> last .md", run)
+        ratios = sorted((done[n] - dropped[n]) / alone[n] for n in dropped)
+        return {
+            "count": count, "gap_s": gap,
+            "solo_median_s": statistics.median(alone.values()),
+            "busy_median_s": statistics.median(done[n] - dropped[n] for n in dropped),
+            "median_x": statistics.median(ratios), "worst_x": ratios[-1],
+            "ratios": [round(x, 2) for x in ratios], "book_timeline": r.timeline,
+        }  # fmt: skip
+
+
+def worker_ready_s(proc: Ocrvl) -> float | None:
+    for line in proc.grep("ready in"):
+        if m := WORKER_READY.search(line):
+            return float(m.group(1))
+    return None
+
+
+def page_jpegs(pdf: Path, pages: int) -> list[bytes]:
+    """The book's pages rendered as the clients render them (scale 2, JPEG)."""
+    out = []
+    for i in range(pages):
+        bgr = render_page(pdf, i, PIPELINE.render_scale, PIPELINE.max_page_pixels)
+        buf = io.BytesIO()
+        Image.fromarray(bgr[:, :, ::-1]).save(buf, format="JPEG", quality=95)
+        out.append(buf.getvalue())
+    return out
+
+
+def gpu_name() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20, check=False).stdout.strip()  # fmt: skip
+        if out:
+            return out.splitlines()[0]
+    return "none (no nvidia-smi)"
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def summary(res: dict[str, Any]) -> dict[str, Any]:
+    """The figures of record (results.json's top level)."""
+    r = res["results"]
+
+    def pps(name: str) -> float | None:
+        return round(r[name]["pages_per_s"], 3) if name in r else None
+
+    small = res.get("small") or {}
+    return {
+        "date": res["date"], "gpu": res["gpu"], "vllm": res["vllm"], "pages": res["pages"],
+        "concurrency": res["concurrency"], "answer_lengths": res["answer_lengths"],
+        "capacity_pages_per_s": pps("capacity"), "b2_pages_per_s": pps("B2"),
+        "ocrvl_convert_pages_per_s": pps("ocrvl convert"),
+        "ocrvl_run_pages_per_s": pps("ocrvl run"),
+        "small_doc_median_x": round(small["median_x"], 3) if small else None,
+        "small_doc_worst_x": round(small["worst_x"], 3) if small else None,
+        "worker_ready_s": res.get("worker_ready_s"),
+    }  # fmt: skip
+
+
+def targets(s: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    def ratio(a: str, b: str) -> float | None:
+        return s[a] / s[b] if s.get(a) and s.get(b) else None
+
+    def row(name: str, value: float | None, ok: Callable[[float], bool],
+            fmt: str) -> tuple[str, bool | None, str]:  # fmt: skip
+        return (name, None if value is None else ok(value),
+                "not run" if value is None else format(value, fmt))  # fmt: skip
+
+    return [
+        row("ocrvl convert >= 1.3x B2", ratio("ocrvl_convert_pages_per_s", "b2_pages_per_s"),
+            lambda x: x >= 1.3, ".2f"),
+        row("ocrvl convert >= 95% of capacity",
+            ratio("ocrvl_convert_pages_per_s", "capacity_pages_per_s"), lambda x: x >= 0.95,
+            ".0%"),
+        row("ocrvl run >= 90% of capacity",
+            ratio("ocrvl_run_pages_per_s", "capacity_pages_per_s"), lambda x: x >= 0.9, ".0%"),
+        row("small documents under a book <= 2x solo (median)", s.get("small_doc_median_x"),
+            lambda x: x <= 2, ".2f"),
+        row("small documents under a book <= 2.5x solo (worst)", s.get("small_doc_worst_x"),
+            lambda x: x <= 2.5, ".2f"),
+        row("engine worker ready <= 5 s", s.get("worker_ready_s"), lambda x: x <= 5, ".1f"),
+    ]  # fmt: skip
+
+
+def report(res: dict[str, Any]) -> str:
+    s = res["summary"]
+    cap = s.get("capacity_pages_per_s")
+    b2 = s.get("b2_pages_per_s")
+    lines = [
+        f"- date: {s['date']}", f"- GPU: {s['gpu']}", f"- vLLM: {s['vllm']}",
+        f"- server: {res['server']}", f"- answers: {res['answer_lengths_note']}",
+        f"- pages: {s['pages']} (one book), bound {s['concurrency']} in flight", "",
+        "| contender | pages/s | s | vs capacity | vs B2 | preemptions "
+        "| requests running (mean per 1/24 of the run) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for r in res["results"].values():
+        vs_cap = f"{r['pages_per_s'] / cap:.0%}" if cap else "-"
+        vs_b2 = f"{r['pages_per_s'] / b2:.2f}x" if b2 else "-"
+        running = " ".join("." if x is None else str(x) for x in r["timeline"])
+        lines.append(f"| {r['name']} ({r['what']}) | {r['pages_per_s']:.2f} | {r['seconds']:.1f} "
+                     f"| {vs_cap} | {vs_b2} | {r['preemptions']} | {running} |")  # fmt: skip
+    conv = res["results"].get("ocrvl convert")
+    if conv:
+        lines += ["", f"- ocrvl convert from the command's start: "
+                  f"{conv['extra']['pages_per_s_from_start']:.2f} pages/s"]  # fmt: skip
+    if res.get("worker_ready_s") is not None:
+        lines.append(f"- engine worker ready in {res['worker_ready_s']:.1f} s "
+                     "(the worker's own log line, largest seen)")  # fmt: skip
+    if res.get("small"):
+        sm = res["small"]
+        lines.append(f"- {sm['count']} two-page documents dropped {sm['gap_s']} s apart under "
+                     f"the book: alone median {sm['solo_median_s']:.2f} s, under the book "
+                     f"{sm['busy_median_s']:.2f} s; each against its own solo time: median "
+                     f"{sm['median_x']:.2f}x, worst {sm['worst_x']:.2f}x "
+                     f"({sm['ratios']})")  # fmt: skip
+    lines += ["", "Targets:", ""]
+    for name, ok, detail in targets(s):
+        mark = " " if ok is None else ("x" if ok else " ")
+        lines.append(f"- [{mark}] {name}: {detail}" + (" (not met)" if ok is False else ""))
+    return "\n".join(lines) + "\n"
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def server(args: argparse.Namespace, work: Path) -> Iterator[str]:
+    if args.server_url:
+        yield args.server_url.rstrip("/").removesuffix("/v1")
+        return
+    options = ServeOptions(
+        model=args.model_dir or args.model, dummy=bool(args.model_dir),
+        lengths=None if args.answer_lengths == "model" else args.answer_lengths,
+        port=free_port(), python=args.vllm_python, pythonpath=args.vllm_pythonpath,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        extra=args.vllm_arg,
+    )  # fmt: skip
+    log("starting: " + " ".join(options.argv()))
+    t0 = time.monotonic()
+    with started(options, args.log_dir / "vllm.log") as url:
+        log(f"vLLM ready in {time.monotonic() - t0:.0f} s")
+        yield url
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-dir", help="a model dir served with random weights "
+                     "(make one: python -m bench.gpu.dummy_model DIR)")  # fmt: skip
+    src.add_argument("--model", help="a model with real weights, e.g. PaddlePaddle/PaddleOCR-VL")
+    src.add_argument("--server-url", help="use this running server (http://HOST:PORT[/v1])")
+    ap.add_argument("--pages", type=int, default=256, help="pages of the book (default 256)")
+    ap.add_argument("--small", type=int, default=10, help="small documents (default 10)")
+    ap.add_argument("--gap", type=float, default=1.5, help="seconds between small documents")
+    ap.add_argument("--only", default="capacity,b2,convert,run,small",
+                    help="comma-separated contenders (default: all)")  # fmt: skip
+    ap.add_argument("--answer-lengths", default=None,
+                    help=f"MEDIAN:SIGMA:SEED of the forced answer lengths (random weights; "
+                    f"default {DEFAULT_LENGTHS}), or 'model': the model's own EOS")  # fmt: skip
+    ap.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
+    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--vllm-arg", action="append", default=[],
+                    help="one more `vllm serve` argument (repeat)")  # fmt: skip
+    ap.add_argument("--results", type=Path, default=HERE / "results.json",
+                    help="where results.json goes (default bench/gpu/results.json)")  # fmt: skip
+    ap.add_argument("--log-dir", type=Path, default=None, help="vllm.log etc. (default: work)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
+    if args.answer_lengths is None:  # with --server-url: what that server was started with
+        args.answer_lengths = DEFAULT_LENGTHS if args.model_dir else "model"
+    if args.answer_lengths != "model":
+        AnswerLengths.parse(args.answer_lengths)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = set(args.only.split(","))
+    work = Path(tempfile.mkdtemp(prefix="ocrvl-gpubench-"))
+    args.log_dir = args.log_dir or work
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    log(f"work directory {work}")
+    book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=1)
+    concurrency = PIPELINE.max_concurrency
+    if args.server_url and args.answer_lengths == "model":
+        lengths_note = "the server's own"
+    elif args.answer_lengths == "model":
+        lengths_note = "the model's own (real weights)"
+    else:
+        lengths_note = (f"random weights; each answer ends at lognormal "
+                        f"{args.answer_lengths} (median:sigma:seed) tokens, clipped to "
+                        "16..3000, drawn per page (seeded by its prompt length)")  # fmt: skip
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
+        "concurrency": concurrency, "answer_lengths": args.answer_lengths,
+        "answer_lengths_note": lengths_note, "python": platform.python_version(),
+    }  # fmt: skip
+    try:
+        with server(args, work) as url:
+            res["vllm"] = version(url)
+            res["server"] = args.server_url or (args.model_dir or args.model)
+            bench = Bench(url, work, book, args.pages, concurrency)
+            try:
+                if "capacity" in parts:
+                    bench.capacity()
+                if "b2" in parts:
+                    bench.b2()
+                if "convert" in parts:
+                    bench.convert()
+                if "run" in parts:
+                    bench.run_daemon()
+                if "small" in parts:
+                    res["small"] = bench.small_documents(args.small, args.gap)
+            finally:
+                bench.metrics.stop()
+                res["results"] = {n: {**asdict(r), "pages_per_s": r.pages_per_s}
+                                  for n, r in bench.results.items()}  # fmt: skip
+                readies = [r.extra.get("worker_ready_s") for r in bench.results.values()]
+                seen = [x for x in readies if x is not None]
+                res["worker_ready_s"] = max(seen) if seen else None
+                res["summary"] = summary(res)
+                args.results.parent.mkdir(parents=True, exist_ok=True)
+                args.results.write_text(json.dumps({**res["summary"], "detail": res}, indent=1)
+                                        + "\n", encoding="utf-8")  # fmt: skip
+        print(report(res))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0

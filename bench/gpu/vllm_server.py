@@ -1,0 +1,169 @@
+"""The vLLM server the GPU benchmark measures: started here (or given by URL), and its
+`/metrics` sampled for requests-running timelines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.gpu.lengths import ENV as LENGTHS_ENV
+from ocrvl_daemon.models import DEFAULT_MODEL
+from ocrvl_daemon.testing.harness import answers_health, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGITS_PROCESSOR = "bench.gpu.answer_lengths:LognormalAnswerLengths"
+IDLE_SETTLE_S = 1.0  # each contender starts on a quiet server
+
+
+@dataclass
+class ServeOptions:
+    """How to start `vllm serve` for the benchmark."""
+
+    model: str  # a model dir (random weights with `dummy`) or a hub name
+    dummy: bool  # --load-format dummy: random weights, answer lengths forced
+    lengths: str | None  # MEDIAN:SIGMA:SEED for the logits processor, None: the model's own
+    port: int
+    python: str = sys.executable
+    pythonpath: str = ""  # where vLLM lives if not in `python`'s site-packages
+    max_model_len: int = 8192
+    gpu_memory_utilization: float = 0.5
+    extra: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        argv = [
+            self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+            "--served-model-name", DEFAULT_MODEL, "--host", "127.0.0.1",
+            "--port", str(self.port), "--trust-remote-code",
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            "--limit-mm-per-prompt", json.dumps({"image": 1}),
+            "--max-model-len", str(self.max_model_len),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+        ]  # fmt: skip
+        if self.dummy:
+            argv += ["--load-format", "dummy"]
+        if self.lengths:
+            argv += ["--logits-processors", LOGITS_PROCESSOR]
+        return argv + self.extra
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, HF_HUB_OFFLINE="1" if self.dummy else os.environ.get(
+            "HF_HUB_OFFLINE", "0"), VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+            VLLM_USE_FLASHINFER_SAMPLER="0")  # fmt: skip
+        # the logits processor is imported by vLLM's engine from this checkout
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, str(ROOT)) if p)
+        if self.lengths:
+            env[LENGTHS_ENV] = self.lengths
+        return env
+
+
+@contextlib.contextmanager
+def started(options: ServeOptions, log: Path, timeout: float = 900) -> Iterator[str]:
+    """`vllm serve` in a session of its own until ready; yields its URL; always stopped."""
+    url = f"http://127.0.0.1:{options.port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(options.argv(), env=options.env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: answers_health(url) or proc.poll() is not None, timeout, interval=1,
+                   what="vLLM ready (see " + str(log) + ")")  # fmt: skip
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each named sample's sum over its label sets in a Prometheus text exposition."""
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            with contextlib.suppress(ValueError):
+                sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions_total"
+
+
+class Metrics:
+    """`/metrics` sampled every `interval` s in a thread: (time, running, waiting, preemptions)."""
+
+    def __init__(self, url: str, interval: float = 0.25) -> None:
+        self.url, self.interval = url, interval
+        self.samples: list[tuple[float, float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self.interval):
+                with contextlib.suppress(httpx.HTTPError):
+                    m = metric_sums(client.get(self.url + "/metrics").text,
+                                    (RUNNING, WAITING, PREEMPTIONS))  # fmt: skip
+                    self.samples.append((time.monotonic(), m[RUNNING], m[WAITING],
+                                         m[PREEMPTIONS]))  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def last(self) -> tuple[float, float, float, float] | None:
+        return self.samples[-1] if self.samples else None
+
+    def idle(self) -> bool:
+        last = self.last()
+        return last is not None and last[1] == 0 and last[2] == 0
+
+    def wait_idle(self) -> None:
+        """Until nothing runs or waits, then IDLE_SETTLE_S more."""
+        start = len(self.samples)
+        wait_until(lambda: len(self.samples) > start and self.idle(), 600, interval=0.1,
+                   what="an idle vLLM server")  # fmt: skip
+        time.sleep(IDLE_SETTLE_S)
+
+    def window(self, t0: float, t1: float) -> list[tuple[float, float, float, float]]:
+        return [s for s in self.samples if t0 <= s[0] <= t1]
+
+    def timeline(self, t0: float, t1: float, buckets: int = 24) -> list[int | None]:
+        """Mean requests running in each of `buckets` equal slices of [t0, t1] (None: no
+        sample fell in that slice)."""
+        width = (t1 - t0) / buckets
+        out: list[int | None] = []
+        for i in range(buckets):
+            xs = [s[1] for s in self.window(t0 + i * width, t0 + (i + 1) * width)]
+            out.append(round(sum(xs) / len(xs)) if xs else None)
+        return out
+
+    def preemptions(self, t0: float, t1: float) -> int:
+        xs = self.window(t0, t1 + 2 * self.interval)
+        return int(xs[-1][3] - xs[0][3]) if len(xs) > 1 else 0
+
+
+def version(url: str) -> str:
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        return str(httpx.get(url + "/version", timeout=5).json()["version"])
+    return "?"

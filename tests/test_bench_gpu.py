@@ -1,0 +1,94 @@
+"""The GPU benchmark (bench/gpu/) keeps working where CI runs: its quick mode against the
+fake server, and the pieces it hands to vLLM (answer lengths, dummy model dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
+from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
+from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions, metric_sums
+from ocrvl_daemon.testing.harness import free_port, start_fake_server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_answer_lengths_are_drawn_per_page_and_realistic() -> None:
+    lengths = AnswerLengths.parse(DEFAULT)
+    pages = range(400, 2400)  # prompt lengths: one per page size
+    first = [lengths.length(p) for p in pages]
+    again = [lengths.length(p) for p in reversed(pages)][::-1]
+    assert first == again, "a page must get the same answer length from every client, any order"
+    assert min(first) >= SHORTEST and max(first) <= LONGEST
+    assert 400 <= statistics.median(first) <= 600, "median answer should be ~500 tokens"
+    assert sum(n < 150 for n in first) > 50, "some pages should be nearly blank"
+    assert sum(n > 1500 for n in first) > 50, "some pages should be dense"
+
+
+def test_answer_lengths_spec_error_names_the_format() -> None:
+    with pytest.raises(ValueError, match="MEDIAN:SIGMA:SEED"):
+        AnswerLengths.parse("500")
+
+
+def test_metric_sums_add_up_every_label_set() -> None:
+    text = (
+        "# HELP vllm:num_requests_running Requests in model execution batches.\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+    )
+    sums = metric_sums(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    assert sums == {"vllm:num_requests_running": 7.0, "vllm:num_requests_waiting": 1.0}
+
+
+def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() -> None:
+    dummy = ServeOptions(model="/tmp/m", dummy=True, lengths="300:0.5:1", port=8000,
+                         pythonpath="/tmp/site")  # fmt: skip
+    argv = dummy.argv()
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    assert argv[argv.index("--logits-processors") + 1] == LOGITS_PROCESSOR
+    env = dummy.env()
+    assert env["OCRVL_BENCH_ANSWER_LENGTHS"] == "300:0.5:1"
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/tmp/site", str(ROOT)], (
+        "vLLM's engine must import the logits processor from this checkout"
+    )
+    real = ServeOptions(model="PaddlePaddle/PaddleOCR-VL", dummy=False, lengths=None, port=8000)
+    assert "--load-format" not in real.argv() and "--logits-processors" not in real.argv()
+
+
+def test_dummy_model_dir_has_the_real_special_token_ids(tmp_path: Path) -> None:
+    out = write_model_dir(tmp_path / "model")
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == VOCAB and sorted(vocab.values()) == list(range(VOCAB))
+    assert all(vocab[t] == i for t, i in SPECIAL.items())
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 18
+    assert (out / "chat_template.jinja").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    with start_fake_server(free_port(), "--output-tokens", "lognormal:100:0.5",
+                           "--disable-uvicorn-access-log") as srv:  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.gpu", "--server-url", srv.url + "/v1",
+             "--pages", "6", "--only", "capacity,convert", "--results", str(results)],
+            cwd=ROOT, capture_output=True, text=True, timeout=560, check=False,
+        )  # fmt: skip
+    assert proc.returncode == 0, f"bench.gpu failed:\n{proc.stderr[-3000:]}"
+    data = json.loads(results.read_text())
+    for key in ("date", "gpu", "vllm", "capacity_pages_per_s", "b2_pages_per_s",
+                "ocrvl_convert_pages_per_s", "ocrvl_run_pages_per_s", "small_doc_median_x",
+                "small_doc_worst_x"):  # fmt: skip
+        assert key in data, f"results.json lacks {key}"
+    assert data["capacity_pages_per_s"] > 0 and data["ocrvl_convert_pages_per_s"] > 0
+    assert data["b2_pages_per_s"] is None, "contenders left out are written as null"
+    assert "| capacity" in proc.stdout and "| ocrvl convert" in proc.stdout, proc.stdout
