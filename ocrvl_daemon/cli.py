@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ocrvl starts and looks after.",
     )
     parser.add_argument("--version", action="version", version=f"ocrvl {__version__}")
+    parser.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
+    # Also after the command; SUPPRESS keeps a --config given before it (`ocrvl --config F run`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
+    common.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS, help=CONFIG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser(
@@ -47,10 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert PDFs once and exit",
         description="Write <stem>.md (and <stem>_images/) next to each PDF, or under "
         "output.dir. Starts and stops a managed model server unless --server-url is given. "
-        "Runs hooks.on_done/on_failed as the daemon does and waits for them. Exit code 0 "
-        "only if every file converted (a failing hook does not change it).",
+        "Runs hooks.on_done/on_failed as the daemon does and waits for them. Works on its "
+        "own, beside a running daemon: it keeps its own record (state_dir/convert.sqlite) "
+        "and never touches the daemon's queue, so `ocrvl status` and `ocrvl retry` do not "
+        "see its files; run `ocrvl convert` again to finish or redo them. Exit code 0 only "
+        "if every file converted (a failing hook does not change it); else 4 when only bad "
+        "input files failed, 5 when the model server failed them, 1 otherwise.",
     )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
+    convert.add_argument(
+        "--pages",
+        metavar="LIST",
+        help="convert these pages again, e.g. 3,7-9 (pages already converted are kept "
+        "otherwise)",
+    )
     convert.add_argument(
         "--server-url",
         metavar="URL",
@@ -74,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     retry = sub.add_parser(
         "retry",
         parents=[common],
-        help="queue failed documents again",
-        description="Queue documents again: the given PDFs, or every failed "
+        help="queue the daemon's failed documents again",
+        description="Queue the daemon's documents again: the given PDFs, or every failed "
         "one with --failed. With --pages, redo only those pages; with --flagged, only the "
-        "pages flagged suspect or bad (of the given PDFs, or of every document).",
+        "pages flagged suspect or bad (of the given PDFs, or of every document). (A file "
+        "converted with `ocrvl convert` is redone with `ocrvl convert` again.)",
     )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")
@@ -143,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return int(exc.exit_code)
     except KeyboardInterrupt:
+        _setup_fallback_logging()
+        log.info("interrupted")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
         # The reader left early (`ocrvl status | head`): quietly, like any Unix tool. Python
@@ -187,7 +203,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     )
     config, _ = _load(args, overrides)
     _logging(config)
-    return int(convert_files(config, args.pdfs))
+    # Advice written into notes must work when pasted: the same config and server.
+    again = ["ocrvl", "convert"]
+    if args.config:
+        again += ["--config", str(Path(args.config).expanduser().absolute())]
+    if args.server_url:
+        again += ["--server-url", args.server_url]
+    failures = convert_files(config, args.pdfs, pages=args.pages, again=shlex.join(again))
+    return int(_conversion_exit_code(failures.values()))
+
+
+def _conversion_exit_code(failures: Iterable[OcrvlError]) -> ExitCode:
+    """0 when every file converted; the failures' own code when they share one cause (4 bad
+    input files, 5 the model server, 6 a server that is not installed); else 1."""
+    codes = {failure.exit_code for failure in failures}
+    if not codes:
+        return ExitCode.OK
+    return codes.pop() if len(codes) == 1 else ExitCode.CONVERSION_FAILED
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from ocrvl_daemon.errors import (
     InputVanishedError,
     OcrvlError,
     PagesFailedError,
+    StateFullError,
 )
 from ocrvl_daemon.hooks import HookRunner, HookValues
 from ocrvl_daemon.logs import doc_fields
@@ -103,7 +104,12 @@ class Converter:
     """Drives queued jobs of `store` through the engine; `only` limits it to some jobs.
 
     A worker that fails to start is started again, ever less often, until `engine_starts`
-    starts in a row have failed (None: forever, as the daemon does).
+    starts in a row have failed (None: forever, as the daemon does). `again` is the command
+    that redoes a document of `store`, for the advice in notes (see `pdf.retry_command`).
+
+    A full disk under the store (StateFullError) pauses it: results that cannot be
+    checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
+    owner can say so and call `tick()` again later.
     """
 
     def __init__(
@@ -113,8 +119,10 @@ class Converter:
         server: ServerHandle,
         only: set[int] | None = None,
         engine_starts: int | None = None,
+        again: str = "ocrvl retry",
     ) -> None:
         self.config = config
+        self.again = again
         self.engine_starts = engine_starts
         self.store = store
         self.server = server
@@ -158,8 +166,8 @@ class Converter:
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
+        self._collect()  # first: results already in must not wait for a full disk
         self._record_hooks()
-        self._collect()
         self._maintain_workers(now)
         if self._wake or now >= self._next_activation:
             self._wake = False
@@ -214,6 +222,8 @@ class Converter:
         for job in self._runnable_jobs(room):
             try:
                 self._start_job(job)
+            except StateFullError:
+                raise  # not the document's fault: it stays queued
             except OcrvlError as exc:
                 self._fail(job, exc)
             except OSError as exc:
@@ -252,17 +262,24 @@ class Converter:
             log.info("%s: %d pages queued", path.name, count, extra=_fields(job))
 
     def _fail(self, job: Job, exc: OcrvlError) -> None:
+        # The store first: when the state disk is full (StateFullError) the job stays as it
+        # is, to fail again, properly recorded, once there is space.
+        self._record_failure(job, exc)
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
         self._ledgers.pop(job.id, None)
+
+    def _record_failure(self, job: Job, exc: OcrvlError) -> None:
         if isinstance(exc, InputVanishedError) and not job.path.exists():
             log.info("%s disappeared; dropping it from the queue", job.path)
             self.store.forget(job.id)
             return
         attempts = job.attempts + 1
         if exc.permanent:
-            log.error("%s failed: %s", job.path, exc, extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix, place=self.place)
+            redo = pdf.retry_command(job.path, again=self.again)
+            log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo,
+                      extra=_fields(job))
+            output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=True)
             self._run_hook("on_failed", job, error=str(exc))
         else:
@@ -275,8 +292,9 @@ class Converter:
                 delay,
                 extra=_fields(job),
             )
-            output.write_error_note(job.path, exc.message, exc.fix, retry_in=delay,
-                                    place=self.place)
+            output.write_error_note(job.path, exc.message, exc.fix,
+                                    redo=pdf.retry_command(job.path, again=self.again),
+                                    retry_in=delay, place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
     # --- the engine worker --------------------------------------------------------------
@@ -422,12 +440,27 @@ class Converter:
             )
 
     def _collect(self) -> None:
+        full: StateFullError | None = None
         workers = [w for w in (self._worker, *self._retiring) if w is not None]
         for worker in workers:
             for result in worker.collect():
-                self._on_result(result)
+                full = self._take_result(result) or full
+        if full is not None:
+            raise full
         for job_id in [j for j, d in self.active.items() if d.finished]:
             self._finish(job_id)
+
+    def _take_result(self, result: PageResult) -> StateFullError | None:
+        """`_on_result`, except that a result the full store cannot take goes back to be
+        recognised again (returning why)."""
+        try:
+            self._on_result(result)
+        except StateFullError as exc:
+            doc = self.active.get(result.job_id)
+            if doc is not None and result.page in doc.in_flight:
+                doc.give_back(result.page)
+            return exc
+        return None
 
     def _on_result(self, result: PageResult) -> None:
         doc = self.active.get(result.job_id)
@@ -515,7 +548,7 @@ class Converter:
         page = result.page
         if isinstance(why, KeptBecause) and result.truncated_at is not None:
             return self._cut_off_note(job, page, result.truncated_at, why)
-        retry = pdf.retry_command(job.path, str(page + 1))
+        retry = pdf.retry_command(job.path, str(page + 1), self.again)
         what = {"repetition": "the answer repeats itself (the model looped)",
                 "empty": "the answer is empty although the page has ink on it",
                 "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
@@ -526,7 +559,7 @@ class Converter:
 
     def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
         """The note of a page kept although its answer was cut off at `cut_at` tokens."""
-        retry = pdf.retry_command(job.path, str(page + 1))
+        retry = pdf.retry_command(job.path, str(page + 1), self.again)
         head = f"page {page + 1} was cut off at {cut_at} tokens"
         if why is KeptBecause.LOOP:
             return (f"{head}: the answer repeats itself (the model looped), also when sent "
@@ -566,7 +599,7 @@ class Converter:
             f"page {page + 1} could not be recognised after {attempts} attempts: "
             f"{error.rstrip('.')}."
         )
-        redo = pdf.retry_command(job.path, str(page + 1))
+        redo = pdf.retry_command(job.path, str(page + 1), self.again)
         self._give_up_page(doc, page, note, redo)
 
     def _give_up_page(self, doc: DocumentPages, page: int, note: str, redo: str | None) -> None:
@@ -603,6 +636,8 @@ class Converter:
                 json_output="json" in self.config.output.formats,
                 place=self.place,
             )
+        except StateFullError:
+            raise
         except OcrvlError as exc:
             self._fail(job, exc)
             return
@@ -624,7 +659,8 @@ class Converter:
         fields = _fields(job)
         flagged = ",".join(str(p + 1) for p in self.store.flagged_pages(job.sha256, self.model))
         if flagged:
-            redone += f"; flagged pages: {flagged} (redo: ocrvl retry --flagged)"
+            redo = pdf.retry_command(job.path, flagged, self.again)
+            redone += f"; flagged pages: {flagged} (redo: {redo})"
             fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
             "%s: done, %d pages -> %s%s",
@@ -736,7 +772,7 @@ class Converter:
         while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
             for worker in workers:
                 for result in worker.collect(timeout=0.2):
-                    self._on_result(result)
+                    self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
             log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
         for worker in workers:
@@ -771,7 +807,7 @@ def _unexpected(exc: Exception) -> OcrvlError:
 
 
 def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
-                       place: output.OutputPlace) -> None:
+                       again: str, place: output.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
@@ -780,12 +816,14 @@ def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError
     job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix, place=place)
+        output.write_error_note(path, exc.message, exc.fix,
+                                redo=pdf.retry_command(path, again=again), place=place)
 
 
-def enqueue_file(store: Store, path: Path, model: str,
+def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry",
                  place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
-    """Identify `path` and queue it, unless this content is already handled.
+    """Identify `path` and queue it, unless this content is already handled (`again`: see
+    Converter).
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
     even when the store has never seen the file (a new state dir, a moved inbox).
@@ -803,7 +841,7 @@ def enqueue_file(store: Store, path: Path, model: str,
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:
-        _record_unreadable(store, path, model, exc, place)
+        _record_unreadable(store, path, model, exc, again, place)
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
     if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):

@@ -3,12 +3,17 @@
 Signal handlers only record what was asked; the loop acts on it. Every iteration polls the
 watcher, ticks the converter, publishes status (systemd's STATUS= and the store, for `ocrvl
 status`) and pings systemd's watchdog, so a stuck loop stops pinging. Stopping is ordered:
-stop taking files, let pages in flight finish and checkpoint (bounded), stop the workers,
-then stop the server.
+stop taking files, let pages in flight finish and checkpoint (bounded; not after Ctrl-C,
+which means now), stop the workers, then stop the server.
+
+One daemon per state_dir (`state_lock`). When the state_dir's disk fills up, nothing can be
+checkpointed: the daemon pauses (says so in the log, STATUS= and `ocrvl status`), tries
+again every few seconds, and resumes where it was once there is space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,13 +21,15 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.config import Config, load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError
+from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError, StateFullError
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
+from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
+from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.status import open_store
 from ocrvl_daemon.store import JobState
 from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_status
@@ -39,6 +46,8 @@ EXTEND_SECONDS = 90.0
 PUBLISH_SECONDS = 2.0
 # Pages in flight get this long to finish and be checkpointed at shutdown.
 DRAIN_SECONDS = 20.0
+# While the state_dir's disk is full, the work is tried again this often.
+FULL_RETRY_SECONDS = 5.0
 
 
 class Daemon:
@@ -55,15 +64,26 @@ class Daemon:
         self._last_status = 0.0
         # The latest snapshot of this daemon's state, for the metrics endpoint's thread.
         self.metrics_snapshot: DaemonMetrics | None = None
+        self._drain = DRAIN_SECONDS
+        self._full: StateFullError | None = None  # the state_dir's disk is full: paused
+        self._full_retry_at = 0.0
+        self._untaken: list[Path] = []  # found by the watcher, not queued yet (disk full)
+        self.again = _retry_command(config_path)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
 
     def run(self) -> ExitCode:
-        """Run until SIGTERM/SIGINT; returns the exit code."""
+        """Run until SIGTERM (exit 0) or SIGINT (130); returns the exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         config = self.config
+        self.store = open_store(config)  # a state_dir that cannot be used is a ConfigError
+        try:
+            self.lock = StateLock(config.state_dir)
+        except BaseException:
+            self.store.close()
+            raise
         log.info(
             "ocrvl starting: model %s, inbox %s, server %s (%s)",
             config.model.name,
@@ -71,7 +91,6 @@ class Daemon:
             config.server.base_url,
             config.server.mode,
         )
-        self.store = open_store(config)
         recovered = self.store.recover_running()
         if recovered:
             log.info("resuming %d document(s) interrupted last time", recovered)
@@ -80,7 +99,7 @@ class Daemon:
                 self.store.forget(job.id)
         self.server = ServerSupervisor(config)
         self.watcher = InboxWatcher(config.inbox)
-        self.converter = Converter(config, self.store, self.server)
+        self.converter = Converter(config, self.store, self.server, again=self.again)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
@@ -97,24 +116,62 @@ class Daemon:
                 signum = self._signals.pop(0)
                 if signum == signal.SIGHUP:
                     self._reload()
+                elif signum == signal.SIGINT:  # Ctrl-C: now, pages in flight are redone
+                    log.info("received SIGINT; stopping now")
+                    self._drain = 0.0
+                    return ExitCode.INTERRUPTED
                 else:
                     log.info("received %s; stopping", signal.Signals(signum).name)
                     return ExitCode.OK
             now = time.monotonic()
-            # The start-up scan hands over every converted file again: one line says so.
-            converted = sum(self._take(path) for path in self.watcher.poll(now))
-            if converted:
-                log.info("%d document(s) in the inbox already converted", converted)
-            self.converter.tick(now)
-            self.progress_log.update(now, self.converter.running())
-            self._report(now)
             self.notifier.tick(now)
+            if self._full is not None and now < self._full_retry_at:
+                time.sleep(IDLE_TICK_SECONDS)
+                continue
+            try:
+                self._untaken += self.watcher.poll(now)
+                # The start-up scan hands over every converted file again: one line says so.
+                converted = 0
+                while self._untaken:
+                    converted += self._take(self._untaken[0])
+                    self._untaken.pop(0)
+                if converted:
+                    log.info("%d document(s) in the inbox already converted", converted)
+                self.converter.tick(now)
+                self.progress_log.update(now, self.converter.running())
+                self._report(now)
+            except StateFullError as exc:
+                self._pause(exc, now)
+                continue
+            if self._full is not None:
+                self._full = None
+                log.info("resumed: there is space again for the state folder %s",
+                         self.config.state_dir)
+                self.lock.note(None)
             self.converter.wait(TICK_SECONDS if self.converter.active else IDLE_TICK_SECONDS)
+
+    def _pause(self, exc: StateFullError, now: float) -> None:
+        """Stop dispatching until the state_dir has space; say so where the user looks."""
+        if self._full is None:
+            pause = f"paused: {exc} (conversion resumes by itself once there is space; "
+            pause += "nothing is lost)"
+            log.error("%s", pause)
+            self.lock.note(pause)
+        else:
+            log.debug("still no space for the state folder: %s", exc)
+        self._full = exc
+        self._full_retry_at = now + FULL_RETRY_SECONDS
+        self.notifier.status(
+            f"paused: the disk of {self.config.state_dir} is full; free some space", now
+        )
 
     def _take(self, path: Path) -> bool:
         """Queue a file the watcher found; True when it is already converted."""
         try:
-            job = enqueue_file(self.store, path, self.config.model.name, self.converter.place)
+            job = enqueue_file(self.store, path, self.config.model.name, self.again,
+                               self.converter.place)
+        except StateFullError:
+            raise
         except OcrvlError as exc:
             log.warning("%s: %s", path, exc)
             return False
@@ -234,13 +291,26 @@ class Daemon:
 
     def _shutdown(self) -> None:
         self.notifier.stopping()
-        log.info("stopping: finishing pages in flight (up to %.0f s)", DRAIN_SECONDS)
+        if self._drain:
+            log.info("stopping: finishing pages in flight (up to %.0f s)", self._drain)
         self.watcher.stop()
-        self.converter.stop(DRAIN_SECONDS)
+        self.converter.stop(self._drain)
         self.server.stop()
         self.metrics.stop()
         # `ocrvl status` must not go on showing the last published state as running.
-        self.store.put_meta("daemon", {"pid": os.getpid(), "stopped": time.time()})
+        with contextlib.suppress(StateFullError):
+            self.store.put_meta("daemon", {"pid": os.getpid(), "stopped": time.time()})
         self.store.close()
+        self.lock.release()
         log.info("stopped")
 
+
+def _retry_command(config_path: Path | None) -> str:
+    """`ocrvl retry`, with `--config` when a plain `ocrvl retry` would read another file."""
+    try:
+        default = resolve_config_path(None)
+    except ConfigError:
+        default = None
+    if config_path is None or config_path == default:
+        return "ocrvl retry"
+    return f"ocrvl retry --config {shell_quote(config_path.absolute())}"

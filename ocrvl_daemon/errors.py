@@ -43,11 +43,26 @@ class OcrvlError(Exception):
         return f"{self.message} Fix: {self.fix}" if self.fix else self.message
 
 
+class UsageError(OcrvlError):
+    """The command line asks for something that cannot be done; nothing was changed."""
+
+    exit_code = ExitCode.USAGE
+    permanent = True
+
+
 class ConfigError(OcrvlError):
     """The configuration is invalid; nothing was started."""
 
     exit_code = ExitCode.CONFIG
     permanent = True
+
+
+class AlreadyRunningError(ConfigError):
+    """Another `ocrvl run` already uses this state_dir; this one did not start."""
+
+
+class StateFullError(OcrvlError):
+    """The disk holding state_dir is full: nothing can be checkpointed until space returns."""
 
 
 class InputFileError(OcrvlError):
@@ -118,6 +133,12 @@ class DependencyError(OcrvlError):
 
     exit_code = ExitCode.DEPENDENCY
     permanent = True
+
+
+class ServerMissingError(ServerConfigError, DependencyError):
+    """The model server's program or environment is not installed."""
+
+    exit_code = ExitCode.DEPENDENCY
 
 
 class ServiceManagerError(DependencyError):

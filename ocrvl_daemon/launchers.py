@@ -27,7 +27,7 @@ import yaml
 
 from ocrvl_daemon.autotune import TunedArgs, plan_vllm_args
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
 from ocrvl_daemon.gpu import GpuReading
 from ocrvl_daemon.systemd import child_env
 
@@ -159,7 +159,7 @@ def _require_python(config: Config) -> Path:
     python = config.server.python
     assert python is not None
     if not _executable(python):
-        raise ServerConfigError(f"server.python = {python} is not an executable Python.",
+        raise ServerMissingError(f"server.python = {python} is not an executable Python.",
                                 f"point server.python at the server environment's python, or "
                                 f"{SETUP_FIX}")
     return python
@@ -174,7 +174,7 @@ def _vllm_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
         # An environment with vLLM but without its console script (e.g. installed --no-deps).
         prefix = [str(_require_python(config)), "-m", "vllm.entrypoints.cli.main", "serve"]
     else:
-        raise ServerConfigError("The `vllm` command was not found (vLLM is not installed).",
+        raise ServerMissingError("The `vllm` command was not found (vLLM is not installed).",
                                 f"{SETUP_FIX}, or set server.python to the python of a virtual "
                                 "environment that has vLLM")
     return [*prefix, *_serve_args(config, args, server.host, server.port)]
@@ -214,7 +214,7 @@ def _genai_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
     script = _find_script(config, "paddleocr")
     if script is None:
         where = f"next to server.python ({server.python})" if server.python else "on PATH"
-        raise ServerConfigError(f"The `paddleocr` command was not found {where}.",
+        raise ServerMissingError(f"The `paddleocr` command was not found {where}.",
                                 f"{SETUP_FIX}, or use server.launcher: vllm")
     path = config.state_dir / BACKEND_CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +242,7 @@ def _command_argv(config: Config, args: Mapping[str, Any]) -> list[str]:
     program = argv[0]
     found = _executable(Path(program)) if os.sep in program else shutil.which(program)
     if not found:
-        raise ServerConfigError(f"server.command's program {program!r} was not found or is not "
+        raise ServerMissingError(f"server.command's program {program!r} was not found or is not "
                                 "executable.", "give its full path or fix PATH in the service")
     return argv
 
@@ -288,7 +288,7 @@ def check_launcher(config: Config) -> None:
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
         detail = lines[-1] if lines else f"exit status {result.returncode}"
-        raise ServerConfigError(
+        raise ServerMissingError(
             f"server.launcher is genai_server, which needs flash-attn and xformers, but "
             f"{python} cannot import them ({detail}).",
             f"{SETUP_FIX} (it builds flash-attn), or use server.launcher: vllm, which needs "

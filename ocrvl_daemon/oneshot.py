@@ -1,7 +1,9 @@
 """`ocrvl convert`: the daemon's conversion path, run once over the given files.
 
 It uses its own store (`state_dir/convert.sqlite`), so an interrupted run resumes where it
-stopped when started again, and it never competes with a running daemon for jobs. It writes
+stopped when started again, and it never competes with a running daemon for jobs: the
+daemon's queue, `ocrvl status` and `ocrvl retry` do not see its files, so the advice it
+leaves in notes is to run `ocrvl convert` again (`--pages` for single pages). It writes
 where the daemon would (`output.dir`) and runs the same hooks, waiting for them before it
 exits: a configuration behaves the same in both, and one file is how a hook is tried out.
 """
@@ -20,7 +22,7 @@ from urllib.parse import urlparse
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, ServerError
+from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server import ServerSupervisor
@@ -42,44 +44,65 @@ STOP_TIMEOUT = 30.0
 INTERRUPT_DRAIN_SECONDS = 2.0
 
 
-def convert_files(config: Config, pdfs: list[Path]) -> ExitCode:
-    """Convert each PDF; one line per failure; exit code 0 only if all converted."""
+def convert_files(
+    config: Config, pdfs: list[Path], *, pages: str | None = None, again: str = "ocrvl convert"
+) -> dict[Path, OcrvlError]:
+    """Convert each PDF (with `pages`, redo those pages of each); one line per failure.
+
+    Returns why each file that did not convert failed. `again` is the command line that
+    runs this conversion again, for the advice left in notes. A malformed page list, or one
+    beyond a document's last page, is a UsageError before anything is converted.
+    """
+    paths = [given.expanduser().absolute() for given in pdfs]
+    redo: dict[Path, list[int]] = {}
+    if pages:  # every page list is checked before anything is queued
+        pdf.parse_pages(pages)
+        for path in paths:
+            try:
+                count = pdf.page_count(path)
+            except OcrvlError:
+                continue  # reported below, as a bad file
+            redo[path] = pdf.parse_pages(pages, count, path)
     store = Store(config.state_dir / "convert.sqlite")
-    failures: dict[Path, str] = {}
+    failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
     place = output.output_place(config)
     claimed: dict[Path, Path] = {}  # output -> the PDF it is for
-    for given in pdfs:
-        path = given.expanduser().absolute()
-        md = output.outputs_for(path, place)[0]
-        if claimed.setdefault(md, path) != path:
-            failures[path] = str(InputFileError(
-                f"{path} would be written to {md}, like {claimed[md]} (output.dir keeps "
-                "only the names of PDFs from outside the inboxes).",
-                "rename one of them, or convert them without output.dir",
-            ))
-            continue
-        try:
-            _check_input(path)
-            job = enqueue_file(store, path, config.model.name, place)
-        except OcrvlError as exc:
-            failures[path] = str(exc)
-            continue
-        if job.state is JobState.DONE and output.is_current(path, job.sha256, config.model.name,
-                                                            place):
-            log.info("%s is already converted: %s", path.name, output.outputs_for(path, place)[0])
-            continue
-        if job.state is not JobState.QUEUED:
-            store.requeue(job.id)
-        jobs[job.id] = path
-    if jobs:
-        failures.update(_run(config, store, jobs))
-    store.close()
+    try:
+        for path in paths:
+            md = output.outputs_for(path, place)[0]
+            if claimed.setdefault(md, path) != path:
+                failures[path] = InputFileError(
+                    f"{path} would be written to {md}, like {claimed[md]} (output.dir keeps "
+                    "only the names of PDFs from outside the inboxes).",
+                    "rename one of them, or convert them without output.dir",
+                )
+                continue
+            try:
+                _check_input(path)
+                job = enqueue_file(store, path, config.model.name, again, place)
+            except OcrvlError as exc:
+                failures[path] = exc
+                continue
+            current = output.is_current(path, job.sha256, config.model.name, place)
+            if path not in redo and job.state is JobState.DONE and current:
+                log.info("%s is already converted: %s", path.name,
+                         output.outputs_for(path, place)[0])
+                continue
+            jobs[job.id] = path
+            if path in redo:
+                store.drop_pages(job.sha256, job.model, redo[path])
+            if job.state is not JobState.QUEUED:
+                store.requeue(job.id)
+        if jobs:
+            failures.update(_run(config, store, jobs, again))
+    finally:
+        store.close()
     for path, reason in failures.items():
         log.error("%s: %s", path, reason)
     converted = len(pdfs) - len(failures)
     log.info("%d of %d converted", converted, len(pdfs))
-    return ExitCode.OK if not failures else ExitCode.CONVERSION_FAILED
+    return failures
 
 
 def _check_input(path: Path) -> None:
@@ -89,7 +112,9 @@ def _check_input(path: Path) -> None:
         raise InputFileError(f"{path} is not a file.", "pass a PDF file")
 
 
-def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]:
+def _run(
+    config: Config, store: Store, jobs: dict[int, Path], again: str
+) -> dict[Path, OcrvlError]:
     stop_requested: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -98,13 +123,13 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     view = _progress_view(config, store, jobs)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     server = ServerSupervisor(config)
-    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS)
+    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
             # A server that answers but cannot serve this configuration has its own fix.
             server_port = urlparse(config.server.base_url).port or 80
-            reason = str(server.error) if server.error is not None else str(
+            reason = server.error if server.error is not None else (
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
                     f"({server.status().last_error or 'no answer'}).",
@@ -117,9 +142,9 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
             converter.tick()
             view.update(time.monotonic(), converter.running())
             if server.error is not None:
-                return _unfinished(store, jobs, str(server.error))
+                return _unfinished(store, jobs, server.error)
             if converter.engine_gave_up:
-                return _unfinished(store, jobs, converter.engine_error or "")
+                return _unfinished(store, jobs, OcrvlError(converter.engine_error or ""))
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break
@@ -137,7 +162,7 @@ def _run(config: Config, store: Store, jobs: dict[int, Path]) -> dict[Path, str]
     if stop_requested:
         raise KeyboardInterrupt
     return {
-        path: _reason(store, job_id, converter.place)
+        path: OcrvlError(_reason(store, job_id, converter.place))
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
@@ -159,7 +184,7 @@ def _progress_view(config: Config, store: Store, jobs: dict[int, Path]) -> Progr
     return ProgressLog(config.progress_seconds, tally)
 
 
-def _unfinished(store: Store, jobs: dict[int, Path], reason: str) -> dict[Path, str]:
+def _unfinished(store: Store, jobs: dict[int, Path], reason: OcrvlError) -> dict[Path, OcrvlError]:
     """`reason` for every file not converted yet."""
     return {path: reason for job_id, path in jobs.items() if not _succeeded(store, job_id)}
 

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
-from ocrvl_daemon.names import fit_name, name_bytes, name_max, shell_quote, shown
+from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ocrvl_daemon.config import Config
@@ -166,13 +169,16 @@ def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_
 
 def check_writable(pdf: Path, *, json_output: bool = False,
                    place: OutputPlace = NEXT_TO_PDF) -> None:
-    """Refuse early when an output ocrvl must not replace is in the way."""
+    """Refuse early when the output cannot be written: a read-only folder, or an output
+    ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf, place)
+    if md.parent.is_dir() and not os.access(md.parent, os.W_OK):
+        raise _not_writable(md, "no write permission")
     data = json_for(pdf, place)
     if json_output and data.exists() and not _is_our_json(data):
         raise NotOursError(
             f"{data} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
+            "move or rename it",
         )
     limit = _name_limit(place.base(pdf))
     if name_bytes(md.name) > limit:
@@ -184,12 +190,12 @@ def check_writable(pdf: Path, *, json_output: bool = False,
     if md.exists() and read_header(md) is None:
         raise NotOursError(
             f"{md} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
+            "move or rename it",
         )
     if images.exists() and not (images / IMAGES_MARKER).exists():
         raise NotOursError(
             f"{images} already exists and was not written by ocrvl; it is left untouched.",
-            f"move or rename it, then run `ocrvl retry {shell_quote(pdf)}`",
+            "move or rename it",
         )
 
 
@@ -275,7 +281,7 @@ def write_document(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         for tmp in (tmp_md, tmp_json):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never there, or the folder is read-only
                 tmp.unlink()
 
 
@@ -359,7 +365,7 @@ def write_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # never there, or the folder is read-only
             tmp.unlink()
 
 
@@ -399,10 +405,7 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
             _shorter_name_fix(name_max(path.parent)),
         )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return OutputError(
-            f"Cannot write {path}: the folder is not writable ({exc.strerror}).",
-            f"make {path.parent} writable for this user; ocrvl retries by itself",
-        )
+        return _not_writable(path, exc.strerror or str(exc))
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(
             f"Cannot write {path}: the disk is full.",
@@ -411,24 +414,35 @@ def _output_error(path: Path, exc: OSError) -> OutputError:
     return OutputError(f"Cannot write {path}: {exc}.", "check the folder; ocrvl retries by itself")
 
 
+def _not_writable(path: Path, detail: str) -> OutputError:
+    return OutputError(
+        f"Cannot write {path}: the folder is not writable: {path.parent} ({detail}).",
+        f"make {path.parent} writable for this user (a read-only mount or share?); "
+        "ocrvl retries by itself",
+    )
+
+
 def write_error_note(
     pdf: Path,
     message: str,
     fix: str | None,
     *,
+    redo: str,
     retry_in: float | None = None,
     place: OutputPlace = NEXT_TO_PDF,
 ) -> None:
-    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort).
+    """Leave `<stem>.ocrvl-error.txt` next to a document that failed (best effort: a folder
+    that cannot take it gets a log line instead).
 
-    `retry_in` marks a transient failure that ocrvl retries by itself after that many seconds.
+    `redo` is the command that converts it again; `retry_in` marks a transient failure that
+    ocrvl retries by itself after that many seconds.
     """
     note = outputs_for(pdf, place)[2]
     text = f"ocrvl could not convert {pdf.name}.\n\nWhat went wrong: {message}\n"
     if fix:
         text += f"What to do: {fix}\n"
     if retry_in is None:
-        text += f"\nAfter fixing it, run: ocrvl retry {shell_quote(pdf)}\n"
+        text += f"\nAfter fixing it, run: {redo}\n"
     else:
         text += (
             f"\nocrvl tries again by itself in about {retry_in:.0f} s; this note disappears "
@@ -437,9 +451,11 @@ def write_error_note(
     short = shortened_names(pdf, place)
     if short:
         text += f"\nNote: {short}.\n"
-    with contextlib.suppress(OSError):
+    try:
         note.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(note, shown(text))
+    except OSError as exc:
+        log.warning("no error note could be left at %s (%s)", note, exc.strerror or exc)
 
 
 def remove_error_note(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> None:

@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import pypdfium2 as pdfium
 
-from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError, PageDamagedError
+from ocrvl_daemon.errors import (
+    InputFileError,
+    InputVanishedError,
+    OcrvlError,
+    PageDamagedError,
+    UsageError,
+)
 from ocrvl_daemon.names import shell_quote
 
 # PDFium is not thread-safe; every call into it goes through this lock.
@@ -53,9 +59,38 @@ def check_unchanged(path: Path, size: int, mtime: float) -> None:
         raise InputVanishedError(f"{path} changed while it was being converted.")
 
 
-def retry_command(path: Path, pages: str) -> str:
-    """The command that converts these pages (e.g. "3" or "3,7") of `path` again."""
-    return f"ocrvl retry --pages {pages} {shell_quote(path)}"
+def retry_command(path: Path, pages: str | None = None, again: str = "ocrvl retry") -> str:
+    """The command that converts `path` (or these pages of it, e.g. "3" or "3,7") again.
+
+    `again` is the command that reaches the record the document is in: `ocrvl retry` for the
+    daemon's documents, `ocrvl convert ...` (with the options it ran with) for convert's.
+    """
+    selection = f"--pages {pages} " if pages else ""
+    return f"{again} {selection}{shell_quote(path)}"
+
+
+def parse_pages(spec: str, page_count: int | None = None, path: Path | None = None) -> list[int]:
+    """'3,7-9' -> [2, 6, 7, 8] (0-based); a malformed list, or a page beyond the last of
+    `path`'s `page_count` pages, is a UsageError (naming the page count)."""
+    pages: set[int] = set()
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 1 or hi < lo:
+                raise ValueError
+            pages.update(range(lo - 1, hi))
+    except ValueError:
+        raise UsageError(
+            f"--pages {spec!r} is not a page list.",
+            "write pages like 3 or 3,7-9 (1 is the first page)",
+        ) from None
+    if page_count is not None and max(pages) >= page_count:
+        raise UsageError(
+            f"--pages {spec}: {path} has {page_count} page{'s' if page_count != 1 else ''}.",
+            f"give pages from 1 to {page_count}",
+        )
+    return sorted(pages)
 
 
 def input_error(path: Path, exc: OSError) -> OcrvlError:

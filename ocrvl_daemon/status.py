@@ -11,11 +11,12 @@ from typing import Any
 import psutil
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ExitCode, InputFileError
+from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
 from ocrvl_daemon.names import shell_quote, shown
 from ocrvl_daemon.output import OutputPlace, output_place, shortened_names
-from ocrvl_daemon.pdf import repair_fix, retry_command
+from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
+from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.systemd import format_duration
 
@@ -158,6 +159,11 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
         _add_etas(jobs, views, rate)
     finally:
         store.close()
+    # A daemon paused by a full disk cannot publish to the store; its lock file says why.
+    paused = paused_note(config.state_dir)
+    if paused is not None and psutil.pid_exists(paused[0]):
+        alive = True
+        daemon = {**daemon, "pid": paused[0], "paused": paused[1]}
     return {
         "daemon": {"running": alive, **daemon},
         "server": _server_view(daemon, alive),
@@ -179,6 +185,8 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         )
         state = server.get("state", "unknown")
         phase = f", {server['phase']}" if server.get("phase") else ""
+        if daemon.get("paused"):
+            lines.append(daemon["paused"])
         lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
         if server.get("last_error"):
             since = " (it has recovered since)" if state == "ready" else ""
@@ -234,30 +242,14 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
     return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
-def parse_pages(spec: str) -> list[int]:
-    """'3,7-9' -> [2, 6, 7, 8] (0-based)."""
-    pages: set[int] = set()
-    try:
-        for part in spec.split(","):
-            first, _, last = part.strip().partition("-")
-            lo, hi = int(first), int(last or first)
-            if lo < 1 or hi < lo:
-                raise ValueError
-            pages.update(range(lo - 1, hi))
-    except ValueError:
-        raise InputFileError(
-            f"--pages {spec!r} is not a page list.",
-            "write pages like 3 or 3,7-9 (1 is the first page)",
-        ) from None
-    return sorted(pages)
-
-
 def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
           flagged: bool = False) -> ExitCode:
     """Queue documents again; with `pages`, drop only those checkpoints; with `flagged`,
     only the flagged pages (of `pdfs`, or of every document)."""
     if not pdfs and not failed and not flagged:
-        raise InputFileError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
+        raise UsageError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
+    if pages:
+        parse_pages(pages)  # a malformed list is refused before the store is even opened
     store = open_store(config)
     try:
         targets: list[Job] = []
@@ -275,23 +267,29 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
             job = store.job_for_path(given.expanduser().absolute())
             if job is None:
                 raise InputFileError(
-                    f"{given} is not known to ocrvl.",
-                    "put it in an inbox folder; it is picked up by itself",
+                    f"{given} is not known to the daemon.",
+                    "put it in an inbox folder; it is picked up by itself (a file converted "
+                    f"with `ocrvl convert` is redone with `ocrvl convert {shell_quote(given)}`)",
                 )
             targets.append(job)
         if not targets:
             log.info("nothing to retry: no document or page failed or is flagged (pages "
                      "damaged in the PDF are left out: only a repaired file can help them)")
+        # Every page list is checked before anything is queued again.
+        chosen: dict[int, list[int]] = {}
         for job in targets:
             if pages:
-                redo = parse_pages(pages)
+                count = job.page_count or page_count(job.path)
+                chosen[job.id] = parse_pages(pages, count, job.path)
             elif flagged:
-                redo = store.flagged_pages(job.sha256, job.model)
-                if not redo:
-                    log.info("%s has no flagged pages", job.path)
-                    continue
+                chosen[job.id] = store.flagged_pages(job.sha256, job.model)
             else:
-                redo = store.failed_pages(job.sha256, job.model)
+                chosen[job.id] = store.failed_pages(job.sha256, job.model)
+        for job in targets:
+            redo = chosen[job.id]
+            if flagged and not pages and not redo:
+                log.info("%s has no flagged pages", job.path)
+                continue
             if redo:
                 store.drop_pages(job.sha256, job.model, redo)
             elif job.state is JobState.DONE:

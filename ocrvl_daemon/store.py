@@ -23,9 +23,11 @@ from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.errors import ConfigError, StateFullError
 from ocrvl_daemon.names import shown
 
 SCHEMA_VERSION = 1
+SQLITE_FULL = 13  # "database or disk is full"
 # Pages read per query when assembling a document.
 PAGE_BATCH = 256
 _SCHEMA = """
@@ -135,13 +137,21 @@ class Store:
     """Jobs and page checkpoints in `state_dir/<name>`; private to the user (0700/0600)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(path.parent, 0o700)
-        fresh = not path.exists()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(path.parent, 0o700)
+            fresh = not path.exists()
+            self._db = sqlite3.connect(
+                path, timeout=30.0, isolation_level=None, check_same_thread=False
+            )
+        except (OSError, sqlite3.Error) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                f"state_dir = {path.parent} cannot be used: {detail}.",
+                "set state_dir in the config file to a folder this user can create and "
+                "write (the default is ~/.local/state/ocrvl)",
+            ) from exc
         self.path = path
-        self._db = sqlite3.connect(
-            path, timeout=30.0, isolation_level=None, check_same_thread=False
-        )
         if fresh:
             os.chmod(path, 0o600)
         self._db.row_factory = sqlite3.Row
@@ -183,13 +193,24 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:  # SQLite may have rolled it back already
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL or "is full" in str(exc):
+                raise StateFullError(
+                    f"The disk holding the state folder {self.path.parent} is full ({exc}): "
+                    "no page can be checkpointed.",
+                    f"free some space on that disk (`df -h {self.path.parent}`), or move "
+                    "state_dir to a larger one",
+                ) from exc
             raise
-        self._db.execute("COMMIT")
 
     # --- jobs ---------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import socket
 from pathlib import Path
 
@@ -81,6 +82,43 @@ def test_markdown_not_written_by_ocrvl_is_never_overwritten(tmp_path, fake_serve
     assert "was not written by ocrvl" in result.stderr and "notes.md" in result.stderr
 
 
+def test_the_command_a_convert_note_advises_works_when_pasted(tmp_path, fake_server):
+    pdf = make_pdf(tmp_path / "notes.pdf", 1)
+    mine = tmp_path / "notes.md"
+    mine.write_text("my own notes\n", encoding="utf-8")
+    assert convert(tmp_path, fake_server, pdf).returncode == 1
+    note = (tmp_path / "notes.ocrvl-error.txt").read_text(encoding="utf-8")
+    advice = re.search(r"After fixing it, run: (.+)", note)
+    assert advice, f"the note names no command:\n{note}"
+    command = shlex.split(advice[1])
+    assert command[:2] == ["ocrvl", "convert"], (
+        f"a note written by `ocrvl convert` must not send the user to the daemon:\n{note}"
+    )
+    refused = run_ocrvl("retry", "--config", tmp_path / "config.yaml", pdf)
+    assert "ocrvl convert" in refused.stderr, "retry does not say how to redo a converted file"
+
+    mine.rename(tmp_path / "my-notes.md")  # the fix the note asks for
+    result = run_ocrvl(*command[1:])
+    assert result.returncode == 0, result.stderr
+    assert read_header(pdf.with_suffix(".md")) is not None
+    assert not (tmp_path / "notes.ocrvl-error.txt").exists()
+
+
+def test_convert_pages_redoes_only_those_pages(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    pdf = make_pdf(tmp_path / "book.pdf", 3)
+    with start_fake_server(free_port(), "--request-log", str(requests)) as server:
+        assert convert(tmp_path, server, pdf).returncode == 0
+        assert convert(tmp_path, server, pdf).returncode == 0
+        assert len(requests.read_text().splitlines()) == 3, "a converted book was redone"
+        result = run_ocrvl("convert", "--config", tmp_path / "config.yaml", "--server-url",
+                           server.api_url, "--pages", "2", pdf)
+        assert result.returncode == 0, result.stderr
+    assert len(requests.read_text().splitlines()) == 4, "--pages 2 did not redo exactly page 2"
+    markdown = pdf.with_suffix(".md").read_text(encoding="utf-8")
+    assert page_widths(markdown) == [page_width(i) * SCALE for i in range(3)]
+
+
 def test_our_own_markdown_is_replaced_when_the_pdf_changes(tmp_path, fake_server):
     pdf = make_pdf(tmp_path / "doc.pdf", 2)
     assert convert(tmp_path, fake_server, pdf).returncode == 0
@@ -136,7 +174,7 @@ def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):
     config = write_config(tmp_path / "config.yaml")
     url = "http://127.0.0.1:9/v1"
     result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf)
-    assert result.returncode == 1
+    assert result.returncode == 5, "a server problem is exit code 5"
     assert f"Cannot reach the model server at {url}" in result.stderr
     serve = vllm_serve_command(load_config(config)[0], port=9)
     assert serve in result.stderr, "the hint is not the line the managed launcher would run"
@@ -165,7 +203,7 @@ def test_server_serving_another_model_is_reported(tmp_path, fake_server):
     pdf = make_pdf(tmp_path / "book.pdf", 1)
     config = write_config(tmp_path / "config.yaml", model={"name": "PaddleOCR-VL-0.9B"})
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf)
-    assert result.returncode == 1
+    assert result.returncode == 5, "a server problem is exit code 5"
     assert "PaddleOCR-VL-0.9B" in result.stderr
     assert not (tmp_path / "book.md").exists()
 

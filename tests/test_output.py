@@ -159,11 +159,11 @@ def test_names_that_look_like_shell_or_paths_are_written_beside_the_pdf(tmp_path
 
 
 def test_error_notes_say_what_to_do_and_go_away(book: Path) -> None:
-    output.write_error_note(book, "it is broken.", "fix it")
+    output.write_error_note(book, "it is broken.", "fix it", redo=f"ocrvl retry {book}")
     text = outputs_for(book)[2].read_text("utf-8")
     assert "What went wrong: it is broken." in text and "What to do: fix it" in text
-    assert f"ocrvl retry {book}" in text
-    output.write_error_note(book, "disk full.", "free space", retry_in=60)
+    assert f"After fixing it, run: ocrvl retry {book}" in text
+    output.write_error_note(book, "disk full.", "free space", redo="-", retry_in=60)
     assert "tries again by itself in about 60 s" in outputs_for(book)[2].read_text("utf-8")
     output.remove_error_note(book)
     assert not outputs_for(book)[2].exists() and not leftovers(book.parent)
@@ -187,7 +187,7 @@ def test_a_name_that_is_not_utf8_keeps_its_raw_stem_and_its_links_resolve(
     assert links == [b"\xff\xfebook_images/p0001_img_0.jpg", b"\xff\xfebook_images/p0003_img_2.jpg"]
     assert all(os.path.exists(os.fsencode(tmp_path) + b"/" + link) for link in links)
     assert read_header(md)["source"] == "\\xff\\xfebook.pdf"
-    output.write_error_note(book, f"{book} is broken.", None)
+    output.write_error_note(book, f"{book} is broken.", None, redo=pdf.retry_command(book))
     assert b"\xff\xfebook.ocrvl-error.txt" in os.listdir(os.fsencode(tmp_path))
     note = outputs_for(book)[2].read_text("utf-8")
     assert "\\xff\\xfebook.pdf is broken" in note
@@ -207,7 +207,7 @@ def test_companions_too_long_for_the_filesystem_get_a_short_name_and_still_work(
     assert [tmp_path / os.fsdecode(link) for link in image_links(md)] == [
         images / "p0001_img_0.jpg", images / "p0003_img_2.jpg"]
     assert not leftovers(tmp_path)
-    output.write_error_note(book, "it is broken.", None)
+    output.write_error_note(book, "it is broken.", None, redo=pdf.retry_command(book))
     assert note.exists() and note.name.endswith(".ocrvl-error.txt")
     assert f"limit of {limit} bytes" in note.read_text("utf-8")
     assert images.name in (output.shortened_names(book) or "")

@@ -1,0 +1,231 @@
+"""README's exit-code table, one row at a time, through the real `ocrvl` command.
+
+0 ok, 1 a document failed, 2 bad command line, 3 bad configuration, 4 bad input file, 5 model
+server problem, 6 missing dependency, 7 `doctor` found a blocking problem, 130 interrupted
+(141, output closed early: tests/test_status.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ocrvl_daemon.errors import ExitCode
+from ocrvl_daemon.pdf import file_identity
+from ocrvl_daemon.store import Store
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import (
+    FakeServerProcess,
+    free_port,
+    start_fake_server,
+    wait_until,
+)
+from ocrvl_daemon.testing.runner import (
+    DaemonProcess,
+    managed_fake_server,
+    ocrvl_argv,
+    ocrvl_env,
+    run_ocrvl,
+    write_config,
+)
+
+MODEL = "PaddleOCR-VL-1.6-0.9B"
+
+
+def known_to_daemon(config: Path, pdf: Path) -> None:
+    """Queue `pdf` in the daemon's store, as if the daemon had found it in its inbox."""
+    ident = file_identity(pdf)
+    store = Store(config.parent / "state" / "jobs.sqlite")
+    try:
+        store.enqueue(pdf, ident.sha256, ident.size, ident.mtime, MODEL)
+    finally:
+        store.close()
+
+
+def test_0_ok(tmp_path: Path):
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("status", "--config", config, timeout=60)
+    assert result.returncode == ExitCode.OK, result.stderr
+
+
+def test_1_a_document_failed(tmp_path: Path, fake_server: FakeServerProcess):
+    pdf = make_pdf(tmp_path / "notes.pdf", 1)
+    (tmp_path / "notes.md").write_text("my own notes\n", encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf)
+    assert result.returncode == ExitCode.CONVERSION_FAILED, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["retry"], "Nothing to retry"),
+        (["retry", "--pages", "3-x", "{pdf}"], "'3-x' is not a page list"),
+        (["retry", "--pages", "9", "{pdf}"], "book.pdf has 4 pages"),
+        (["retry", "--pages", "2,5", "{pdf}"], "book.pdf has 4 pages"),
+        (["convert", "--pages", "9", "{pdf}"], "book.pdf has 4 pages"),
+        (["convert", "--pages", "0", "{pdf}"], "'0' is not a page list"),
+        (["convert"], "the following arguments are required: PDF"),
+        (["run", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    ],
+    ids=["retry-nothing", "retry-pages-malformed", "retry-pages-beyond-last",
+         "retry-pages-partly-beyond", "convert-pages-beyond-last", "convert-pages-zero",
+         "convert-no-pdf", "unknown-option"],
+)
+def test_2_bad_command_line(tmp_path: Path, args: list[str], says: str):
+    config = write_config(tmp_path / "config.yaml")
+    pdf = make_pdf(tmp_path / "book.pdf", 4)
+    known_to_daemon(config, pdf)
+    argv = [a.replace("{pdf}", str(pdf)) for a in args]
+    # No server answers here: a command line that were accepted would fail otherwise.
+    result = run_ocrvl(*argv, "--config", config, timeout=60)
+    assert result.returncode == ExitCode.USAGE, (result.returncode, result.stderr)
+    assert says in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "book.md").exists()
+    store = Store(tmp_path / "state" / "jobs.sqlite")
+    try:
+        assert all(j.attempts == 0 and j.state.value == "queued" for j in store.jobs()), (
+            "a refused command line changed the queue"
+        )
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "under-proc"])
+def test_3_a_state_dir_that_cannot_be_created_names_the_key_the_path_and_the_fix(
+    tmp_path: Path, where: str
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    state = blocker / "state" if where == "under-a-file" else Path("/proc/ocrvl-test/state")
+    config = write_config(tmp_path / "config.yaml", state_dir=str(state))
+    for command in ("run", "status"):
+        result = run_ocrvl(command, "--config", config, timeout=60)
+        assert result.returncode == ExitCode.CONFIG, (command, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert f"state_dir = {state} cannot be used" in result.stderr, result.stderr
+        assert "set state_dir in the config file" in result.stderr, result.stderr
+
+
+def test_3_bad_configuration(tmp_path: Path):
+    config = tmp_path / "config.yaml"
+    config.write_text("inbox:\n  stable_seconds: -1\n", encoding="utf-8")
+    result = run_ocrvl("status", "--config", config, timeout=60)
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+
+
+def test_4_bad_input_file(tmp_path: Path):
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", "http://127.0.0.1:9/v1",
+                       tmp_path / "missing.pdf", timeout=60)
+    assert result.returncode == ExitCode.INPUT_FILE, result.stderr
+    assert "missing.pdf does not exist" in result.stderr
+
+
+def test_5_model_server_problem(tmp_path: Path):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf, timeout=120)
+    assert result.returncode == ExitCode.SERVER, result.stderr
+    assert f"Cannot reach the model server at {url}" in result.stderr
+
+
+def test_6_missing_dependency(tmp_path: Path):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    missing = tmp_path / "no-such-venv" / "bin" / "python"
+    config = write_config(tmp_path / "config.yaml",
+                          server={"launcher": "vllm", "python": str(missing),
+                                  "port": free_port()})
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=120)
+    assert result.returncode == ExitCode.DEPENDENCY, result.stderr
+    assert f"server.python = {missing} is not an executable Python" in result.stderr
+
+
+def test_7_doctor_found_a_blocking_problem(tmp_path: Path):
+    config = tmp_path / "config.yaml"
+    config.write_text("server:\n  vllm_args:\n    max-model-len: 1024\n", encoding="utf-8")
+    result = run_ocrvl("doctor", "--config", config, timeout=120)
+    assert result.returncode == ExitCode.PROBLEMS_FOUND, result.stdout + result.stderr
+
+
+def test_config_may_come_before_the_command(tmp_path: Path):
+    config = write_config(tmp_path / "config.yaml", state_dir=str(tmp_path / "here"))
+    for argv in (["--config", config, "status"], ["status", "--config", config]):
+        result = run_ocrvl(*argv, timeout=60)
+        assert result.returncode == ExitCode.OK, (argv, result.stderr)
+    assert (tmp_path / "here" / "jobs.sqlite").exists(), "--config before the command was ignored"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inbox:\n  stable_seconds: -1\n", encoding="utf-8")
+    result = run_ocrvl("--config", bad, "status", timeout=60)
+    assert result.returncode == ExitCode.CONFIG, "--config before the command was ignored"
+
+
+def interrupt_like_ctrl_c(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, float]:
+    """SIGINT to the process group, as a terminal's Ctrl-C; (exit code, seconds to exit)."""
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_until(lambda: "stopping" in log.read_text(errors="replace"), 3,
+               what="a line saying it is stopping, at once")
+    try:
+        code = proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"still running 20 s after Ctrl-C:\n{log.read_text()}") from None
+    return code, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_130_ctrl_c_stops_ocrvl_run_at_once_with_pages_in_flight(tmp_path: Path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    requests = tmp_path / "requests.jsonl"
+    port = free_port()
+    config = write_config(
+        tmp_path / "config.yaml",
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+        # The server never answers: pages stay in flight until ocrvl stops.
+        server=managed_fake_server(port, "--hang-after", "0", "--request-log", str(requests)),
+    )
+    daemon = DaemonProcess(config).start()
+    try:
+        daemon.wait_ready(90)
+        make_pdf(inbox / "book.pdf", 3)
+        wait_until(lambda: requests.exists() and requests.stat().st_size, 60,
+                   what="a page request to reach the server")
+        assert daemon.proc is not None
+        code, seconds = interrupt_like_ctrl_c(daemon.proc, daemon.log_path)
+    finally:
+        daemon.terminate()
+    assert code == ExitCode.INTERRUPTED, daemon.log()[-3000:]
+    assert seconds < 15, f"took {seconds:.1f} s to stop after Ctrl-C"
+
+
+@pytest.mark.slow
+def test_130_ctrl_c_stops_ocrvl_convert_at_once_with_pages_in_flight(tmp_path: Path):
+    requests = tmp_path / "requests.jsonl"
+    pdf = make_pdf(tmp_path / "book.pdf", 3)
+    config = write_config(tmp_path / "config.yaml")
+    log = tmp_path / "convert.log"
+    with start_fake_server(free_port(), "--hang-after", "0", "--request-log",
+                           str(requests)) as server, log.open("wb") as out:
+        proc = subprocess.Popen(
+            ocrvl_argv("convert", "--config", config, "--server-url", server.api_url, pdf),
+            stdout=out, stderr=subprocess.STDOUT, env=ocrvl_env(), start_new_session=True)
+        try:
+            wait_until(lambda: requests.exists() and requests.stat().st_size, 90,
+                   what="a page request to reach the server")
+            code, seconds = interrupt_like_ctrl_c(proc, log)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == ExitCode.INTERRUPTED, log.read_text()[-3000:]
+    assert seconds < 15, f"took {seconds:.1f} s to stop after Ctrl-C"
