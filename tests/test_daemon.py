@@ -74,7 +74,8 @@ class Setup:
             return int(conn.execute("SELECT COUNT(*) FROM pages").fetchone()[0])
 
     def status(self) -> dict:
-        result = run_ocrvl("status", "--json", "--config", self.config, timeout=60)
+        """`ocrvl status --json --all`: every document, not just the recent ones."""
+        result = run_ocrvl("status", "--json", "--all", "--config", self.config, timeout=60)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
