@@ -311,10 +311,10 @@ def run_b2(server: Server, files: list[Path], scenario: str, draw: int) -> Run:
 class Ocrvl:
     """`ocrvl ARGS` with stderr read line by line, each line's arrival time kept."""
 
-    def __init__(self, *args: str | Path) -> None:
+    def __init__(self, *args: str | Path, env: dict[str, str] | None = None) -> None:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            ocrvl_argv(*args), env=ocrvl_env(), stdout=subprocess.DEVNULL,
+            ocrvl_argv(*args), env=ocrvl_env(**(env or {})), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.lines: list[tuple[float, str]] = []

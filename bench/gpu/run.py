@@ -142,13 +142,17 @@ class Bench:
 
         return self.measure("B2", "predict() only", run)
 
-    def convert(self) -> Result:
-        cfg = write_config(self.work / "convert.yaml", state_dir=str(self.work / "state-convert"))
+    def convert(self, name: str = "ocrvl convert", **settings: Any) -> Result:
+        """`ocrvl convert` of a fresh copy of the book; `settings` go into its config."""
+        where = self.work / re.sub(r"\W+", "-", name)
+        where.mkdir(parents=True)
+        book = Path(shutil.copy(self.book, where / self.book.name))
+        cfg = write_config(where / "convert.yaml", state_dir=str(where / "state"), **settings)
         info: dict[str, Any] = {}
 
         def run() -> tuple[float, float, int]:
             t0 = time.monotonic()
-            proc = Ocrvl("convert", "--config", cfg, "--server-url", self.url, self.book)
+            proc = Ocrvl("convert", "--config", cfg, "--server-url", self.url, book)
             code = proc.wait(3600)
             t1 = time.monotonic()
             if code != 0:
@@ -159,7 +163,7 @@ class Bench:
             info["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
             return (ready or t0), t1, self.pages
 
-        r = self.measure("ocrvl convert", "from the worker's ready line", run)
+        r = self.measure(name, "from the worker's ready line", run)
         r.extra.update(info)
         r.extra["pages_per_s_from_start"] = self.pages / info["from_start_s"]
         return r

@@ -1,0 +1,119 @@
+"""The out-of-memory step-down against real vLLM: memory taken after ocrvl read the GPU.
+
+    python -m bench.gpu.oom_step_down --model-dir DIR [--vllm-pythonpath SITE]
+
+What a user sees when a game or a second model takes GPU memory between ocrvl's reading and
+vLLM's start: ocrvl reads the idle card (that reading is replayed by a stand-in nvidia-smi),
+then `--hog-share` of the card is taken by another process, then `ocrvl convert` starts its
+managed server with `auto` settings planned for the idle card. vLLM refuses (its own
+"Free memory on device ... is less than desired GPU memory utilization" text); ocrvl must
+lower the utilization from the free memory vLLM reported, start again, convert every page,
+and remember the setting. Prints what happened and writes `oom_step_down.json` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
+from bench.gpu.lengths import ENV as LENGTHS_ENV
+from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
+from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT
+from bench.run import Ocrvl
+from ocrvl_daemon import autotune
+from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import free_port
+from ocrvl_daemon.testing.runner import write_config
+
+HERE = Path(__file__).resolve().parent
+HOG = """
+import sys, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(int(total * float(sys.argv[1])), dtype=torch.uint8, device="cuda")
+print(f"holding {held.numel() / 2**30:.1f} GiB of {total / 2**30:.1f} GiB", flush=True)
+sys.stdin.read()
+"""
+INTERESTING = ("out of GPU memory", "Free memory on device", "lowering", "lowered", "ready in",
+               "vLLM settings", "converted", "gpu-memory-utilization")
+
+
+def stale_nvidia_smi(where: Path) -> Path:
+    """A stand-in nvidia-smi that keeps answering what the real one says now (the idle card)."""
+    now = subprocess.run(["nvidia-smi", f"--query-gpu={NVIDIA_SMI_FIELDS}",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    script = where / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\ncat <<'EOF'\n{now.strip()}\nEOF\n", encoding="utf-8")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.oom_step_down", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model-dir", required=True,
+                    help="random-weight model dir (bench.gpu.dummy_model)")
+    ap.add_argument("--vllm-python", default=sys.executable)
+    ap.add_argument("--vllm-pythonpath", default="")
+    ap.add_argument("--hog-share", type=float, default=0.3,
+                    help="share of the card taken after the reading (default 0.3)")  # fmt: skip
+    ap.add_argument("--pages", type=int, default=8)
+    ap.add_argument("--results", type=Path, default=HERE / "oom_step_down.json")
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="ocrvl-oom-"))
+    smi = stale_nvidia_smi(work)
+    book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=5)
+    pythonpath = os.pathsep.join(p for p in (args.vllm_pythonpath, str(ROOT)) if p)
+    cfg = write_config(
+        work / "config.yaml", state_dir=str(work / "state"),
+        model={"weights": args.model_dir},
+        server={"mode": "managed", "launcher": "vllm", "python": args.vllm_python,
+                "port": free_port(), "startup_timeout": 600,
+                "env": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
+                        "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
+                        LENGTHS_ENV: DEFAULT_LENGTHS},
+                "vllm_args": {"load-format": "dummy", "logits-processors": LOGITS_PROCESSOR,
+                              "enable-prefix-caching": False, "mm-processor-cache-gb": 0}},
+    )  # fmt: skip
+    hog = subprocess.Popen([args.vllm_python, "-c", HOG, str(args.hog_share)],
+                           env=dict(os.environ, PYTHONPATH=args.vllm_pythonpath),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(),
+                           "hog_share": args.hog_share, "pages": args.pages}  # fmt: skip
+    try:
+        assert hog.stdout is not None
+        res["hog"] = hog.stdout.readline().strip()
+        log(res["hog"])
+        t0 = time.monotonic()
+        proc = Ocrvl("convert", "--config", cfg, book, env={NVIDIA_SMI_ENV: str(smi),
+                                                           NO_NVML_ENV: "1"})  # fmt: skip
+        code = proc.wait(570)
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        res["exit_code"] = code
+        res["log"] = [line for line in proc.grep("") if any(w in line for w in INTERESTING)]
+        md = book.with_suffix(".md")
+        res["markdown_pages"] = (md.read_text(encoding="utf-8").count("<!-- page")
+                                 if md.exists() else 0)  # fmt: skip
+        tuning = work / "state" / autotune.TUNING_FILE
+        res["remembered"] = json.loads(tuning.read_text()) if tuning.exists() else None
+    finally:
+        hog.kill()
+        hog.wait()
+    args.results.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(res, indent=1))
+    return 0 if res.get("exit_code") == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
