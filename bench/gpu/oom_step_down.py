@@ -28,12 +28,11 @@ from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT
-from bench.run import Ocrvl
 from ocrvl_daemon import autotune
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
 from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.harness import free_port
-from ocrvl_daemon.testing.runner import write_config
+from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config
 
 HERE = Path(__file__).resolve().parent
 HOG = """
@@ -68,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hog-share", type=float, default=0.3,
                     help="share of the card taken after the reading (default 0.3)")  # fmt: skip
     ap.add_argument("--pages", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=480, help="seconds for ocrvl convert")
+    ap.add_argument("--log", type=Path, default=None, help="ocrvl's log (default: work dir)")
     ap.add_argument("--results", type=Path, default=HERE / "oom_step_down.json")
     args = ap.parse_args(argv)
 
@@ -96,12 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         res["hog"] = hog.stdout.readline().strip()
         log(res["hog"])
         t0 = time.monotonic()
-        proc = Ocrvl("convert", "--config", cfg, book, env={NVIDIA_SMI_ENV: str(smi),
-                                                           NO_NVML_ENV: "1"})  # fmt: skip
-        code = proc.wait(570)
+        log_path = args.log or work / "ocrvl.log"
+        with log_path.open("wb") as out:  # a file: what happened survives a timeout
+            proc = subprocess.Popen(ocrvl_argv("convert", "--config", cfg, book),
+                                    env=ocrvl_env(**{NVIDIA_SMI_ENV: str(smi), NO_NVML_ENV: "1"}),
+                                    stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            res["exit_code"] = proc.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # ocrvl stops its server; what it did so far is in the log
+            res["exit_code"] = f"timed out after {args.timeout:g} s ({proc.wait()})"
         res["seconds"] = round(time.monotonic() - t0, 1)
-        res["exit_code"] = code
-        res["log"] = [line for line in proc.grep("") if any(w in line for w in INTERESTING)]
+        lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        res["log"] = [line for line in lines if any(w in line for w in INTERESTING)]
         md = book.with_suffix(".md")
         res["markdown_pages"] = (md.read_text(encoding="utf-8").count("<!-- page")
                                  if md.exists() else 0)  # fmt: skip

@@ -8,8 +8,9 @@ The plan is ocrvl's own (`autotune.plan_vllm_args` on a reading of `--card-mib` 
 `--gpu-memory-utilization` scaled by card / real total, so its KV cache budget in bytes
 (utilization x total - weights - activations) is the small card's. Compute stays the big
 card's: this checks memory planning and the bound's safety, not a 4060's speed.
-Each contender is `ocrvl convert` of the same book (fresh state) against that server:
-adaptive (the default config) and `pipeline.adaptive_concurrency: false` at each `--static`
+Each contender is `ocrvl convert` of the same book (fresh state) against that server, after
+a short warm-up: adaptive (the default config), adaptive with `pipeline.max_concurrency` at
+the planned max-num-seqs, and `pipeline.adaptive_concurrency: false` at each `--static`
 bound. Prints the table and writes `small_card.json` beside this file.
 """
 
@@ -36,6 +37,8 @@ from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.harness import free_port
 
 HERE = Path(__file__).resolve().parent
+WARM_UP_PAGES = 32
+OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|No available memory")
 RTX_4060_MIB = 8188  # what nvidia-smi reports for an 8 GB RTX 4060
 DESKTOP_MIB = 700  # a Windows desktop under WSL2 holds about this much of it
 # vLLM's start-up lines with its own memory accounting
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     values = plan.values
     scale = args.card_mib / real.total_mib
     utilization = float(values[autotune.UTILIZATION])
+    seqs = int(values[autotune.MAX_NUM_SEQS])  # the pages the planned KV cache holds at once
     log(f"ocrvl's plan for {card.name}: " + "; ".join(plan.reasons))
     for warning in plan.warnings:
         log(f"plan warning: {warning}")
@@ -102,9 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             res["vllm_memory"] = [ln.split("] ", 1)[-1] for ln in
                                   vllm_log.read_text(errors="replace").splitlines()
                                   if KV_LINES.search(ln)]  # fmt: skip
+            # the first requests of a fresh server are slow (lazy start-up work): not measured
+            warm = make_pdf(work / "warm" / "warm.pdf", WARM_UP_PAGES, height=PAGE_HEIGHT, seed=2)
+            warming = Bench(url, work / "warm", warm, WARM_UP_PAGES, seqs)
+            warming.convert("warm-up")
+            warming.metrics.stop()
             bench = Bench(url, work, book, args.pages, config.pipeline.max_concurrency)
             try:
                 bench.convert("adaptive")
+                bench.convert(f"adaptive, max_concurrency {seqs}",
+                              pipeline={"max_concurrency": seqs})  # fmt: skip
                 for bound in (int(b) for b in args.static.split(",")):
                     bench.convert(f"static {bound}", pipeline={
                         "adaptive_concurrency": False, "max_concurrency": bound,
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 bench.metrics.stop()
             text = vllm_log.read_text(errors="replace")
-            res["server_out_of_memory"] = autotune.is_oom(text)
+            res["server_out_of_memory"] = bool(OUT_OF_MEMORY.search(text))
             res["results"] = {n: {"pages_per_s": round(r.pages_per_s, 3),
                                   "preemptions": r.preemptions, "timeline": r.timeline,
                                   "concurrency": r.extra.get("concurrency", [])}
