@@ -164,18 +164,6 @@ class InboxWatcher:
         # New ignore rules or a new `recursive` change which files count: look again.
         self._next_rescan = float("-inf")
 
-    def watch_modes(self) -> dict[Path, str]:
-        """How each inbox is watched right now: "inotify", "polling" or "unavailable"."""
-        return {
-            root.path: "unavailable" if root.observer is None
-            else "polling" if root.polling else "inotify"
-            for root in self._roots
-        }
-
-    def request_rescan(self) -> None:
-        """Make the next poll() scan every inbox in full."""
-        self._next_rescan = float("-inf")
-
     # -- the main-loop tick --------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> list[Path]:
