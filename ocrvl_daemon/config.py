@@ -2,7 +2,7 @@
 
 Lookup order: `--config PATH`, then `$OCRVL_CONFIG`, then `~/.config/ocrvl/config.yaml`, then
 the built-in defaults. `~` and `$VARS` are expanded in paths. Every error names the key, the
-bad value and the fix.
+bad value and the fix (worded in `config_errors`).
 """
 
 from __future__ import annotations
