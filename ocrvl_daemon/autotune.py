@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import AUTO, Config
 from ocrvl_daemon.gpu import GpuReading
 from ocrvl_daemon.models import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
@@ -311,15 +310,7 @@ def save_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
         "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=f".{TUNING_FILE}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=2, sort_keys=True)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _floor2(value: float) -> float:

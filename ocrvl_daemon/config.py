@@ -2,7 +2,7 @@
 
 Lookup order: `--config PATH`, then `$OCRVL_CONFIG`, then `~/.config/ocrvl/config.yaml`, then
 the built-in defaults. `~` and `$VARS` are expanded in paths. Every error names the key, the
-bad value and the fix.
+bad value and the fix (worded in `config_errors`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from ocrvl_daemon.config_errors import KeyProblem, config_error
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, MODELS, VLModel
 
@@ -203,7 +204,7 @@ class ServerConfig(_Section):
     def _auto_or_number(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key, fix in RESERVED_VLLM_ARGS.items():
             if key in value:
-                raise _KeyError(f"server.vllm_args.{key}", value[key],
+                raise KeyProblem(f"server.vllm_args.{key}", value[key],
                                 f"is set by ocrvl itself; remove it and use {fix} instead")
         for key in AUTO_VLLM_ARGS:
             arg = value[key]
@@ -211,15 +212,15 @@ class ServerConfig(_Section):
                 continue
             name = f"server.vllm_args.{key}"
             if isinstance(arg, bool) or not isinstance(arg, (int, float)) or arg <= 0:
-                raise _KeyError(name, arg, "must be 'auto' or a positive number")
+                raise KeyProblem(name, arg, "must be 'auto' or a positive number")
             if key == "gpu-memory-utilization" and not 0 < arg <= 1:
-                raise _KeyError(
+                raise KeyProblem(
                     name,
                     arg,
                     "is a fraction of the GPU's memory: use 'auto' or a value such as 0.8",
                 )
             if key != "gpu-memory-utilization" and int(arg) != arg:
-                raise _KeyError(name, arg, "must be a whole number or 'auto'")
+                raise KeyProblem(name, arg, "must be a whole number or 'auto'")
         return value
 
     @property
@@ -255,17 +256,17 @@ class HooksConfig(_Section):
             return None
         key = f"hooks.{info.field_name}"
         if not value:
-            raise _KeyError(key, value, "is an empty list; give a command as a list, e.g. "
+            raise KeyProblem(key, value, "is an empty list; give a command as a list, e.g. "
                             "[notify-send, ocrvl, '{pdf} is done'], or null for none")
         for arg in value:
             for name in _PLACEHOLDER.findall(arg):
                 if name not in HOOK_PLACEHOLDERS:
                     known = ", ".join("{" + p + "}" for p in HOOK_PLACEHOLDERS)
-                    raise _KeyError(key, value, f"uses an unknown placeholder {{{name}}}; "
+                    raise KeyProblem(key, value, f"uses an unknown placeholder {{{name}}}; "
                                     f"use one of {known}")
         program = os.path.expanduser(value[0])
         if shutil.which(program) is None:
-            raise _KeyError(key, value, f"its program {value[0]!r} is not an executable found "
+            raise KeyProblem(key, value, f"its program {value[0]!r} is not an executable found "
                             "on PATH; install it, or give its full path (a service's PATH is "
                             "shorter than a terminal's)")
         return value
@@ -296,11 +297,11 @@ class OutputConfig(_Section):
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir():
-            raise _KeyError("output.dir", str(value), f"{existing} is not a folder; set "
+            raise KeyProblem("output.dir", str(value), f"{existing} is not a folder; set "
                             "output.dir to a folder, or null to write next to each PDF")
         if not os.access(existing, os.W_OK | os.X_OK):
             what = "is" if existing == value else f"cannot be created: {existing} is"
-            raise _KeyError("output.dir", str(value), f"{what} not writable for this user; "
+            raise KeyProblem("output.dir", str(value), f"{what} not writable for this user; "
                             "fix its permissions, choose another folder, or set null to "
                             "write next to each PDF")
         return value
@@ -327,10 +328,10 @@ class MetricsConfig(_Section):
         host, sep, port = self.listen.rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise _KeyError("metrics.listen", self.listen, "must be HOST:PORT, e.g. "
+            raise KeyProblem("metrics.listen", self.listen, "must be HOST:PORT, e.g. "
                             "127.0.0.1:9118, or null to turn the endpoint off")
         if not self.allow_remote and not _is_loopback(host):
-            raise _KeyError("metrics.listen", self.listen, "is not a loopback address, so "
+            raise KeyProblem("metrics.listen", self.listen, "is not a loopback address, so "
                             "anyone on the network could read it; use 127.0.0.1:PORT, or "
                             "set metrics.allow_remote: true if that is what you want")
         return self
@@ -377,14 +378,14 @@ class Config(_Section):
     def _consistent(self) -> Config:
         server = self.server
         if server.mode == "external" and not server.url:
-            raise _KeyError(
+            raise KeyProblem(
                 "server.url",
                 None,
                 "server.mode is 'external' but no url is set; "
                 "set server.url: http://HOST:PORT/v1, or use server.mode: managed",
             )
         if server.mode == "managed" and server.launcher == "command" and not server.command:
-            raise _KeyError(
+            raise KeyProblem(
                 "server.command",
                 None,
                 "server.launcher is 'command' but no command "
@@ -393,7 +394,7 @@ class Config(_Section):
         served_name = self.model.served_name
         if (server.mode == "managed" and server.launcher == "genai_server" and served_name
                 and served_name != self.model.name):
-            raise _KeyError(
+            raise KeyProblem(
                 "model.served_name",
                 served_name,
                 "paddleocr genai_server serves the model under model.name only; remove "
@@ -401,7 +402,7 @@ class Config(_Section):
             )
         names = [p.name for p in self.inbox.paths]
         if self.output.dir is not None and len(set(names)) < len(names):
-            raise _KeyError(
+            raise KeyProblem(
                 "inbox.paths",
                 [str(p) for p in self.inbox.paths],
                 f"with output.dir set, each inbox's results go to output.dir/<its folder "
@@ -411,7 +412,7 @@ class Config(_Section):
         new_tokens = self.model.effective_max_new_tokens
         need = self.model.vl_model.request_token_budget(new_tokens)
         if max_len != AUTO and int(max_len) < need:
-            raise _KeyError(
+            raise KeyProblem(
                 "server.vllm_args.max-model-len",
                 max_len,
                 f"is too small: a page request can need {new_tokens} "
@@ -425,16 +426,6 @@ class Config(_Section):
     def config_for_server(self) -> dict[str, Any]:
         """The settings that need a server restart when they change."""
         return {"model": self.model.model_dump(), "server": self.server.model_dump(mode="json")}
-
-
-class _KeyError(ValueError):
-    """A cross-key problem found after the sections validated; carries the key it is about."""
-
-    def __init__(self, key: str, value: Any, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.value = value
-        self.message = message
 
 
 def resolve_config_path(explicit: str | Path | None) -> Path | None:
@@ -496,42 +487,7 @@ def load_config(
 
 def validate_config(data: dict[str, Any], source: Path | None = None) -> Config:
     """Validate a config mapping, turning the first problem into a ConfigError naming its key."""
-    where = f" in {source}" if source else ""
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        if isinstance(err.get("ctx", {}).get("error"), _KeyError):
-            key_err: _KeyError = err["ctx"]["error"]
-            raise ConfigError(
-                f"Config key {key_err.key} = {key_err.value!r}{where}: {key_err.message}."
-            ) from None
-        key = ".".join(str(p) for p in err["loc"])
-        value = err.get("input")
-        if err["type"] == "extra_forbidden":
-            raise ConfigError(
-                f"Unknown config key {key!r}{where}.", _suggest_key(err["loc"])
-            ) from None
-        message = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(
-            f"Config key {key} = {value!r}{where} is invalid: {message}.",
-            f"see config.example.yaml for {key}'s allowed values",
-        ) from None
-
-
-def _suggest_key(loc: tuple[int | str, ...]) -> str:
-    """Name the key the user probably meant (typos are the usual cause)."""
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            break
-        model = annotation
-    known = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    parent = ".".join(str(p) for p in loc[:-1])
-    prefix = f"{parent}." if parent else ""
-    if close:
-        return f"did you mean {prefix}{close[0]}? (known keys here: {', '.join(known)})"
-    return f"remove it; the known keys here are: {', '.join(known)}"
+        raise config_error(exc, Config, source) from None

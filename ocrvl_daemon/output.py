@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, write_atomic
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from ocrvl_daemon.config import Config
 
-TMP_MARK = ".ocrvl-tmp"
 IMAGES_MARKER = ".ocrvl-images"
 IMAGES_SUFFIX = "_images"
 ERROR_SUFFIX = ".ocrvl-error.txt"
@@ -43,9 +42,6 @@ JSON_FORMAT = "ocrvl-document"
 JSON_VERSION = 1
 # How every ocrvl JSON output starts: what tells it from a JSON file ocrvl did not write.
 _JSON_START = f'{{"format": "{JSON_FORMAT}", "version": {JSON_VERSION},'
-SCHEMA_FILE = Path(__file__).parent / "data" / "document.schema.json"
-# What a temporary name adds to the name it stands for: a dot, "-new-" or "-old-", a pid.
-_TMP_EXTRA = 1 + 5 + 10
 _HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
 # Room for the Markdown and its images, plus slack for the filesystem.
@@ -221,18 +217,18 @@ def write_document(
     md, images_dir, _ = outputs_for(pdf, place)
     _make_folder(md.parent)
     _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
-    tmp_md = _temporary(md)
-    tmp_dir = _temporary(images_dir)
+    tmp_md = temporary(md)
+    tmp_dir = temporary(images_dir)
     data = json_for(pdf, place)
-    tmp_json = _temporary(data)
+    tmp_json = temporary(data)
     link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
         check_writable(pdf, json_output=json_output, place=place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
-        _remove_temporaries(md)
-        _remove_temporaries(images_dir)
+        remove_temporaries(md)
+        remove_temporaries(images_dir)
         if json_output:
-            _remove_temporaries(data)
+            remove_temporaries(data)
         with contextlib.ExitStack() as files:
             out = files.enter_context(tmp_md.open("w", encoding="utf-8"))
             js = files.enter_context(tmp_json.open("w", encoding="utf-8")) if json_output else None
@@ -265,9 +261,9 @@ def write_document(
                     written.flush()
                     os.fsync(written.fileno())
         if tmp_dir.exists():
-            _fsync_dir(tmp_dir)
+            fsync_dir(tmp_dir)
         if images_dir.exists():
-            old = _temporary(images_dir, "old")
+            old = temporary(images_dir, "old")
             os.replace(images_dir, old)
             shutil.rmtree(old, ignore_errors=True)
         if tmp_dir.exists():
@@ -275,7 +271,7 @@ def write_document(
         if json_output:
             os.replace(tmp_json, data)
         os.replace(tmp_md, md)
-        _fsync_dir(md.parent)
+        fsync_dir(md.parent)
     except OSError as exc:
         raise _output_error(md, exc) from exc
     finally:
@@ -299,24 +295,6 @@ def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
     return {"number": page.index + 1, "verdict": verdict, "reason": reason,
             "signals": quality or None, "note": page.note, "size": layout.get("size"),
             "blocks": blocks, "markdown": page.markdown, "images": image_paths}
-
-
-def _temporary(path: Path, kind: str = "new") -> Path:
-    """A hidden name beside `path` for work in progress (never matched by the inbox)."""
-    return path.with_name(f"{_temporary_prefix(path)}-{kind}-{os.getpid()}")
-
-
-def _temporary_prefix(path: Path) -> str:
-    """`.<name>.ocrvl-tmp`, the name shortened where a temporary name would not fit."""
-    return "." + fit_name(path.name, TMP_MARK, name_max(path.parent) - _TMP_EXTRA)
-
-
-def _remove_temporaries(path: Path) -> None:
-    for stale in path.parent.glob(f"{glob.escape(_temporary_prefix(path))}-*"):
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
 
 
 def _page_block(page: Page, text: str, *, first: bool) -> str:
@@ -351,30 +329,6 @@ def _write_image(tmp_dir: Path, name: str, data: bytes) -> None:
     with (tmp_dir / name).open("wb") as f:
         f.write(data)
         os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a hidden temporary file beside `path`, fsync, then rename over `path`."""
-    tmp = _temporary(path)
-    try:
-        _remove_temporaries(path)
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        with contextlib.suppress(OSError):  # never there, or the folder is read-only
-            tmp.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _make_folder(folder: Path) -> None:

@@ -31,6 +31,8 @@ from typing import IO
 
 import psutil
 
+from ocrvl_daemon.atomic_file import write_atomic
+
 log = logging.getLogger(__name__)
 
 # Every process of a group we start carries this in its environment (children inherit it),
@@ -59,9 +61,7 @@ class GroupRecord:
     def save(self, path: Path) -> None:
         """Write atomically, so a crash never leaves half a record."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, path: Path) -> GroupRecord | None:

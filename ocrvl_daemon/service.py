@@ -22,8 +22,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
-from ocrvl_daemon.output import write_atomic
+from ocrvl_daemon.gpu import is_wsl
 
 UNIT_NAME = "ocrvl.service"
 MARKER = "# Written by ocrvl install-service; sha256="
@@ -182,15 +183,6 @@ def _advice() -> list[str]:
             "If the service cannot find the GPU, uncomment "
             "Environment=LD_LIBRARY_PATH=/usr/lib/wsl/lib (`systemctl --user edit ocrvl`).")
     return notes
-
-
-def is_wsl() -> bool:
-    """Whether this is Windows Subsystem for Linux."""
-    try:
-        release = Path("/proc/sys/kernel/osrelease").read_text(encoding="ascii").lower()
-    except OSError:
-        return False
-    return "microsoft" in release or "wsl" in release
 
 
 def _read(path: Path) -> str | None:

@@ -14,7 +14,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -26,6 +25,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
+from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import DEFAULT_CONFIG_PATH, Config, expand_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
 from ocrvl_daemon.gpu import GpuReading, read_gpu
@@ -50,7 +50,6 @@ MIN_FLASH_ATTN_CAPABILITY = (8, 0)
 GIB_PER_BUILD_JOB = 4
 GIB = 1024**3
 TORCH_PROBE_TIMEOUT = 120.0
-DEFAULT_VENV = Path("~/.local/share/ocrvl/server-venv")
 
 
 @dataclass(frozen=True)
@@ -228,18 +227,7 @@ def set_config_key(path: Path, key: tuple[str, ...], value: Any) -> None:
     out = io.StringIO()
     yaml.dump(data, out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(out.getvalue())
-            handle.flush()
-            os.fsync(handle.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, out.getvalue())
 
 
 def torch_version(python: Path) -> str | None:

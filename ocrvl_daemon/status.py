@@ -132,12 +132,6 @@ def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:
     return view
 
 
-def collect_status(config: Config, *, everything: bool = True) -> dict[str, Any]:
-    """Everything `ocrvl status` shows, as a dict (paths `shown`, as people read them);
-    without `everything`, recent documents."""
-    return _collect_status(config, everything)[0]
-
-
 def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], list[Path]]:
     """The status, and each listed document's path as it is (for the commands shown with it)."""
     store = open_store(config)

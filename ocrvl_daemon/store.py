@@ -25,54 +25,11 @@ from typing import Any
 
 from ocrvl_daemon.errors import ConfigError, StateFullError
 from ocrvl_daemon.names import shown
+from ocrvl_daemon.store_schema import apply_schema
 
-SCHEMA_VERSION = 1
 SQLITE_FULL = 13  # "database or disk is full"
 # Pages read per query when assembling a document.
 PAGE_BATCH = 256
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY,
-    path BLOB NOT NULL UNIQUE,  -- os.fsencode(path): names need not be UTF-8
-    sha256 TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    mtime REAL NOT NULL,
-    model TEXT NOT NULL,
-    state TEXT NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT,
-    page_count INTEGER,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    started REAL,
-    finished REAL,
-    not_before REAL NOT NULL DEFAULT 0,
-    redo_tokens INTEGER NOT NULL DEFAULT 0,
-    hook_error TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
-CREATE TABLE IF NOT EXISTS pages (
-    sha256 TEXT NOT NULL,
-    model TEXT NOT NULL,
-    page INTEGER NOT NULL,
-    markdown TEXT NOT NULL,
-    note TEXT,
-    failed INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL,
-    quality TEXT,  -- JSON: page_quality.PageQuality.to_json()
-    layout TEXT,  -- JSON: {"size": [w, h], "blocks": [{label, bbox, text}]}
-    PRIMARY KEY (sha256, model, page)
-);
-CREATE TABLE IF NOT EXISTS page_images (
-    sha256 TEXT NOT NULL,
-    model TEXT NOT NULL,
-    page INTEGER NOT NULL,
-    name TEXT NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (sha256, model, page, name)
-);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
 
 
 class JobState(str, Enum):
@@ -158,34 +115,7 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.executescript(_SCHEMA)
-        self._paths_as_bytes()
-        self._add_redo_tokens()
-        self._add_page_quality()
-        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        if "hook_error" not in columns:  # a store from before hooks existed
-            self._db.execute("ALTER TABLE jobs ADD COLUMN hook_error TEXT")
-        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-
-    def _paths_as_bytes(self) -> None:
-        """Databases of earlier versions kept paths as text: turn them into bytes, in place."""
-        if self._db.execute("SELECT 1 FROM jobs WHERE typeof(path)='text' LIMIT 1").fetchone():
-            with self._tx() as db:
-                db.execute("UPDATE OR REPLACE jobs SET path=CAST(path AS BLOB) "
-                           "WHERE typeof(path)='text'")
-
-    def _add_redo_tokens(self) -> None:
-        """Databases of earlier versions did not count the tokens of redone cut-off pages."""
-        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
-        if "redo_tokens" not in columns:
-            self._db.execute("ALTER TABLE jobs ADD COLUMN redo_tokens INTEGER NOT NULL DEFAULT 0")
-
-    def _add_page_quality(self) -> None:
-        """Databases of earlier versions kept no quality record or layout per page."""
-        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(pages)")}
-        for column in ("quality", "layout"):
-            if column not in columns:
-                self._db.execute(f"ALTER TABLE pages ADD COLUMN {column} TEXT")
+        apply_schema(self._db, self._tx)
 
     def close(self) -> None:
         """Close the connection."""

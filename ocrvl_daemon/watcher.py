@@ -1,23 +1,23 @@
-"""Inbox watcher: filesystem events + start-up scan + periodic rescan + stability -> PDFs.
+"""Inbox watcher: turns filesystem events, a start-up scan and periodic rescans of the inbox
+folders into the PDFs that have stopped changing, each version handed on once.
 
-Watchdog's threads only record paths in a lock-protected set. Everything that touches the
-disk (stat, scans, opening PDFs, re-arming observers) happens in `poll()`, which the daemon's
-main loop calls about twice a second. Events only make the watcher react faster; the
-start-up scan and the periodic rescan make it correct when events are missed (inotify
-overflow, network filesystems, an inbox that was deleted and re-created).
+Which files count is `inbox_scan`'s job. Watchdog's threads only record paths in a
+lock-protected set. Everything that touches the disk (stat, scans, opening PDFs, re-arming
+observers) happens in `poll()`, which the daemon's main loop calls about twice a second.
+Events only make the watcher react faster; the start-up scan and the periodic rescan make it
+correct when events are missed (inotify overflow, network filesystems, an inbox that was
+deleted and re-created).
 """
 
 from __future__ import annotations
 
 import errno
-import fnmatch
 import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pypdfium2
@@ -29,6 +29,7 @@ from watchdog.observers.polling import PollingObserver
 
 from ocrvl_daemon.config import InboxConfig
 from ocrvl_daemon.filesystems import filesystem_type, needs_polling
+from ocrvl_daemon.inbox_scan import Listing, ignored_dir, is_pdf_name, outermost, walk, wanted_name
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,9 @@ BAD_FILE_WAIT_MIN = 30.0
 BAD_FILE_WAIT_FACTOR = 10.0
 STOP_TIMEOUT = 5.0
 
-# ocrvl's own output must never trigger work: Markdown, image folders, error notes, temp files.
-OWN_FILE_PATTERNS = ("*.md", "*.ocrvl-error.txt", "*.ocrvl-tmp*")
-OWN_DIR_PATTERNS = ("*_images", "*.ocrvl-tmp*")
-
 # Events that say a file's content or name changed. Opens and read-only closes are left
 # out on purpose: the PDF check in poll() itself opens the file.
 _FILE_EVENTS = frozenset({"created", "modified", "closed", "moved", "deleted", "attrib"})
-
-
-def is_pdf_name(name: str) -> bool:
-    """True for `*.pdf`, in any case."""
-    return name.lower().endswith(".pdf")
 
 
 def opens_as_pdf(path: Path) -> bool:
@@ -72,15 +64,6 @@ class _FileState:
     emitted: bool = False
     opens: bool | None = None  # opens_as_pdf() for this version, once asked
     outside: bool = False  # a symlink whose target is outside every inbox
-
-
-@dataclass
-class _Listing:
-    """What one scan found."""
-
-    files: set[Path] = field(default_factory=set)
-    links_out: set[Path] = field(default_factory=set)  # directory links leading out
-    unreadable: list[Path] = field(default_factory=list)
 
 
 @dataclass
@@ -113,12 +96,10 @@ class InboxWatcher:
     def __init__(
         self,
         inbox: InboxConfig,
-        on_ready: Callable[[Path], None] | None = None,
         *,
         bad_file_wait: float | None = None,
     ) -> None:
         self._inbox = inbox
-        self._on_ready = on_ready
         self._bad_file_wait = bad_file_wait
         self._handler = _Recorder(self)
         self._lock = threading.Lock()
@@ -183,18 +164,6 @@ class InboxWatcher:
         # New ignore rules or a new `recursive` change which files count: look again.
         self._next_rescan = float("-inf")
 
-    def watch_modes(self) -> dict[Path, str]:
-        """How each inbox is watched right now: "inotify", "polling" or "unavailable"."""
-        return {
-            root.path: "unavailable" if root.observer is None
-            else "polling" if root.polling else "inotify"
-            for root in self._roots
-        }
-
-    def request_rescan(self) -> None:
-        """Make the next poll() scan every inbox in full."""
-        self._next_rescan = float("-inf")
-
     # -- the main-loop tick --------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> list[Path]:
@@ -209,7 +178,7 @@ class InboxWatcher:
         if now >= self._next_rescan:
             self._next_rescan = now + self._inbox.rescan_seconds
             dirs = {root.path for root in self._roots}
-        for top in _outermost(dirs):
+        for top in outermost(dirs):
             self._scan(top)
         for path in files:
             if self._wanted(path):
@@ -222,13 +191,6 @@ class InboxWatcher:
         for path in sorted(self._active):
             if self._check(path, now, targets):
                 ready.append(path)
-        for path in ready:
-            if self._on_ready is not None:
-                try:
-                    self._on_ready(path)
-                except Exception:
-                    # One file's trouble downstream must not stop the others being handed on.
-                    log.exception("handling ready file %s failed", path)
         return ready
 
     # -- events (watchdog threads) -------------------------------------------------------
@@ -376,15 +338,6 @@ class InboxWatcher:
                 best = root
         return best
 
-    def _ignored(self, name: str, own: Iterable[str]) -> bool:
-        return any(fnmatch.fnmatch(name, pat) for pat in (*self._inbox.ignore, *own))
-
-    def _ignored_dir(self, name: str) -> bool:
-        return self._ignored(name, OWN_DIR_PATTERNS)
-
-    def _wanted_name(self, name: str) -> bool:
-        return is_pdf_name(name) and not self._ignored(name, OWN_FILE_PATTERNS)
-
     def _wanted(self, path: Path) -> bool:
         """True for a PDF path inside an inbox that no ignore rule hides."""
         root = self._root_of(path)
@@ -393,7 +346,8 @@ class InboxWatcher:
         parts = path.relative_to(root.path).parts
         if not parts or (len(parts) > 1 and not self._inbox.recursive):
             return False
-        return self._wanted_name(parts[-1]) and not any(map(self._ignored_dir, parts[:-1]))
+        return wanted_name(parts[-1], self._inbox) and not any(
+            ignored_dir(part, self._inbox) for part in parts[:-1])
 
     def _scan(self, top: Path) -> None:
         """Mark every candidate under `top` for checking; forget what is no longer there."""
@@ -401,9 +355,10 @@ class InboxWatcher:
         if root is None:
             return
         parts = top.relative_to(root.path).parts
-        listing = _Listing()
-        if not parts or (self._inbox.recursive and not any(map(self._ignored_dir, parts))):
-            self._walk(top, listing)
+        listing = Listing()
+        if not parts or (self._inbox.recursive
+                         and not any(ignored_dir(part, self._inbox) for part in parts)):
+            listing = walk(top, self._inbox, self._inside)
         for link in sorted(listing.links_out - self._outside_dirs):
             log.info("%s links to %s, outside every inbox; ignoring it", link,
                      os.path.realpath(link))
@@ -420,38 +375,6 @@ class InboxWatcher:
         for path in stale:
             self._forget(path)
         self._active |= listing.files
-
-    def _walk(self, top: Path, listing: _Listing) -> None:
-        """Fill `listing` with what lies under `top`.
-
-        Directory links are never followed: one leading inside an inbox is scanned at its
-        real place, one leading out is not ours to read.
-        """
-        stack = [top]
-        while stack:
-            folder = stack.pop()
-            try:
-                with os.scandir(folder) as it:
-                    entries = list(it)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError as exc:
-                log.warning("cannot list %s: %s", folder, exc)
-                listing.unreadable.append(folder)
-                continue
-            for entry in entries:
-                path = Path(entry.path)
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        if self._inbox.recursive and not self._ignored_dir(entry.name):
-                            stack.append(path)
-                    elif entry.is_symlink() and entry.is_dir():
-                        if not self._inside(os.path.realpath(path)):
-                            listing.links_out.add(path)
-                    elif self._wanted_name(entry.name):
-                        listing.files.add(path)
-                except OSError as exc:
-                    log.warning("cannot inspect %s: %s", path, exc)
 
     def _inside(self, real: str) -> bool:
         return any(Path(real).is_relative_to(root.real) for root in self._roots)
@@ -521,16 +444,6 @@ class InboxWatcher:
 
 def _absolute(path: Path) -> Path:
     return Path(os.path.abspath(path))
-
-
-def _outermost(dirs: Iterable[Path]) -> list[Path]:
-    """Drop directories that lie inside another one in the set: scanning the outer covers them."""
-    ordered = sorted(dirs, key=lambda d: len(d.parts))
-    kept: list[Path] = []
-    for folder in ordered:
-        if not any(folder.is_relative_to(k) for k in kept):
-            kept.append(folder)
-    return kept
 
 
 def _stop_quietly(observer: BaseObserver) -> None:

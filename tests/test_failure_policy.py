@@ -76,7 +76,8 @@ class Policy:
         return self.store.job(job.id)
 
     def view(self, pdf: Path) -> dict:
-        docs = status.collect_status(self.config)["documents"]
+        docs = json.loads(status.render_status(self.config, as_json=True, everything=True))[
+            "documents"]
         return next(d for d in docs if d["path"] == str(pdf))
 
 

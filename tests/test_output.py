@@ -18,6 +18,7 @@ from urllib.parse import unquote_to_bytes
 import pytest
 
 from ocrvl_daemon import output, pdf
+from ocrvl_daemon.atomic_file import TMP_MARK
 from ocrvl_daemon.errors import InputFileError, NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import name_max
 from ocrvl_daemon.output import Page, outputs_for, read_header, write_document
@@ -36,7 +37,7 @@ def pages(count: int, image_every: int = 0) -> Iterator[Page]:
 
 def leftovers(folder: Path) -> list[str]:
     """Temporary files or folders of ocrvl still lying around."""
-    return [p.name for p in folder.iterdir() if output.TMP_MARK in p.name]
+    return [p.name for p in folder.iterdir() if TMP_MARK in p.name]
 
 
 @pytest.fixture
@@ -96,8 +97,8 @@ def test_low_free_space_pauses_output_before_writing_anything(
 
 def test_temporaries_of_a_killed_run_are_cleaned_up_by_the_next_write(book: Path) -> None:
     md, images, _ = outputs_for(book)
-    (book.parent / f".{md.name}{output.TMP_MARK}-new-99999").write_text("half a book")
-    stale_dir = book.parent / f".{images.name}{output.TMP_MARK}-old-99999"
+    (book.parent / f".{md.name}{TMP_MARK}-new-99999").write_text("half a book")
+    stale_dir = book.parent / f".{images.name}{TMP_MARK}-old-99999"
     stale_dir.mkdir()
     (stale_dir / "x.jpg").write_bytes(b"x")
     write_document(book, "x", MODEL, 2, pages(2))
