@@ -144,7 +144,7 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     running = set().union(*(cgroup_pids(path) for path in service_cgroups))
     names = {pid: " ".join(cmdline(pid)) for pid in running}
     servers = [pid for pid in running if "ocrvl_daemon.testing.fake_server" in cmdline(pid)]
-    engines = [pid for pid in running if "ocrvl_daemon.engine import serve" in names[pid]]
+    engines = [pid for pid in running if "ocrvl_daemon.engine_process import serve" in names[pid]]
     assert main_pid in running and servers and engines, \
         f"expected ocrvl, the model server and an engine worker in the unit's cgroup: " \
         f"{names}"
