@@ -25,6 +25,7 @@ from typing import IO, Any
 import psutil
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.process_group import stop_process_group
 from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class _Channel:
     def __init__(self, reader: IO[bytes], writer: IO[bytes]) -> None:
         self._reader = reader
         self._writer = writer
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _writer: one message's bytes go together
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -101,6 +102,12 @@ class _Channel:
         if len(data) < size:
             return None
         return pickle.loads(data)
+
+
+def _log_for_worker(level: int, name: str, text: str) -> None:
+    """Log a record the worker sent, at its level and under its logger's name, so the
+    daemon's handler (journald's priority among its fields) treats it like its own."""
+    logging.getLogger(name).log(level, "%s", text)
 
 
 class EngineWorker:
@@ -126,8 +133,10 @@ class EngineWorker:
         """Start the process; it reports readiness through `collect`."""
         argv = [sys.executable, "-c", "from ocrvl_daemon.engine_process import serve; serve()",
                 str(os.getpid())]
+        # Its own process group, like the server's, so that a stop ends whatever it started;
+        # it dies with the daemon all the same (serve asks for a parent-death SIGKILL).
         self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=child_env(os.environ))
+                                         env=child_env(os.environ), start_new_session=True)
         assert self._process.stdin is not None and self._process.stdout is not None
         self._channel = _Channel(self._process.stdout, self._process.stdin)
         self._reader = threading.Thread(target=self._read, name="engine-results", daemon=True)
@@ -139,6 +148,9 @@ class EngineWorker:
         assert self._channel is not None
         try:
             while (message := self._channel.receive()) is not None:
+                if message[0] == "log":
+                    _log_for_worker(*message[1])
+                    continue
                 self._inbox.put(message)
                 self._arrived.set()
         except (OSError, ValueError, pickle.UnpicklingError) as exc:
@@ -210,26 +222,18 @@ class EngineWorker:
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the worker's input (it finishes what it has), then TERM/KILL and reap."""
+        """Close the worker's input (it finishes what it has), then stop its process group
+        (TERM, bounded wait, KILL, reap)."""
         process = self._process
         if process is None:
             return
         with contextlib.suppress(OSError, ValueError):
             assert process.stdin is not None
             process.stdin.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(min(timeout, 2.0))
-        except subprocess.TimeoutExpired:
-            log.info("engine worker %s: sending SIGTERM", process.pid)
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("engine worker %s did not stop; sending SIGKILL", process.pid)
-                process.kill()
-                process.wait()
+        stop_process_group(process, timeout, "engine worker")
         if self._reader is not None:
             self._reader.join(timeout)
         assert process.stdout is not None
         process.stdout.close()
-        log.info("engine worker %s stopped (exit %s)", process.pid, process.returncode)

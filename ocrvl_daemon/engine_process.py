@@ -29,7 +29,6 @@ import httpx
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask, _Channel
-from ocrvl_daemon.logs import basic_logging
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.request_gate import SHORT_EXTRA, GatedRequest, RequestGate, ready_margin
@@ -93,7 +92,8 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
 
 
 class _Locked:
-    """Serialises calls into a model that is not thread-safe (the layout detector)."""
+    """Serialises calls into a model that is not thread-safe (the layout detector): `lock`
+    guards the target's state, held for each whole call."""
 
     def __init__(self, target: Any, lock: threading.Lock) -> None:
         self._target = target
@@ -190,19 +190,35 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     return max(0, min(lengths, default=0) - overhead)
 
 
-WORKER_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+class _DaemonLog(logging.Handler):
+    """Hands the worker's log records (warnings and above) to the daemon, which logs them at
+    their own level: written to stderr, they would reach journald as text of no priority."""
+
+    def __init__(self, channel: _Channel) -> None:
+        super().__init__(logging.WARNING)
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._channel.send(("log", (record.levelno, record.name, self.format(record))))
+        except Exception:
+            self.handleError(record)
 
 
-def _plain_paddlex_log() -> None:
-    """Keep PaddleX's warnings, in the worker's plain format, and drop its INFO lines.
+def _library_logs_to_daemon() -> None:
+    """PaddleX's and paddleocr's records go to the daemon like the worker's own, and
+    PaddleX's INFO lines are dropped.
 
-    PaddleX logs "Creating model: ..." at every worker start, coloured with escape codes
-    that journald shows as garbage.
+    Both libraries log to stderr through handlers of their own. PaddleX logs "Creating
+    model: ..." at every worker start, coloured with escape codes that journald shows as
+    garbage.
     """
-    paddlex_log = logging.getLogger("paddlex")
-    paddlex_log.setLevel(logging.WARNING)
-    for handler in paddlex_log.handlers:
-        handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))
+    for name in ("paddlex", "paddleocr"):
+        library_log = logging.getLogger(name)
+        for handler in library_log.handlers[:]:
+            library_log.removeHandler(handler)
+        library_log.propagate = True
+    logging.getLogger("paddlex").setLevel(logging.WARNING)
 
 
 def _lean_paddlex_import() -> None:
@@ -246,8 +262,8 @@ def serve() -> None:
 
     Messages are length-prefixed pickles: the first one from the parent is the configuration,
     then `PageTask`s and ("limit", n) (the requests allowed at the server) until end of input;
-    this side answers "ready"/"failed", "sent" (a page's first request left for the server)
-    and "page" results.
+    this side answers "ready"/"failed", "sent" (a page's first request left for the server),
+    "page" results and "log" records.
     """
     die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
     if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
@@ -256,7 +272,8 @@ def serve() -> None:
     # fd 1 carries the protocol; anything a library prints goes to stderr instead.
     channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
-    basic_logging(logging.WARNING, WORKER_LOG_FORMAT)
+    logging.getLogger().addHandler(_DaemonLog(channel))
+    logging.getLogger().setLevel(logging.WARNING)
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Paddle warns at import, at every worker start, that ccache is missing: it compiles
@@ -268,7 +285,7 @@ def serve() -> None:
         _lean_paddlex_import()
         from paddleocr import PaddleOCRVL
 
-        _plain_paddlex_log()
+        _library_logs_to_daemon()
         pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(("failed", f"{type(exc).__name__}: {exc}"))
@@ -277,6 +294,7 @@ def serve() -> None:
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     inner = pipeline.paddlex_pipeline
+    # Guards both models below (neither is thread-safe): one call into either at a time.
     lock = threading.Lock()
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):

@@ -187,7 +187,7 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     assert not any(cgroup_pids(path) for path in service_cgroups), \
         "processes are left in ocrvl.service's cgroup after the stop"
     journal = manager.journal("-o", "cat", UNIT_MATCH)
-    reaped = [f"reaped server pid {servers[0]}", f"engine worker {engines[0]} stopped"]
+    reaped = [f"reaped server pid {servers[0]}", f"reaped engine worker pid {engines[0]}"]
     assert all(line in journal for line in reaped) and journal.rstrip().endswith("stopped"), \
         f"ocrvl did not stop the model server and the worker itself:\n{journal[-3000:]}"
     said = manager.manager_messages(UNIT_NAME)
