@@ -40,14 +40,8 @@ from ocrvl_daemon.page_quality import (
     assess,
 )
 from ocrvl_daemon.progress import DocumentProgress
-from ocrvl_daemon.scheduler import (
-    MAX_ACTIVE_DOCUMENTS,
-    SHORT_EXTRA,
-    SHORT_OF_PAGES,
-    DocumentPages,
-    pick_pages,
-    ready_margin,
-)
+from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
+from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages
 from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
@@ -401,24 +395,14 @@ class Converter:
         worker = self._worker
         if worker is None or not worker.ready or not self.server.is_ready():
             return
-        # `limit` pages at the server, and a few more being prepared (rendered, laid out,
-        # encoded) to replace the next ones that finish. No more than that: a page of a
-        # letter dropped now must not queue behind a book's pages inside the worker.
-        # Prepared pages wait at the worker's request gate, which follows `limit`, so the
-        # server holds exactly `limit` requests.
-        # Pages of a document short of pages in flight go at once, a few beyond that: the gate
-        # lets them bump a young request of a document that has many.
-        limit, in_flight = self.concurrency.limit, self.in_flight
+        limit = self.concurrency.limit
         worker.set_limit(limit)
-        margin = ready_margin(limit)
-        preparing = max(0, in_flight - self._at_server())
-        slots = min(limit + margin - in_flight, margin - preparing)
+        slots, short_room = slots_to_fill(limit, self.in_flight, self._at_server())
         docs = [self.active[j] for j in sorted(self.active)]
         chosen = self._isolating_pages()
         if chosen is None:
             chosen = pick_pages(docs, slots)
-            room = limit + margin + SHORT_EXTRA - self.in_flight
-            chosen += pick_pages(docs, room, short_of=SHORT_OF_PAGES)
+            chosen += pick_pages(docs, short_room - len(chosen), short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:
             later[doc.job_id] -= 1

@@ -6,8 +6,9 @@ server dies, so the unit of life and death here is the process group, never a PI
 * `ProcessGroup.spawn` starts the child as the leader of a new session (its PID is the
   group id), asks the kernel to SIGTERM it when the spawning thread dies (covers a
   SIGKILLed ocrvl), and records the group in a JSON pidfile.
-* `ProcessGroup.stop` sends SIGTERM to the group, waits a bounded time, sends SIGKILL,
-  reaps the leader and logs each step.
+* `ProcessGroup.stop` (`stop_process_group` for a leader started otherwise, like the engine
+  worker) sends SIGTERM to the group, waits a bounded time, sends SIGKILL, reaps the leader
+  and logs each step.
 * `kill_leftover` ends a group recorded by a previous ocrvl that died before it could
   (the kernel's parent-death signal only reaches the leader, not the engine core).
 """
@@ -162,6 +163,19 @@ def terminate_group(pgid: int, timeout: float, what: str = "server",
     return False
 
 
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float, what: str) -> bool:
+    """End the group `proc` leads (TERM, bounded wait, KILL) and reap `proc`.
+
+    True once nothing of the group is left.
+    """
+    gone = terminate_group(proc.pid, timeout, what, proc.poll)
+    if proc.returncode is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(KILL_WAIT)
+    log.info("reaped %s pid %d, exit status %s", what, proc.pid, proc.returncode)
+    return gone
+
+
 class ProcessGroup:
     """A child running as the leader of its own session, with stdout+stderr on a pipe."""
 
@@ -227,11 +241,7 @@ class ProcessGroup:
 
         True once nothing of the group is left.
         """
-        gone = terminate_group(self.pid, timeout, self.what, self.proc.poll)
-        if self.proc.returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(KILL_WAIT)
-        log.info("reaped %s pid %d, exit status %s", self.what, self.pid, self.proc.returncode)
+        gone = stop_process_group(self.proc, timeout, self.what)
         if gone and self.pidfile is not None and GroupRecord.load(self.pidfile) == self.record:
             self.pidfile.unlink(missing_ok=True)
         return gone

@@ -1,35 +1,18 @@
-"""Which pages go to the engine next.
+"""Which pages go to the engine next: a fair choice across the active documents.
 
 Pages of all active documents interleave: the next free slot goes to the document with the
 fewest pages in flight, then the fewest pages left, then the oldest. A 2-page letter dropped
 behind a 600-page book therefore gets its pages in at the next free slots and is done in about
-one page's time, while two books share the server evenly. How many pages may be at the
-server is `ConcurrencyController.limit`, which adapts to the server; `ready_margin` more are
-being prepared in the engine, so a finished request is replaced at once.
+one page's time, while two books share the server evenly. How many slots there are is the
+request gate's rule (`request_gate.slots_to_fill`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A document with fewer pages than this in flight (a letter, a book just dropped) is short of
-# pages: its next pages are sent to the engine at once, up to SHORT_EXTRA beyond `limit` plus
-# the ready margin, and at the worker's request gate they may bump a young request of a
-# document with many pages in flight instead of waiting for one to finish.
-SHORT_OF_PAGES = 4
-SHORT_EXTRA = 4
 # Documents converted at once, sharing the server; the queue behind them waits for a slot.
 MAX_ACTIVE_DOCUMENTS = 64
-
-
-def ready_margin(limit: int) -> int:
-    """Pages in flight beyond `limit`: being prepared (rendered, laid out, encoded) while
-    `limit` pages are at the server, so a finished request is replaced at once.
-
-    Small on purpose: a page of a letter dropped now is prepared after these (the renderer
-    and the request gate serve first come, first served), so each one delays it.
-    """
-    return max(2, limit // 16)
 
 
 @dataclass

@@ -74,7 +74,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, sources: Path) -> dict[s
 
 
 def session_processes(sessions: set[int], port: int) -> list[str]:
-    """Processes left from our daemons' sessions, or fake servers on our port."""
+    """Processes left from our daemons' sessions, their engine workers (each in its own
+    session, named by its daemon's PID, which is the daemon's session id), or fake servers
+    on our port."""
     left = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
@@ -82,7 +84,9 @@ def session_processes(sessions: set[int], port: int) -> list[str]:
                 continue
             cmdline = proc.info["cmdline"] or []
             ours = os.getsid(proc.pid) in sessions or (
-                "ocrvl_daemon.testing.fake_server" in cmdline and str(port) in cmdline)
+                "ocrvl_daemon.testing.fake_server" in cmdline and str(port) in cmdline) or (
+                "from ocrvl_daemon.engine_process import serve; serve()" in cmdline
+                and cmdline[-1] in {str(s) for s in sessions})
             if ours and proc.pid != os.getpid():
                 left.append(f"{proc.pid}: {' '.join(cmdline)}")
         except (ProcessLookupError, psutil.Error):

@@ -141,11 +141,14 @@ def test_sigkill_mid_book_then_restart_gives_identical_output_and_redoes_only_in
         shutil.copyfile(reference, book)
         wait_until(lambda: setup.checkpointed_pages() >= 12, 90, what="12 pages checkpointed")
         server_pid = int(re.findall(r"started server, pid (\d+)", daemon.log())[-1])
+        worker_pid = int(re.findall(r"engine worker started \(pid (\d+)", daemon.log())[-1])
         daemon.kill()
         # The worker and the server die with the daemon, a moment later: only then is the
         # request log final for the first run. Not when its port closes: the requests in
         # flight are answered (500) and logged after that.
         wait_until(lambda: not process_alive(server_pid), 30, what="the first run's server to die")
+        wait_until(lambda: not process_alive(worker_pid), 30,
+                   what="the first run's engine worker (its own process group) to die")
         status = setup.status()
         assert status["daemon"]["running"] is False, (
             "`ocrvl status` shows a killed daemon as running"

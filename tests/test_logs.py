@@ -13,7 +13,12 @@ from typing import IO, Any
 
 import pytest
 
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.logs import PriorityFormatter, doc_fields, set_level, setup_logging
+from ocrvl_daemon.testing.documents import make_pdf
+from ocrvl_daemon.testing.harness import wait_until
+from ocrvl_daemon.testing.plain_server import plain_openai_server
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +170,36 @@ def test_a_name_that_is_not_utf8_is_logged_escaped(pipe: tuple[IO[str], IO[str]]
     record = logging.makeLogRecord({"msg": "%s failed", "args": (odd,), "levelno": logging.ERROR})
     PriorityFormatter().format(record)
     assert record.message == "/in/\\xff\\xfebook.pdf failed"
+
+
+@pytest.mark.slow
+def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
+        pipe: tuple[IO[str], IO[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    writer, reader = pipe
+    _no_systemd_python(monkeypatch)
+    monkeypatch.setenv("JOURNAL_STREAM", _journal_stream_of(writer))
+    setup_logging("INFO", stream=writer)
+    pdf = make_pdf(tmp_path / "one.pdf", 1)
+    stat = pdf.stat()
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"use_layout_detection": False}})
+    # An answer cut off at the token limit, from a server without /v1/models: the worker
+    # warns that it cannot read the server's max_model_len.
+    with plain_openai_server(lists_models=False, finish_reason="length") as url:
+        worker = EngineWorker(config, url)
+        worker.start()
+        try:
+            wait_until(lambda: worker.collect() == [] and worker.ready, 120,
+                       what="the engine worker to start")
+            worker.submit(PageTask(1, str(pdf), 0, 1024, stat.st_size, stat.st_mtime))
+            results: list[PageResult] = []
+            wait_until(lambda: results.extend(worker.collect()) or results, 120,
+                       what="the page back")
+        finally:
+            worker.stop()
+    assert results[0].truncated_at == 1024, f"the answer was not seen as cut off: {results[0]}"
+    lines = _lines(writer, reader)
+    warnings = [line for line in lines if "cannot read max_model_len" in line]
+    assert warnings and all(line.startswith("<4>ocrvl_daemon.engine_process: ")
+                            for line in warnings), (
+        f"the worker's warning did not reach the daemon's log as a warning: {lines}")

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import EngineWorker
 from ocrvl_daemon.process_group import (
     TOKEN_ENV,
     GroupRecord,
@@ -150,3 +152,29 @@ def test_group_ends_when_the_spawning_process_is_sigkilled(groups: list[int]) ->
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_engine_worker_leads_its_own_group_and_a_stuck_one_is_killed(
+        tmp_path: Path, groups: list[int], caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that does not end when its input closes (stopped with SIGSTOP here, like one
+    stuck in a library call) is ended like the server: its whole group, TERM, then KILL."""
+    caplog.set_level(logging.INFO, "ocrvl_daemon.process_group")
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"use_layout_detection": False}})
+    worker = EngineWorker(config, "http://127.0.0.1:9/v1")
+    worker.start()
+    assert worker.pid is not None
+    groups.append(worker.pid)
+    try:
+        assert os.getpgid(worker.pid) == worker.pid, (
+            "the engine worker is not the leader of a process group of its own")
+        os.kill(worker.pid, signal.SIGSTOP)
+    finally:
+        worker.stop(timeout=0.5)
+    assert not group_alive(worker.pid), "something of the engine worker's group outlived the stop"
+    assert not worker.alive()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("engine worker process group") and "SIGKILL" in m
+               for m in messages), f"the escalation to SIGKILL was not logged: {messages}"
+    assert any(m.startswith(f"reaped engine worker pid {worker.pid}") for m in messages), (
+        f"the reaping was not logged: {messages}")

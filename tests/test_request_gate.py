@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, GatedRequest, PageResult, PageTask, RequestGate
-from ocrvl_daemon.scheduler import SHORT_OF_PAGES
+from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate
 from ocrvl_daemon.testing.documents import make_pdf, page_width
 from ocrvl_daemon.testing.harness import free_port, start_fake_server, wait_until
 

@@ -12,7 +12,8 @@ from ocrvl_daemon import status
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageTask
-from ocrvl_daemon.scheduler import SHORT_EXTRA, DocumentPages, pick_pages, ready_margin
+from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
+from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from ocrvl_daemon.testing.documents import make_pdf
 
 

@@ -144,7 +144,7 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     running = set().union(*(cgroup_pids(path) for path in service_cgroups))
     names = {pid: " ".join(cmdline(pid)) for pid in running}
     servers = [pid for pid in running if "ocrvl_daemon.testing.fake_server" in cmdline(pid)]
-    engines = [pid for pid in running if "ocrvl_daemon.engine import serve" in names[pid]]
+    engines = [pid for pid in running if "ocrvl_daemon.engine_process import serve" in names[pid]]
     assert main_pid in running and servers and engines, \
         f"expected ocrvl, the model server and an engine worker in the unit's cgroup: " \
         f"{names}"
@@ -187,7 +187,7 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     assert not any(cgroup_pids(path) for path in service_cgroups), \
         "processes are left in ocrvl.service's cgroup after the stop"
     journal = manager.journal("-o", "cat", UNIT_MATCH)
-    reaped = [f"reaped server pid {servers[0]}", f"engine worker {engines[0]} stopped"]
+    reaped = [f"reaped server pid {servers[0]}", f"reaped engine worker pid {engines[0]}"]
     assert all(line in journal for line in reaped) and journal.rstrip().endswith("stopped"), \
         f"ocrvl did not stop the model server and the worker itself:\n{journal[-3000:]}"
     said = manager.manager_messages(UNIT_NAME)

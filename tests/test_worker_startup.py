@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import pipeline_kwargs
+from ocrvl_daemon.engine_process import pipeline_kwargs
 from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.runner import PACKAGE_ROOT, run_ocrvl, write_config
 

@@ -15,6 +15,7 @@ from ocrvl_daemon.models import DEFAULT_MODEL
 class _Handler(http.server.BaseHTTPRequestHandler):
     lists_models = True
     model = DEFAULT_MODEL
+    finish_reason = "stop"
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -43,7 +44,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(200, {"id": "1", "object": "chat.completion", "created": 0,
                          "model": request["model"], "usage": {"prompt_tokens": 1,
                          "completion_tokens": 1, "total_tokens": 2},
-                         "choices": [{"index": 0, "finish_reason": "stop",
+                         "choices": [{"index": 0, "finish_reason": self.finish_reason,
                                       "message": {"role": "assistant", "content": text}}]})
 
 
@@ -52,11 +53,13 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
-def plain_openai_server(*, lists_models: bool = True,
-                        model: str = DEFAULT_MODEL) -> Iterator[str]:
+def plain_openai_server(*, lists_models: bool = True, model: str = DEFAULT_MODEL,
+                        finish_reason: str = "stop") -> Iterator[str]:
     """Serve `model` on a free port; yields the OpenAI base URL (ending in /v1). Each answer
-    is "plain server saw <the prompt>"; a request for another model gets vLLM's 404."""
-    handler = type("Handler", (_Handler,), {"lists_models": lists_models, "model": model})
+    is "plain server saw <the prompt>", ending with `finish_reason` ("length": cut off); a
+    request for another model gets vLLM's 404."""
+    handler = type("Handler", (_Handler,), {"lists_models": lists_models, "model": model,
+                                            "finish_reason": finish_reason})
     server = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

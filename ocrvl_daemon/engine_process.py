@@ -1,0 +1,419 @@
+"""The engine worker process: PaddleOCR-VL working one page at a time for the daemon.
+
+`serve` is its main. Each page is rendered here and run through the real
+`paddleocr.PaddleOCRVL` pipeline with `vl_rec_backend="vllm-server"`. Pages run concurrently
+on threads, so the server always has requests to work on: while one page waits for the
+model, the next is rendered and laid out; every chat request passes the `RequestGate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import PageResult, PageTask, _Channel
+from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
+from ocrvl_daemon.process_group import die_with_parent
+from ocrvl_daemon.request_gate import SHORT_EXTRA, GatedRequest, RequestGate, ready_margin
+
+log = logging.getLogger(__name__)
+
+# Errors from the OpenAI client that mean "the server is not there right now", by class name
+# (the parent never imports openai).
+SERVER_DOWN_ERRORS = {
+    "APIConnectionError",
+    "APITimeoutError",
+    "InternalServerError",
+    "ConnectError",
+    "ConnectionError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "ServiceUnavailableError",
+}
+
+
+# A page image with more than this share of dark pixels has ink on it: an empty answer for
+# it is a failure, not a blank page. One line of small text on a 2x-rendered A4 page is
+# about 0.1%; scanner noise on a blank page stays well below.
+INK_SHARE = 0.0005
+INK_LEVEL = 128
+
+
+def has_ink(image: Any) -> bool:
+    """Whether a rendered page (an H x W x 3 array) has anything dark on it."""
+    return bool((image.min(axis=2) < INK_LEVEL).mean() > INK_SHARE)
+
+
+def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
+    """Constructor arguments of `PaddleOCRVL` for this configuration."""
+    p = config.pipeline
+    kwargs: dict[str, Any] = {
+        "pipeline_version": config.model.vl_model.pipeline_version,
+        "vl_rec_backend": "vllm-server",
+        "vl_rec_server_url": server_url,
+        # The request's `model` must be exactly what the server serves.
+        "vl_rec_api_model_name": config.model.served,
+        "vl_rec_max_concurrency": p.max_concurrency,
+        "use_layout_detection": p.use_layout_detection,
+        "use_doc_orientation_classify": p.use_doc_orientation_classify,
+        "use_doc_unwarping": p.use_doc_unwarping,
+        "use_chart_recognition": p.use_chart_recognition,
+        # Each page gets its own thread here already; without PaddleX's per-call queue threads
+        # the chat requests are made on the page's thread, which lets `_track_completions`
+        # attribute finish reasons to the page (and saves their 0.5 s batching wait).
+        "use_queues": False,
+    }
+    if config.server.api_key:
+        kwargs["vl_rec_api_key"] = config.server.api_key
+    if p.device:
+        kwargs["device"] = p.device
+    elif not (p.use_layout_detection or p.use_doc_orientation_classify or p.use_doc_unwarping):
+        # Nothing runs here but requests to the server: naming a device spares paddlex its
+        # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+class _Locked:
+    """Serialises calls into a model that is not thread-safe (the layout detector): `lock`
+    guards the target's state, held for each whole call."""
+
+    def __init__(self, target: Any, lock: threading.Lock) -> None:
+        self._target = target
+        self._lock = lock
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return list(self._target(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+class _Completions(threading.local):
+    """The chat completions (futures) requested on this thread during one page, and how to
+    tell the converter once the page's first request leaves for the server."""
+
+    started: list[Any] | None = None
+    announce: Callable[[], None] | None = None
+    priority = 0
+
+
+_COMPLETIONS = _Completions()
+
+
+def _track_completions(pipeline: Any, gate: RequestGate) -> None:
+    """Pass every chat completion through `gate` and record it on the thread that asked.
+
+    PaddleX keeps only `choices[0].message.content`, so whether an answer was cut off at
+    the token limit is lost. The request runs on PaddleX's event-loop thread, where the page
+    is unknown; the call that starts it runs on the page's thread, so that is where the
+    future is noted, and read again once `predict` returned.
+    """
+    client = pipeline.paddlex_pipeline.vl_rec_model.genai_client
+    create = client.create_chat_completion
+
+    def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
+        request = GatedRequest(
+            gate,
+            lambda: create(messages, return_future=True, **kwargs),
+            _COMPLETIONS.priority,
+        )
+        request.send()
+        announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
+        if announce is not None:
+            announce()
+        if _COMPLETIONS.started is not None:
+            _COMPLETIONS.started.append(request.future)
+        return request.future if return_future else request.future.result()
+
+    client.create_chat_completion = tracked
+
+
+@dataclass(frozen=True)
+class _Answer:
+    finish_reason: str | None
+    text: str
+    tokens: int
+
+
+def _answers(started: list[Any]) -> list[_Answer]:
+    """The page's completions that came back: how each ended, its text, its token count."""
+    answers = []
+    for item in started:
+        if isinstance(item, Future):
+            if not item.done() or item.cancelled() or item.exception() is not None:
+                continue
+            item = item.result()
+        with contextlib.suppress(AttributeError, IndexError, TypeError):
+            usage = getattr(item, "usage", None)
+            answers.append(_Answer(item.choices[0].finish_reason,
+                                   item.choices[0].message.content or "",
+                                   int(getattr(usage, "completion_tokens", 0) or 0)))
+    return answers
+
+
+def _token_ceiling(config: Config, server_url: str) -> int:
+    """The most new tokens a request may ask for within the server's `max_model_len`.
+
+    Asked afresh each time (rarely: only for a cut-off answer), since a restarted server
+    may run with another length. 0 when the server does not say.
+    """
+    headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}
+    try:
+        response = httpx.get(f"{server_url.rstrip('/')}/models", headers=headers, timeout=10.0)
+        response.raise_for_status()
+        lengths = [
+            int(m["max_model_len"]) for m in response.json()["data"] if m.get("max_model_len")
+        ]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        log.warning("cannot read max_model_len from %s/models: %s", server_url, exc)
+        return 0
+    overhead = config.model.vl_model.request_token_budget(0)
+    return max(0, min(lengths, default=0) - overhead)
+
+
+class _DaemonLog(logging.Handler):
+    """Hands the worker's log records (warnings and above) to the daemon, which logs them at
+    their own level: written to stderr, they would reach journald as text of no priority."""
+
+    def __init__(self, channel: _Channel) -> None:
+        super().__init__(logging.WARNING)
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._channel.send(("log", (record.levelno, record.name, self.format(record))))
+        except Exception:
+            self.handleError(record)
+
+
+def _library_logs_to_daemon() -> None:
+    """PaddleX's and paddleocr's records go to the daemon like the worker's own, and
+    PaddleX's INFO lines are dropped.
+
+    Both libraries log to stderr through handlers of their own. PaddleX logs "Creating
+    model: ..." at every worker start, coloured with escape codes that journald shows as
+    garbage.
+    """
+    for name in ("paddlex", "paddleocr"):
+        library_log = logging.getLogger(name)
+        for handler in library_log.handlers[:]:
+            library_log.removeHandler(handler)
+        library_log.propagate = True
+    logging.getLogger("paddlex").setLevel(logging.WARNING)
+
+
+def _lean_paddlex_import() -> None:
+    """Keep paddlex's import from loading torch, transformers and peft, which the worker never
+    uses: ~10 s of a worker's start where they are installed (a GPU machine's Python).
+
+    modelscope, which paddlex imports, replaces itself with a lazy module after importing
+    `modelscope.hub`, so the lazy module lacks the `hub` attribute; paddlex's `import
+    modelscope.hub.errors as ...` then asks for it, and modelscope looks for a `hub` in
+    transformers and peft in turn, importing them (and torch). Giving it its `hub` first
+    avoids that. Its logger also imports `modelscope.utils.torch_utils` (and torch) only to
+    ask whether torch.distributed runs: a stand-in answers that; anything else asked of the
+    module loads the real one.
+    """
+    name = "modelscope.utils.torch_utils"
+    if name not in sys.modules:
+        stand_in = types.ModuleType(name)
+
+        def real(attr: str) -> Any:
+            if attr.startswith("__"):  # the import system's own questions (__path__...)
+                raise AttributeError(attr)
+            if sys.modules.get(name) is stand_in:
+                del sys.modules[name]
+            return getattr(importlib.import_module(name), attr)
+
+        stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
+        stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
+        stand_in.__getattr__ = real  # type: ignore[method-assign]
+        sys.modules[name] = stand_in
+    try:
+        import modelscope
+        import modelscope.hub.errors  # binds `modelscope` only: no lookup on the lazy module
+    except ImportError:
+        return
+    if "hub" not in vars(modelscope):
+        modelscope.hub = sys.modules["modelscope.hub"]  # type: ignore[attr-defined]
+
+
+def serve() -> None:
+    """The worker process's main (`EngineWorker.start` runs it with `python -c`).
+
+    Messages are length-prefixed pickles: the first one from the parent is the configuration,
+    then `PageTask`s and ("limit", n) (the requests allowed at the server) until end of input;
+    this side answers "ready"/"failed", "sent" (a page's first request left for the server),
+    "page" results and "log" records.
+    """
+    die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
+    if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    # fd 1 carries the protocol; anything a library prints goes to stderr instead.
+    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    logging.getLogger().addHandler(_DaemonLog(channel))
+    logging.getLogger().setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Paddle warns at import, at every worker start, that ccache is missing: it compiles
+    # nothing here, so that line would only be noise in the journal.
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    config_json, server_url = channel.receive()
+    config = Config.model_validate_json(config_json)
+    try:
+        _lean_paddlex_import()
+        from paddleocr import PaddleOCRVL
+
+        _library_logs_to_daemon()
+        pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
+    except BaseException as exc:  # report anything, even SystemExit from a dependency check
+        channel.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
+    # being replaced or stopped is not a crash.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    inner = pipeline.paddlex_pipeline
+    # Guards both models below (neither is thread-safe): one call into either at a time.
+    lock = threading.Lock()
+    for name in ("layout_det_model", "doc_preprocessor_pipeline"):
+        if hasattr(inner, name):
+            setattr(inner, name, _Locked(getattr(inner, name), lock))
+    gate = RequestGate(config.pipeline.max_concurrency)
+    _track_completions(pipeline, gate)
+    _start_request_loop()
+    channel.send(("ready", os.getpid()))
+    # Enough threads for every page the converter may send: up to `max_concurrency` waiting on
+    # the server, the ready margin being rendered meanwhile, and the pages of documents short
+    # of pages. A smaller pool would queue pages unseen, behind the gate's back.
+    most = config.pipeline.max_concurrency
+    threads = most + ready_margin(most) + SHORT_EXTRA
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
+        while (message := channel.receive()) is not None:
+            if isinstance(message, PageTask):
+                pool.submit(_run_page, pipeline, config, server_url, message, channel)
+            else:
+                gate.resize(message[1])
+    # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
+    # nothing to save; `ocrvl convert` would only wait for it.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _start_request_loop() -> None:
+    """Start PaddleX's request event loop now, from one thread.
+
+    PaddleX starts it lazily on the first request without a lock: when the first pages
+    arrive together, several threads start loops of their own, and requests fail with
+    "... is bound to a different event loop" until one loop wins.
+    """
+    with contextlib.suppress(ImportError):
+        from paddlex.inference.models.common.genai import start_aio_loop
+
+        start_aio_loop()
+
+
+def _run_page(
+    pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
+) -> None:
+    from ocrvl_daemon.errors import OcrvlError, PageDamagedError
+    from ocrvl_daemon.pdf import check_unchanged, render_page
+
+    started = time.monotonic()
+    result = PageResult(task.job_id, task.page)
+    path = Path(task.pdf)
+    _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
+    _COMPLETIONS.priority = task.priority
+    try:
+        check_unchanged(path, task.size, task.mtime)
+        image = render_page(
+            path, task.page, config.pipeline.render_scale, config.pipeline.max_page_pixels
+        )
+        # Checked again: the file may have been replaced while the page was being rendered.
+        check_unchanged(path, task.size, task.mtime)
+        result.has_ink = has_ink(image)
+        result.size = (int(image.shape[1]), int(image.shape[0]))
+        res = _recognise(pipeline, config, server_url, image, task, result)
+        del image
+        result.blocks = _blocks(res)
+        md = res.markdown
+        result.markdown = md.get("markdown_texts", "") or ""
+        for name, img in (md.get("markdown_images") or {}).items():
+            buf = io.BytesIO()
+            img.convert("RGB").save(buf, format="JPEG", quality=92)
+            result.images[name] = buf.getvalue()
+    except PageDamagedError as exc:
+        result.error, result.error_kind = str(exc), "damaged"
+    except OcrvlError as exc:
+        result.error, result.error_kind = str(exc), "input"
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.error_kind = "server" if _is_server_down(exc) else "page"
+    finally:
+        _COMPLETIONS.started = _COMPLETIONS.announce = None
+        _COMPLETIONS.priority = 0
+    result.seconds = time.monotonic() - started
+    channel.send(("page", result))
+
+
+def _recognise(
+    pipeline: Any, config: Config, server_url: str, image: Any, task: PageTask, result: PageResult
+) -> Any:
+    """Run the pipeline on one page and note whether (and how) an answer was cut off."""
+    _COMPLETIONS.started = []
+    sampling: dict[str, Any] = {}
+    if task.repetition_penalty is not None:  # PaddleX sends it in the request's extra_body
+        sampling["repetition_penalty"] = task.repetition_penalty
+    (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
+    answers = _answers(_COMPLETIONS.started)
+    result.tokens = sum(a.tokens for a in answers)
+    result.repetition = max((repetition(a.text) for a in answers), default=0.0)
+    cut = [a for a in answers if a.finish_reason == "length"]
+    result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
+    if cut:
+        result.truncated_at = task.max_new_tokens
+        result.looping = any(looks_like_a_loop(a.text) for a in cut)
+        if not result.looping:
+            result.token_ceiling = _token_ceiling(config, server_url)
+    return res
+
+
+def _blocks(res: Any) -> list[dict[str, Any]]:
+    """The pipeline's blocks of one page, as plain values (label, bbox in pixels, text)."""
+    blocks = []
+    for block in res.get("parsing_res_list") or []:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            blocks.append({"label": str(block.label),
+                           "bbox": [round(float(v), 1) for v in list(block.bbox)[:4]],
+                           "text": str(block.content or "")})
+    return blocks
+
+
+def _is_server_down(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in SERVER_DOWN_ERRORS or isinstance(seen, ConnectionError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # PaddleX wraps worker exceptions in RuntimeError with the original text.
+    return any(name in str(exc) for name in SERVER_DOWN_ERRORS)

@@ -1,0 +1,229 @@
+"""Which page requests reach the model server, and in what order: the priority and bump rule.
+
+The converter keeps `limit` pages at the server (`ConcurrencyController.limit`) and
+`ready_margin` more being prepared in the engine, so a finished request is replaced at once;
+pages of a document short of pages in flight go at once, a few beyond that
+(`slots_to_fill`). Inside the engine worker, `RequestGate` holds the server to exactly
+`limit` requests and lets the most urgent waiting one through first; a request of a
+document short of pages may bump a young request of a document with many (`_victim`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
+
+# A document with fewer pages than this in flight (a letter, a book just dropped) is short of
+# pages: its next pages are sent to the engine at once, up to SHORT_EXTRA beyond `limit` plus
+# the ready margin, and at the worker's request gate they may bump a young request of a
+# document with many pages in flight instead of waiting for one to finish.
+SHORT_OF_PAGES = 4
+SHORT_EXTRA = 4
+
+
+def ready_margin(limit: int) -> int:
+    """Pages in flight beyond `limit`: being prepared (rendered, laid out, encoded) while
+    `limit` pages are at the server, so a finished request is replaced at once.
+
+    Small on purpose: a page of a letter dropped now is prepared after these (the renderer
+    and the request gate serve first come, first served), so each one delays it.
+    """
+    return max(2, limit // 16)
+
+
+def slots_to_fill(limit: int, in_flight: int, at_server: int) -> tuple[int, int]:
+    """How many pages to hand the engine now: (`slots` for any document, `short_room`).
+
+    `limit` pages at the server, and a few more being prepared (rendered, laid out,
+    encoded) to replace the next ones that finish. No more than that: a page of a letter
+    dropped now must not queue behind a book's pages inside the worker. Prepared pages wait
+    at the worker's request gate, which follows `limit`, so the server holds exactly
+    `limit` requests. Pages of documents short of pages in flight (fewer than
+    SHORT_OF_PAGES) go at once, a few beyond that: `short_room` more of them, less the pages
+    chosen for the `slots`. The gate lets them bump a young request of a document that has
+    many.
+    """
+    margin = ready_margin(limit)
+    preparing = max(0, in_flight - at_server)
+    slots = min(limit + margin - in_flight, margin - preparing)
+    return slots, limit + margin + SHORT_EXTRA - in_flight
+
+
+# How long a request short of pages waits for a place before it bumps one (RequestGate).
+BUMP_AFTER = 1.0
+
+
+@dataclass(eq=False)
+class GatePlace:
+    """One request's place at the server."""
+
+    priority: int
+    since: float
+    # Cancels the request to free the place for a more urgent one; None until it is sent,
+    # and for requests that must not be bumped.
+    bump: Callable[[], object] | None = None
+    bumped: bool = False
+
+
+class RequestGate:
+    """At most `limit` chat requests at the server at once; waiting ones go in order of
+    priority (lower first), then of arrival.
+
+    PaddleX's own request semaphore is fixed at `max_concurrency` when the pipeline is built;
+    this one follows the converter's concurrency search, so a probe or a back-off below the
+    maximum is exactly what the server sees.
+
+    A request of a document short of pages in flight (priority below
+    SHORT_OF_PAGES) does not wait long for a place when the server is full: after
+    `bump_after` seconds it bumps the youngest request of a document with BUMP_GAP more
+    pages in flight, if that one started within BUMP_MAX_AGE seconds. The bumped one is
+    sent again first, as soon as a place is free. Why: pages that start together end
+    together, so after a book's first batch no place frees for several seconds; a letter
+    dropped then would wait all that time. A bump costs what the bumped page had decoded
+    and its prefill, hence the patience: once pages end at different times, a finishing
+    one lets the letter in sooner.
+    """
+
+    BUMP_GAP = 8
+    BUMP_MAX_AGE = 5.0
+    RESEND_PRIORITY = -1  # a bumped request goes before everything waiting
+
+    def __init__(self, limit: int, bump_after: float = BUMP_AFTER) -> None:
+        # Guards _limit, _open (and each open place's `bumped`), _waiting and `bumps`.
+        # Re-entrant: bumping cancels a request, whose callback gives its place back here.
+        self._cond = threading.Condition(threading.RLock())
+        self._limit = max(1, limit)
+        self._bump_after = bump_after
+        self._open: list[GatePlace] = []
+        self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self._arrivals = itertools.count()
+        self.bumps = 0
+
+    def resize(self, limit: int) -> None:
+        """New bound; requests already sent above it finish, no new one starts until below."""
+        with self._cond:
+            self._limit = max(1, limit)
+            self._cond.notify_all()
+
+    def acquire(self, priority: int = 0) -> GatePlace:
+        """Wait for a free place and for every request ahead in line, then take the place."""
+        with self._cond:
+            ticket = (priority, next(self._arrivals))
+            heapq.heappush(self._waiting, ticket)
+            may_bump_at = time.monotonic() + self._bump_after
+            while not (len(self._open) < self._limit and self._waiting[0] == ticket):
+                patience = may_bump_at - time.monotonic()
+                victim = None
+                if self._waiting[0] == ticket and patience <= 0:
+                    victim = self._victim(priority)
+                if victim is None:
+                    self._cond.wait(patience if patience > 0 else None)
+                    continue
+                victim.bumped = True
+                self.bumps += 1
+                assert victim.bump is not None
+                victim.bump()  # gives the place back (now or once the cancel lands)
+            heapq.heappop(self._waiting)
+            place = GatePlace(priority, time.monotonic())
+            self._open.append(place)
+            self._cond.notify_all()  # the next in line may fit too
+            return place
+
+    def _victim(self, priority: int) -> GatePlace | None:
+        """The request to bump for one of `priority`, if any (the lock is held)."""
+        if priority >= SHORT_OF_PAGES or priority == self.RESEND_PRIORITY:
+            return None
+        if any(p.bumped for p in self._open):
+            return None  # a place is being freed already
+        oldest = time.monotonic() - self.BUMP_MAX_AGE
+        candidates = [
+            p for p in self._open
+            if p.bump is not None and p.priority >= priority + self.BUMP_GAP and p.since >= oldest
+        ]  # fmt: skip
+        return max(candidates, key=lambda p: p.since, default=None)
+
+    def release(self, place: GatePlace) -> None:
+        """Give a place back."""
+        with self._cond:
+            self._open.remove(place)
+            self._cond.notify_all()
+
+    @property
+    def open(self) -> int:
+        """Requests at the server now."""
+        return len(self._open)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place (each has decided whether to bump, for now)."""
+        with self._cond:
+            return len(self._waiting)
+
+
+class GatedRequest:
+    """One chat request through the gate, sent again if the gate bumps it.
+
+    `future` is what PaddleX waits on: it ends with the answer of whichever attempt was not
+    bumped. Cancelling it cancels the request at the server.
+    """
+
+    def __init__(self, gate: RequestGate, start: Callable[[], Future[Any]], priority: int):
+        self.future: Future[Any] = Future()
+        self._gate = gate
+        self._start = start
+        self._priority = priority
+        self._sent: Future[Any] | None = None
+        self.future.add_done_callback(self._on_cancel)
+
+    def send(self, priority: int | None = None) -> None:
+        """Wait for a place at the server and send the request (raises if it cannot start)."""
+        place = self._gate.acquire(self._priority if priority is None else priority)
+        if self.future.done():  # cancelled while it waited to be sent again
+            self._gate.release(place)
+            return
+        try:
+            sent = self._start()
+        except BaseException:
+            self._gate.release(place)
+            raise
+        self._sent = sent
+        if priority is None:  # a request sent again is not bumped twice
+            place.bump = sent.cancel
+        sent.add_done_callback(lambda done: self._on_done(done, place))
+
+    def _on_done(self, sent: Future[Any], place: GatePlace) -> None:
+        self._gate.release(place)
+        if self.future.done():
+            return
+        if sent.cancelled():
+            if place.bumped:
+                threading.Thread(target=self._send_again, name="bumped-request",
+                                 daemon=True).start()
+            else:
+                self.future.cancel()
+            return
+        with contextlib.suppress(InvalidStateError):  # PaddleX cancelled it meanwhile
+            if (exc := sent.exception()) is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(sent.result())
+
+    def _send_again(self) -> None:
+        try:
+            self.send(RequestGate.RESEND_PRIORITY)
+        except BaseException as exc:
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_exception(exc)
+
+    def _on_cancel(self, future: Future[Any]) -> None:
+        if future.cancelled() and self._sent is not None:
+            self._sent.cancel()
+
+
