@@ -83,7 +83,7 @@ class StallDetector:
         return self.in_flight > 0 and now - self._since >= self.timeout
 
 
-class Stopping(Exception):
+class _Stopping(Exception):
     """stop() was called; unwind to the supervisor thread's cleanup."""
 
 
@@ -242,7 +242,7 @@ class ServerSupervisor:
         return "preparing"
 
     def _keep(self, probe: ServerProbe) -> None:
-        """Keep the server ready until stop() (raises Stopping) or a ServerConfigError."""
+        """Keep the server ready until stop() (raises _Stopping) or a ServerConfigError."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -273,7 +273,7 @@ class ServerSupervisor:
 
     def _wait(self, seconds: float) -> None:
         if self._stopping.wait(seconds):
-            raise Stopping
+            raise _Stopping
 
     def _check_stall(self) -> str | None:
         """Why the server looks hung (by /metrics or by ocrvl's own requests), if it does."""
@@ -297,7 +297,7 @@ class ServerSupervisor:
         probe = ServerProbe(self.config)
         try:
             self._keep(probe)
-        except Stopping:
+        except _Stopping:
             pass
         except ServerConfigError as exc:
             with self._cond:

@@ -237,6 +237,18 @@ def test_hung_server_is_detected_by_metrics_and_restarted(tmp_path: Path,
     assert not hung.is_alive()  # the stop released the hung request
 
 
+def test_one_metrics_scrape_serves_hang_detection_and_the_converter(tmp_path: Path,
+                                                                    supervise: Any) -> None:
+    sup = supervise(make_config(tmp_path))
+    assert sup.wait_ready(15)
+    assert chat(sup) == 200
+    # want=False: the converter asks for no scrape of its own; what it gets is the sample the
+    # supervisor's hang check fetched, finished requests included.
+    sample = wait_until(lambda: (m := sup.metrics(want=False)) and m.finished_total and m, 10,
+                        what="the hang check's /metrics sample to reach the converter")
+    assert sample.finished_total == 1 and sample.in_flight == 0
+
+
 @pytest.mark.slow
 def test_client_reported_stall_restarts_the_server(tmp_path: Path, supervise: Any) -> None:
     sup = supervise(make_config(tmp_path, stall_timeout=0.5))
