@@ -38,33 +38,38 @@ class MetricsPoller:
         self._probe = probe
         self.interval = interval
         self._clock = clock
-        self._asked_at = float("-inf")  # callers' thread(s) only
-        self._missing_until = float("-inf")  # the poller's thread writes, callers read
         self._wake = threading.Event()
         self._stopping = False
+        # _lock protects the four fields below: callers on several threads (the converter's
+        # loop, the supervisor's) ask, and the poller's thread writes the results.
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # protects _latest (written by the thread)
+        self._asked_at = float("-inf")
+        self._missing_until = float("-inf")
         self._latest: ServerMetrics | None = None
 
     def latest(self, want: bool = True) -> ServerMetrics | None:
         """The newest sample (maybe a few seconds old); asks for a fresh one when due."""
         now = self._clock()
-        if want and now - self._asked_at >= self.interval and now >= self._missing_until:
-            self._asked_at = now
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ocrvl-metrics", daemon=True)
-                self._thread.start()
-            self._wake.set()
         with self._lock:
+            if want and now - self._asked_at >= self.interval and now >= self._missing_until:
+                self._asked_at = now
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="ocrvl-metrics",
+                                                    daemon=True)
+                    self._thread.start()
+                self._wake.set()
             return self._latest
 
     def close(self) -> None:
         """Stop the thread and close the probe (a daemon thread: forgetting this is harmless)."""
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(FETCH_TIMEOUT + 1.0)
-        if self._thread is None or not self._thread.is_alive():
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(FETCH_TIMEOUT + 1.0)
+        if thread is None or not thread.is_alive():
             self._probe.close()
 
     def _run(self) -> None:
@@ -81,8 +86,9 @@ class MetricsPoller:
         probe = self._probe
         sample = probe.metrics(self._clock())
         if probe.metrics_status in (404, 401, 403):
-            first = self._missing_until == float("-inf")
-            self._missing_until = self._clock() + MISSING_RETRY_SECONDS
+            with self._lock:
+                first = self._missing_until == float("-inf")
+                self._missing_until = self._clock() + MISSING_RETRY_SECONDS
             (log.info if first else log.debug)(
                 "%s/metrics answered %s; adapting concurrency from completions only",
                 probe.root,
