@@ -102,9 +102,9 @@ def supervisor_for(config: Config, on_change: Callable[[ServerStatus], None] | N
 class ServerSupervisor:
     """Keeps the server ready on a background thread; subclasses say how (`_keep`).
 
-    `on_change(status)` is called (from the supervisor's threads) on every change of state
-    or phase, and at least every second while the server starts, so a systemd layer can
-    send STATUS= and EXTEND_TIMEOUT_USEC. It must not block.
+    `on_change(status)` is called (from start() and the supervisor's threads) on every
+    change of state or phase, and at least every second while the server starts, so a
+    systemd layer can send STATUS= and EXTEND_TIMEOUT_USEC. It must not block.
     """
 
     def __init__(self, config: Config,
@@ -114,7 +114,8 @@ class ServerSupervisor:
         self._on_change = on_change
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        # The one /metrics scrape: hang detection and the converter's concurrency search.
+        # The one /metrics scrape for hang detection and the converter's concurrency search;
+        # replaced only by start(), before the thread that reads it runs.
         self._metrics: MetricsPoller | None = None
         # _cond protects what status() reports (_state ... _ready_since), the stall detectors
         # and _error; waiters on it are woken at every change of state.
