@@ -6,7 +6,8 @@ settled on. Memory model for the 0.9B PaddleOCR-VL models (sizes in MiB):
     budget (utilization × total) = weights + start-up spike + KV cache
 
 vLLM refuses to start when free memory < utilization × total, so utilization is planned from
-what other programs leave free, minus a safety margin.
+what other programs leave free, minus a safety margin. vLLM's failure text is read by
+`vllm_diagnosis`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon import vllm_diagnosis
 from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import AUTO, Config
 from ocrvl_daemon.gpu import GpuReading
@@ -59,15 +60,6 @@ FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next 
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
 TUNING_FILE = "server-tuning.json"
 
-OOM_MARKERS = (
-    "No available memory for the cache blocks",
-    "Free memory on device",
-    "CUDA out of memory",
-    "torch.OutOfMemoryError",
-    "estimated maximum model length is",
-)
-_FREE_RE = re.compile(r"Free memory on device[^(]*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)")
-_ESTIMATED_RE = re.compile(r"estimated maximum model length is (\d+)")
 
 
 @dataclass
@@ -183,19 +175,6 @@ def _apply_remembered(tuned: TunedArgs, tunable: tuple[str, ...], remembered: di
                                  f"(kept in {TUNING_FILE} once the server starts with it)")
 
 
-def is_oom(text: str) -> bool:
-    """Whether a server's output shows it failed for lack of GPU memory."""
-    return any(marker in text for marker in OOM_MARKERS)
-
-
-def oom_cause(text: str) -> str | None:
-    """The output line that names the out-of-memory cause, for logs and messages."""
-    for line in text.splitlines():
-        if any(marker in line for marker in OOM_MARKERS):
-            return line.strip()[:1000]
-    return None
-
-
 def next_after_oom(current: dict[str, Any], config: Config, failure_text: str
                    ) -> dict[str, Any] | None:
     """The next, smaller `auto` flags to try after an out-of-memory start; None when spent."""
@@ -208,7 +187,7 @@ def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> st
     # `null` (leave it to vLLM) is not a number to lower.
     explicit = [k for k in TUNED_KEYS
                 if k not in tunable and config.server.vllm_args.get(k) is not None]
-    cause = oom_cause(failure_text) or "out of GPU memory"
+    cause = vllm_diagnosis.oom_cause(failure_text) or "out of GPU memory"
     lowered = _lower(current, explicit, model_budget(config), failure_text)
     head = f"The model server ran out of GPU memory ({cause})."
     if lowered is None:
@@ -227,20 +206,20 @@ def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budg
            text: str) -> dict[str, Any] | None:
     new = dict(current)
     utilization = float(_get(current, UTILIZATION, FALLBACK_UTILIZATION))
-    free = _FREE_RE.search(text)
-    if free:
+    free = vllm_diagnosis.free_share(text)
+    if free is not None:
         # Only a lower utilization passes vLLM's free-memory check at start-up.
         if UTILIZATION not in lowerable or utilization <= MIN_UTILIZATION:
             return None
-        target = _floor2(float(free.group(1)) / float(free.group(2)) - FREE_MEMORY_HEADROOM)
+        target = _floor2(free - FREE_MEMORY_HEADROOM)
         if target >= utilization:
             target = _floor2(utilization - UTILIZATION_STEP)
         new[UTILIZATION] = max(MIN_UTILIZATION, target)
         return new
     length = int(_get(current, MAX_MODEL_LEN, _round_up(budget, LENGTH_STEP)))
-    estimated = _ESTIMATED_RE.search(text)
-    if estimated and MAX_MODEL_LEN in lowerable and int(estimated.group(1)) >= budget:
-        fits = max(budget, int(estimated.group(1)) // LENGTH_STEP * LENGTH_STEP)
+    estimated = vllm_diagnosis.estimated_max_len(text)
+    if estimated is not None and MAX_MODEL_LEN in lowerable and estimated >= budget:
+        fits = max(budget, estimated // LENGTH_STEP * LENGTH_STEP)
         if fits < length:
             new[MAX_MODEL_LEN] = fits
             return new
@@ -261,8 +240,8 @@ def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budg
         new[MAX_MODEL_LEN] = budget
         return new
     # When the KV cache is what is too small, a smaller share of the GPU only shrinks it.
-    kv_too_small = "No available memory for the cache blocks" in text or estimated is not None
-    if UTILIZATION in lowerable and utilization > MIN_UTILIZATION and not kv_too_small:
+    if (UTILIZATION in lowerable and utilization > MIN_UTILIZATION
+            and not vllm_diagnosis.kv_cache_too_small(text)):
         new[UTILIZATION] = max(MIN_UTILIZATION, _floor2(utilization - UTILIZATION_STEP))
         return new
     return None

@@ -39,7 +39,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ocrvl_daemon.server_metrics import ServerMetrics
+from ocrvl_daemon.server_probe import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,6 @@ class ConcurrencyController:
             self._window = None
             return
         self._measure(now, completed, metrics if fresh else None)
-
-    def describe(self) -> str:
-        """A short status line."""
-        rate = f", {self.rate:.2f} pages/s" if self.rate is not None else ""
-        cap = f", server cap {self.server_cap}" if self.server_cap is not None else ""
-        return f"concurrency {self.limit} ({self.phase}{rate}{cap})"
 
     # --- safety -------------------------------------------------------------------------
 

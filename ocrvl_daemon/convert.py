@@ -42,7 +42,7 @@ from ocrvl_daemon.page_quality import (
 from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages
-from ocrvl_daemon.server_metrics import MetricsPoller
+from ocrvl_daemon.server_probe import ServerMetrics
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ class ServerHandle(Protocol):
 
     def note_progress(self, in_flight: int, completed_total: int) -> None:
         """Client-side progress, for hang detection."""
+        ...
+
+    def metrics(self, want: bool = True) -> ServerMetrics | None:
+        """The newest `/metrics` sample, for the concurrency search (`want`: fetch when due)."""
         ...
 
 
@@ -129,10 +133,6 @@ class Converter:
             config.pipeline.max_concurrency,
             config.pipeline.adaptive_concurrency,
         )
-        # The server's /metrics feed the concurrency search (fetched on a background thread).
-        self._server_metrics = MetricsPoller(
-            lambda: (self.config.server.root_url, self.config.server.api_key)
-        )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
@@ -170,7 +170,7 @@ class Converter:
         self._dispatch()
         in_flight = self.in_flight
         self.server.note_progress(in_flight, self.completed_pages)
-        metrics = self._server_metrics.latest(want=self.concurrency.adaptive and in_flight > 0)
+        metrics = self.server.metrics(want=self.concurrency.adaptive and in_flight > 0)
         self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
 
     def wake(self) -> None:

@@ -28,7 +28,7 @@ from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
 from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
-from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
+from ocrvl_daemon.server import ServerState, ServerStatus, supervisor_for
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.status import open_store
 from ocrvl_daemon.store import JobState
@@ -97,7 +97,7 @@ class Daemon:
         for job in self.store.jobs():
             if not job.path.exists():  # moved or deleted while ocrvl was down
                 self.store.forget(job.id)
-        self.server = ServerSupervisor(config)
+        self.server = supervisor_for(config)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.server, again=self.again)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
@@ -200,11 +200,8 @@ class Daemon:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
         progress = self.converter.progress()
-        state = server.state
-        if state is ServerState.STOPPED and not self._ready_sent:
-            state = ServerState.STARTING  # its thread has not begun yet: not "server stopped"
         snap = StatusSnapshot(
-            server_state=state.value,
+            server_state=server.state.value,
             server_phase=server.phase or None,
             server_attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
             server_diagnosis=f"{server.diagnosis.cause}?" if server.diagnosis else None,
@@ -232,7 +229,7 @@ class Daemon:
             },
             engine_failed_starts=self.converter.engine_start_failures,
             hook_failures=dict(self.converter.hook_failures),
-            servers=[ServerMetrics(server.url, state.value, server.restart_count)],
+            servers=[ServerMetrics(server.url, server.state.value, server.restart_count)],
         )
         if now - self._last_publish >= PUBLISH_SECONDS:
             self._last_publish = now
@@ -281,7 +278,7 @@ class Daemon:
         if new.config_for_server != old.config_for_server:
             log.info("server settings changed; restarting the server")
             self.server.stop()
-            self.server = ServerSupervisor(new)
+            self.server = supervisor_for(new)
             self.converter.server = self.server
             self.server.start()
         self.converter.reconfigure(new)

@@ -27,7 +27,7 @@ from ocrvl_daemon import autotune, gpu, launchers, layout_model
 from ocrvl_daemon.config import Config, load_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.launchers import server_env
-from ocrvl_daemon.server import ENDPOINT_ABSENT, served_model_fix
+from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -398,7 +398,7 @@ def _server_check(config: Config) -> Check:
     server = config.server
     root = server.root_url
     external = server.mode == "external"
-    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    headers = bearer_header(server.api_key)
     try:
         health = httpx.get(f"{root}/health", timeout=HTTP_TIMEOUT, headers=headers)
         models = httpx.get(f"{server.base_url}/models", timeout=HTTP_TIMEOUT, headers=headers)

@@ -32,6 +32,7 @@ from ocrvl_daemon.engine import PageResult, PageTask, _Channel
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.request_gate import SHORT_EXTRA, GatedRequest, RequestGate, ready_margin
+from ocrvl_daemon.server_probe import bearer_header
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     Asked afresh each time (rarely: only for a cut-off answer), since a restarted server
     may run with another length. 0 when the server does not say.
     """
-    headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}
+    headers = bearer_header(config.server.api_key)
     try:
         response = httpx.get(f"{server_url.rstrip('/')}/models", headers=headers, timeout=10.0)
         response.raise_for_status()

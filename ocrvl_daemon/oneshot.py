@@ -25,7 +25,7 @@ from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
-from ocrvl_daemon.server import ServerSupervisor
+from ocrvl_daemon.server import supervisor_for
 from ocrvl_daemon.store import JobState, Store
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def _run(
 
     view = _progress_view(config, store, jobs)
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    server = ServerSupervisor(config)
+    server = supervisor_for(config)
     converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
     try:
         server.start()

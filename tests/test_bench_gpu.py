@@ -14,7 +14,7 @@ import pytest
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
-from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions, metric_sums
+from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
 from ocrvl_daemon.testing.harness import free_port, start_fake_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,17 +35,6 @@ def test_answer_lengths_are_drawn_per_page_and_realistic() -> None:
 def test_answer_lengths_spec_error_names_the_format() -> None:
     with pytest.raises(ValueError, match="MEDIAN:SIGMA:SEED"):
         AnswerLengths.parse("500")
-
-
-def test_metric_sums_add_up_every_label_set() -> None:
-    text = (
-        "# HELP vllm:num_requests_running Requests in model execution batches.\n"
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
-        'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
-    )
-    sums = metric_sums(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-    assert sums == {"vllm:num_requests_running": 7.0, "vllm:num_requests_waiting": 1.0}
 
 
 def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() -> None:

@@ -21,8 +21,8 @@ import psutil
 import pytest
 from test_daemon import Setup, wait_for_markdown
 
+from ocrvl_daemon.managed_server import PIDFILE_NAME
 from ocrvl_daemon.process_group import GroupRecord
-from ocrvl_daemon.server import PIDFILE_NAME
 from ocrvl_daemon.testing.documents import make_pdf
 from ocrvl_daemon.testing.harness import wait_until
 from ocrvl_daemon.testing.runner import DaemonProcess

@@ -8,7 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from ocrvl_daemon.concurrency import ConcurrencyController, feed_margin
-from ocrvl_daemon.server_metrics import MetricsPoller, ServerMetrics, parse_metrics
+from ocrvl_daemon.config import validate_config
+from ocrvl_daemon.server_metrics import MetricsPoller
+from ocrvl_daemon.server_probe import ServerMetrics, ServerProbe, parse_metrics
 
 TOKENS_PER_PAGE = 1000.0
 
@@ -252,13 +254,17 @@ def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
     from ocrvl_daemon.testing.harness import wait_until
 
     with InProcessFakeServer(FakeServerConfig(port=0, access_log=False)) as srv:
-        poller = MetricsPoller(lambda: (srv.url, None), interval=0.05)
+        def probe(root: str) -> ServerProbe:
+            server = {"mode": "external", "url": root + "/v1"}
+            return ServerProbe(validate_config({"server": server}))
+
+        poller = MetricsPoller(probe(srv.url), interval=0.05)
         try:
             sample = wait_until(lambda: poller.latest(), 5, what="a metrics sample")
             assert sample.running == 0 and sample.generation_tokens_total == 0
         finally:
             poller.close()
-        missing = MetricsPoller(lambda: (srv.url + "/nothing", None), interval=0.05)
+        missing = MetricsPoller(probe(srv.url + "/nothing"), interval=0.05)
         try:
             for _ in range(20):
                 assert missing.latest() is None

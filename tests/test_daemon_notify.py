@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 WATCHDOG_SECONDS = 2.0  # WATCHDOG_USEC given to the daemon: it must ping every ~1 s
 STARTUP_DELAY = 3.0  # the fake server refuses connections this long after launch
-# vLLM start-up phases the daemon recognises in the server's log (server.parse_phase).
+# vLLM start-up phases the daemon recognises in the server's log (vllm_diagnosis.parse_phase).
 VLLM_PHASES = ("loading weights", "profiling memory", "allocating KV cache",
                "capturing CUDA graphs", "starting API server")
 

@@ -40,6 +40,9 @@ class ReadyServer:
     def note_progress(self, in_flight: int, completed_total: int) -> None:
         pass
 
+    def metrics(self, want: bool = True) -> None:
+        return None
+
 
 class Policy:
     """A converter over a real store and real PDFs, with page results injected by hand."""

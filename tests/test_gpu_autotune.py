@@ -15,7 +15,6 @@ from ocrvl_daemon.autotune import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     UTILIZATION,
-    is_oom,
     load_remembered,
     next_after_oom,
     plan_vllm_args,
@@ -30,6 +29,7 @@ from ocrvl_daemon.testing.fake_server import (
     FakeServerConfig,
     plan_startup,
 )
+from ocrvl_daemon.vllm_diagnosis import is_oom, oom_cause
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 BUDGET = 4096 + 1280 + 64  # default max_new_tokens + image + prompt tokens
@@ -270,7 +270,7 @@ def test_corrupt_tuning_file_is_ignored(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text", [CACHE_BLOCKS, FREE_MEMORY, CUDA_OOM, estimated(40336)])
 def test_recognises_vllm_oom(text: str) -> None:
     assert is_oom(text)
-    assert autotune.oom_cause(text) == text.splitlines()[0]
+    assert oom_cause(text) == text.splitlines()[0]
 
 
 def test_other_failures_are_not_oom() -> None:

@@ -25,6 +25,7 @@ from ocrvl_daemon.autotune import (
 )
 from ocrvl_daemon.config import Config, validate_config
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
+from ocrvl_daemon.managed_server import ManagedServer
 from ocrvl_daemon.process_group import group_members
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
 from ocrvl_daemon.testing.harness import free_port, wait_until
@@ -60,7 +61,7 @@ def make_config(tmp_path: Path, *fake_args: str, **server: Any) -> Config:
 def supervised(config: Config) -> Iterator[tuple[ServerSupervisor, list[ServerStatus]]]:
     """A running supervisor and the statuses it reported; every group it ran checked gone."""
     changes: list[ServerStatus] = []
-    with ServerSupervisor(config, on_change=changes.append) as sup:
+    with ManagedServer(config, on_change=changes.append) as sup:
         yield sup, changes
     for pgid in {c.pid for c in changes if c.pid is not None}:
         left = group_members(pgid)
@@ -75,7 +76,8 @@ def launches(changes: list[ServerStatus]) -> int:
 
 def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "ocrvl_daemon.server" and r.levelno == level and text in r.getMessage()]
+            if r.name == "ocrvl_daemon.managed_server" and r.levelno == level
+            and text in r.getMessage()]
 
 
 def test_lowers_step_by_step_then_remembers(tmp_path: Path,

@@ -22,15 +22,14 @@ import yaml
 from ocrvl_daemon.config import Config, validate_config
 from ocrvl_daemon.errors import ServerConfigError
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
+from ocrvl_daemon.managed_server import BackoffPolicy
 from ocrvl_daemon.process_group import group_members
 from ocrvl_daemon.server import (
-    BackoffPolicy,
     ServerState,
     ServerStatus,
     ServerSupervisor,
     StallDetector,
-    diagnose,
-    parse_phase,
+    supervisor_for,
 )
 from ocrvl_daemon.testing.fake_server import FIXED_FAILURES
 from ocrvl_daemon.testing.harness import (
@@ -39,6 +38,7 @@ from ocrvl_daemon.testing.harness import (
     start_fake_server,
     wait_until,
 )
+from ocrvl_daemon.vllm_diagnosis import diagnose, parse_phase
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 FAST_BACKOFF = {"initial": 0.1, "cap": 0.5}
@@ -74,8 +74,8 @@ def supervise() -> Iterator[Callable[..., ServerSupervisor]]:
             if "on_change" in kwargs:
                 kwargs["on_change"](status)
 
-        sup = ServerSupervisor(config, on_change=remember,
-                               backoff=kwargs.get("backoff", BackoffPolicy(**FAST_BACKOFF)))
+        sup = supervisor_for(config, on_change=remember,
+                             backoff=kwargs.get("backoff", BackoffPolicy(**FAST_BACKOFF)))
         started.append((sup, pids))
         sup.start()
         return sup
@@ -182,9 +182,17 @@ def test_slow_start_within_grace_is_not_a_crash(tmp_path: Path, supervise: Any) 
                   "capturing CUDA graphs", "starting API server"):
         assert phase in phases
     assert sup.restart_count == 0 and sup.status().last_error is None
-    assert sup.status().describe() == f"server ready at {config.server.base_url}"
+    assert sup.status().url == config.server.base_url
     # The API key went to the server (it rejects requests without it) and to the probes.
     assert chat(sup) == 401
+
+
+def test_state_is_starting_as_soon_as_start_returns(tmp_path: Path, supervise: Any) -> None:
+    # `ocrvl status` and systemd's STATUS= must not say "stopped" for a server being started.
+    managed = supervise(make_config(tmp_path))
+    assert managed.state is ServerState.STARTING, "a managed server just started shows stopped"
+    _, external = watch_external(tmp_path, supervise)
+    assert external.state is ServerState.STARTING, "an external server just watched shows stopped"
 
 
 @pytest.mark.slow
@@ -227,6 +235,18 @@ def test_hung_server_is_detected_by_metrics_and_restarted(tmp_path: Path,
     assert last_error is not None and "hung" in last_error and "/metrics" in last_error
     hung.join(10)
     assert not hung.is_alive()  # the stop released the hung request
+
+
+def test_one_metrics_scrape_serves_hang_detection_and_the_converter(tmp_path: Path,
+                                                                    supervise: Any) -> None:
+    sup = supervise(make_config(tmp_path))
+    assert sup.wait_ready(15)
+    assert chat(sup) == 200
+    # want=False: the converter asks for no scrape of its own; what it gets is the sample the
+    # supervisor's hang check fetched, finished requests included.
+    sample = wait_until(lambda: (m := sup.metrics(want=False)) and m.finished_total and m, 10,
+                        what="the hang check's /metrics sample to reach the converter")
+    assert sample.finished_total == 1 and sample.in_flight == 0
 
 
 @pytest.mark.slow
@@ -276,7 +296,6 @@ def test_port_taken_is_diagnosed_and_retried(tmp_path: Path, supervise: Any) -> 
         assert status.state is not ServerState.READY and status.pid is None
         assert status.diagnosis is not None and status.diagnosis.kind == "port_in_use"
         assert "address already in use" in (status.last_error or "")
-        assert "port already in use?" in sup.status().describe()
     finally:
         blocker.close()
     assert sup.wait_ready(15)  # the port is free again: it recovers on its own
@@ -296,12 +315,12 @@ def test_crash_loop_is_reported_loudly_and_retried(tmp_path: Path, supervise: An
     wait_until(loud, 30, what="a crash loop report")
     assert not sup.is_ready()
     assert sup.diagnosis is not None and sup.diagnosis.kind == "no_kv_memory"
-    assert "out of memory" in sup.status().describe()
+    assert "out of memory" in sup.diagnosis.cause
     assert "No available memory for the cache blocks" in loud()[0].getMessage()
     assert "Nothing ocrvl may change is left to lower" in loud()[0].getMessage()
     # The server's own lines went to the child logger, line by line.
-    assert any(r.name == "ocrvl_daemon.server.vllm" and "EngineCore failed" in r.getMessage()
-               for r in caplog.records)
+    assert any(r.name == "ocrvl_daemon.managed_server.vllm"
+               and "EngineCore failed" in r.getMessage() for r in caplog.records)
 
 
 def test_stop_leaves_no_process_of_the_group(tmp_path: Path, supervise: Any) -> None:
@@ -323,8 +342,8 @@ def test_stop_leaves_no_process_of_the_group(tmp_path: Path, supervise: Any) -> 
 SUPERVISOR_SCRIPT = textwrap.dedent("""
     import sys, time
     from ocrvl_daemon.config import load_config
-    from ocrvl_daemon.server import ServerSupervisor
-    sup = ServerSupervisor(load_config(sys.argv[1])[0])
+    from ocrvl_daemon.server import supervisor_for
+    sup = supervisor_for(load_config(sys.argv[1])[0])
     sup.start()
     if not sup.wait_ready(30):
         sys.exit(3)

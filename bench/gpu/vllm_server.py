@@ -19,6 +19,7 @@ import httpx
 
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.models import DEFAULT_MODEL
+from ocrvl_daemon.server_probe import parse_metrics
 from ocrvl_daemon.testing.harness import answers_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,22 +93,6 @@ def started(options: ServeOptions, log: Path, timeout: float = 900) -> Iterator[
             proc.wait()
 
 
-def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Each named sample's sum over its label sets in a Prometheus text exposition."""
-    sums = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in sums:
-            with contextlib.suppress(ValueError):
-                sums[name] += float(line.rsplit(" ", 1)[1])
-    return sums
-
-
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-PREEMPTIONS = "vllm:num_preemptions_total"
-
-
 class Metrics:
     """`/metrics` sampled every `interval` s in a thread: (time, running, waiting, preemptions)."""
 
@@ -121,11 +106,10 @@ class Metrics:
     def _run(self) -> None:
         with httpx.Client(timeout=5) as client:
             while not self._stop.wait(self.interval):
-                with contextlib.suppress(httpx.HTTPError):
-                    m = metric_sums(client.get(self.url + "/metrics").text,
-                                    (RUNNING, WAITING, PREEMPTIONS))  # fmt: skip
-                    self.samples.append((time.monotonic(), m[RUNNING], m[WAITING],
-                                         m[PREEMPTIONS]))  # fmt: skip
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    m = parse_metrics(client.get(self.url + "/metrics").text, time.monotonic())
+                    self.samples.append((m.taken_at, m.running or 0.0, m.waiting or 0.0,
+                                         m.preemptions_total or 0.0))  # fmt: skip
 
     def stop(self) -> None:
         self._stop.set()

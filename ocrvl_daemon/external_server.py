@@ -1,0 +1,71 @@
+"""Watching an external server (`server.mode: external`): readiness and health by probing
+`server.url`; ocrvl starts, stops and restarts nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.server import STARTUP_POLL, UNHEALTHY_PROBES, ServerState, ServerSupervisor
+from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, ServerProbe
+
+log = logging.getLogger(__name__)
+
+
+class ExternalServer(ServerSupervisor):
+    """Follows an external server's readiness; a hang is reported, not repaired."""
+
+    def _first_phase(self) -> str:
+        return f"waiting for {self._server.base_url}"
+
+    def _refused(self, exc: ServerConfigError) -> None:
+        """The server answers but cannot serve this configuration (another model name,
+        another API key). FAILED, said once; probing goes on, so fixing the server is
+        enough (ocrvl need not be restarted)."""
+        with self._cond:
+            repeated = self._error is not None and str(self._error) == str(exc)
+            self._error = exc
+            self._last_error = str(exc)
+        if not repeated:
+            log.error("%s (checking again every %g s)", exc, self._server.health_interval)
+        self._set(ServerState.FAILED, "")
+
+    def _keep(self, probe: ServerProbe) -> None:
+        """No process: readiness and health by probing `server.url`."""
+        failed_probes = 0
+        stall_reported = False
+        while True:
+            ready = self._state is ServerState.READY
+            self._wait(self._server.health_interval if ready or self._error else
+                       min(STARTUP_POLL, self._server.health_interval))
+            status = probe.health()
+            try:
+                # Not every OpenAI-compatible server has vLLM's /health: /v1/models decides.
+                up = (status == 200 and (ready or probe.serves_model())) or (
+                    status in ENDPOINT_ABSENT and probe.serves_model())
+            except ServerConfigError as exc:
+                self._refused(exc)
+                continue
+            if up:
+                failed_probes = 0
+                if not ready:
+                    with self._cond:
+                        self._ready_since = time.time()
+                        self._error = None
+                    log.info("external server ready at %s", self._server.base_url)
+                    self._set(ServerState.READY, "ready")
+                hung = self._check_stall()
+                if hung and not stall_reported:
+                    log.error("external server at %s is %s; ocrvl cannot restart it: restart "
+                              "it yourself", self._server.base_url, hung)
+                stall_reported = bool(hung)
+                continue
+            failed_probes += 1
+            if ready and (status == 503 or failed_probes >= UNHEALTHY_PROBES):
+                with self._cond:
+                    self._last_error = (f"/health answered {status}" if status else
+                                        probe.last_error)
+                log.warning("external server at %s is down (%s); waiting for it",
+                            self._server.base_url, self._last_error)
+                self._set(ServerState.STARTING, self._first_phase())

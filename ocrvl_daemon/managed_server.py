@@ -1,0 +1,366 @@
+"""The managed server: launch vLLM (or a compatible command), wait out its start-up,
+health-check it, restart it with backoff, and stop its whole process group.
+
+Failure handling, in order of how final it is:
+* configuration errors (wrong model name, missing program or package) -> `FAILED`, with a
+  `ServerConfigError` naming the fix; retrying could not help;
+* out of GPU memory (at start or at run time) -> lower the `auto` vLLM settings one step
+  and start again at once; once a lowered start succeeds it is remembered for the next one.
+  When nothing ocrvl may change is left, the error names the config lines to change;
+* everything else (a crash, 503, failed probes, a hang, a start-up that fails or times
+  out) -> stop the whole group, wait out an exponential backoff, start again, forever.
+
+The `auto` settings are planned at every launch, from the GPU as it is then (the old
+process group is gone by then, so its memory does not count as other programs').
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ocrvl_daemon import autotune, launchers, vllm_diagnosis
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.gpu import GpuReading, read_gpu
+from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
+from ocrvl_daemon.server import (
+    STARTUP_POLL,
+    UNHEALTHY_PROBES,
+    ServerState,
+    ServerStatus,
+    ServerSupervisor,
+    StallDetector,
+)
+from ocrvl_daemon.server_probe import ServerProbe
+from ocrvl_daemon.vllm_diagnosis import Diagnosis, diagnose, parse_phase
+
+log = logging.getLogger(__name__)
+server_log = log.getChild("vllm")  # the server's own output, line by line
+
+PIDFILE_NAME = "server.pid"
+TAIL_LINES = 200  # kept in memory
+REPORT_LINES = 30  # shown when a crash loop is reported
+CRASH_LOOP_FAILURES = 3
+CRASH_LOOP_WINDOW = 600.0
+
+
+@dataclass
+class BackoffPolicy:
+    """Exponential restart delay: `initial`, doubling, capped; reset once stable."""
+
+    initial: float = 2.0
+    factor: float = 2.0
+    cap: float = 300.0
+    reset_after: float = 120.0  # seconds of readiness that count as "stable again"
+    failures: int = field(default=0, init=False)
+
+    def next_delay(self) -> float:
+        """The delay before the next restart; each call counts one more failure."""
+        delay = min(self.cap, self.initial * self.factor**self.failures)
+        self.failures += 1
+        return delay
+
+    def reset(self) -> None:
+        """The server proved stable: start again from `initial`."""
+        self.failures = 0
+
+
+# --- the server's output -------------------------------------------------------------------
+
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+           "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
+_LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_ACCESS = re.compile(r'"(GET|POST|HEAD) \S+ HTTP/[\d.]+" \d{3}')
+
+
+class _LogPump(threading.Thread):
+    """Reads the server's merged output line by line into the log and a tail buffer.
+
+    Reading continuously means the server never blocks on a full pipe.
+    """
+
+    def __init__(self, stream: IO[bytes], on_line: Callable[[str], None]) -> None:
+        super().__init__(name="ocrvl-server-log", daemon=True)
+        self._stream = stream
+        self._on_line = on_line
+        self._lock = threading.Lock()  # protects _lines (this thread appends, tail() reads)
+        self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def run(self) -> None:
+        try:
+            for raw in iter(self._stream.readline, b""):
+                # Progress bars redraw with \r: each redraw is a line of its own.
+                for part in raw.decode("utf-8", "replace").split("\r"):
+                    line = part.rstrip()
+                    if line:
+                        self._emit(line)
+        finally:
+            self._stream.close()
+
+    def _emit(self, line: str) -> None:
+        with self._lock:
+            self._lines.append(line)
+        match = _LEVEL.match(line)
+        level = _LEVELS[match.group(1)] if match else logging.INFO
+        if _ACCESS.search(line):
+            level = logging.DEBUG  # one per health probe and per page: noise in the journal
+        server_log.log(level, "%s", line)
+        self._on_line(line)
+
+    def tail(self, n: int) -> list[str]:
+        """The last `n` lines."""
+        with self._lock:
+            return list(self._lines)[-n:]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another program listens on host:port (checked before each launch)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
+
+
+# --- the supervisor ------------------------------------------------------------------------
+
+
+class ManagedServer(ServerSupervisor):
+    """Starts the model server and keeps it ready; see the module docstring."""
+
+    def __init__(self, config: Config, on_change: Callable[[ServerStatus], None] | None = None,
+                 backoff: BackoffPolicy | None = None) -> None:
+        super().__init__(config, on_change)
+        self._backoff = backoff or BackoffPolicy(
+            initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
+        self._pidfile = config.state_dir / PIDFILE_NAME
+        # _group and _pump are written under _cond (status() reads the pid from another
+        # thread); the rest below is the supervisor thread's own.
+        self._group: ProcessGroup | None = None
+        self._pump: _LogPump | None = None
+        self._failures: collections.deque[float] = collections.deque()
+        # vLLM flags of the current (or last) launch and the GPU they were planned for
+        self._args: dict[str, Any] = {}
+        self._gpu: GpuReading | None = None
+        # flags an out-of-memory step lowered, until a start with them succeeds
+        self._lowered: dict[str, Any] | None = None
+
+    @property
+    def vllm_args(self) -> dict[str, Any]:
+        """The vLLM flags of the current (or last) launch, `auto` values resolved."""
+        return dict(self._args)
+
+    def log_tail(self, n: int = REPORT_LINES) -> list[str]:
+        """The server's last `n` output lines (of the current or last process)."""
+        return self._pump.tail(n) if self._pump is not None else []
+
+    def _pid(self) -> int | None:
+        return self._group.pid if self._group else None
+
+    def _keep(self, probe: ServerProbe) -> None:
+        kill_leftover(self._pidfile, self._server.stop_timeout)
+        launchers.check_launcher(self.config)
+        while True:
+            failure = self._run_once(probe)
+            self._release()
+            self._restart_after(failure)
+
+    def _run_once(self, probe: ServerProbe) -> str:
+        """Launch, wait until ready, watch; return why it failed."""
+        host, port = self._server.host, self._server.port
+        with self._cond:
+            self._attempt += 1
+            self._pump = None  # a tail from the previous process would mislead the diagnosis
+            self._metrics_stall = StallDetector(self._server.stall_timeout)
+            self._client_stall = StallDetector(self._server.stall_timeout)
+        if port_in_use(host, port):
+            return f"port {port} on {host} is taken by another program: address already in use"
+        self._plan_args()
+        spec = launchers.prepare_launch(self.config, self._args)
+        try:
+            group = ProcessGroup.spawn(spec.argv, spec.env, self._pidfile)
+        except OSError as exc:
+            raise ServerConfigError(f"Cannot start the server {spec.argv[0]!r}: {exc}.",
+                                    launchers.SETUP_FIX) from exc
+        pump = _LogPump(group.stdout, self._on_line)
+        with self._cond:
+            self._group, self._pump = group, pump
+        pump.start()
+        self._set(ServerState.STARTING, "launching")
+        failure = self._wait_started(probe, group)
+        if failure is not None:
+            return failure
+        with self._cond:
+            self._ready_at, self._ready_since = time.monotonic(), time.time()
+        log.info("server ready at %s (pid %d)", self._server.base_url, group.pid)
+        self._set(ServerState.READY, "ready")
+        if self._lowered is not None:
+            self._remember_lowered()
+        return self._watch(probe, group)
+
+    def _plan_args(self) -> None:
+        """Choose the `auto` flags for this launch from the GPU as it is now."""
+        # The server's environment decides which GPU it sees (CUDA_VISIBLE_DEVICES).
+        self._gpu = read_gpu(launchers.server_env(self.config))
+        remembered = self._lowered or autotune.load_remembered(
+            self.config.state_dir, self._gpu, self.config.model.name)
+        tuned = launchers.resolve_vllm_args(self.config, self._gpu, remembered)
+        self._args = tuned.values
+        log.info("vLLM settings: %s", ", ".join(
+            f"{k} {tuned.values[k]}" for k in autotune.TUNED_KEYS
+            if tuned.values.get(k) is not None))
+        for reason in tuned.reasons:
+            log.info("  %s", reason)
+        for warning in tuned.warnings:
+            log.warning("%s", warning)
+
+    def _remember_lowered(self) -> None:
+        """The lowered flags got the server going: the next start uses them at once."""
+        path = self.config.state_dir / autotune.TUNING_FILE
+        try:
+            autotune.save_remembered(self.config.state_dir, self._gpu, self.config.model.name,
+                                     self._args)
+        except OSError as exc:
+            log.warning("could not remember the lowered vLLM settings in %s: %s", path, exc)
+        else:
+            log.info("remembered %s in %s: the next start uses them at once", ", ".join(
+                f"{k} {self._args[k]}" for k in autotune.TUNED_KEYS if k in self._args), path)
+        self._lowered = None
+
+    def _step_down_after_oom(self, text: str) -> bool:
+        """Lower the `auto` flags one step for the next launch; False if nothing is left."""
+        lowered = autotune.next_after_oom(self._args, self.config, text)
+        if lowered is None:
+            return False
+        changes = ", ".join(f"{k} {self._args.get(k)} -> {lowered[k]}"
+                            for k in autotune.TUNED_KEYS if lowered.get(k) != self._args.get(k))
+        log.warning("the server ran out of GPU memory (%s); lowering %s and starting again now",
+                    vllm_diagnosis.oom_cause(text), changes)
+        self._lowered = lowered
+        return True
+
+    def _on_line(self, line: str) -> None:
+        phase = parse_phase(line)
+        if phase is not None and self._state is ServerState.STARTING and phase != self._phase:
+            log.info("server starting: %s", phase)
+            self._set(phase=phase)
+
+    def _wait_started(self, probe: ServerProbe, group: ProcessGroup) -> str | None:
+        """None once ready; else why start-up failed."""
+        timeout = self._server.startup_timeout
+        deadline = time.monotonic() + timeout
+        interval = min(STARTUP_POLL, self._server.health_interval)
+        while True:
+            code = group.poll()
+            if code is not None:
+                return f"exited with status {code} while starting"
+            # The port refuses connections until vLLM is ready: failures here are expected.
+            if probe.health() == 200 and probe.serves_model():
+                return None
+            if time.monotonic() >= deadline:
+                return (f"not ready {timeout:g}s after launch (last phase: {self._phase}); "
+                        "raise server.startup_timeout if it was still making progress")
+            self._set(tick=True)
+            self._wait(interval)
+
+    def _watch(self, probe: ServerProbe, group: ProcessGroup) -> str:
+        """Health-check a ready server; return why it is no longer healthy."""
+        failed_probes = 0
+        while True:
+            self._wait(self._server.health_interval)
+            code = group.poll()
+            if code is not None:
+                # Status 0 too: vLLM's API server exits 0 after its engine died.
+                return f"exited with status {code}"
+            status = probe.health()
+            if status == 503:
+                return "/health answered 503 (the engine died)"
+            if status != 200:
+                failed_probes += 1
+                detail = probe.last_error if status is None else f"HTTP {status}"
+                log.warning("server health probe failed (%d/%d): %s", failed_probes,
+                            UNHEALTHY_PROBES, detail)
+                if failed_probes >= UNHEALTHY_PROBES:
+                    return f"/health failed {failed_probes} times in a row ({detail})"
+                continue
+            failed_probes = 0
+            self._note_stable()
+            hung = self._check_stall()
+            if hung:
+                return hung
+
+    def _note_stable(self) -> None:
+        ready_at = self._ready_at
+        if (self._attempt and ready_at is not None
+                and time.monotonic() - ready_at >= self._backoff.reset_after):
+            self._backoff.reset()
+            with self._cond:
+                self._attempt = 0
+
+    def _restart_after(self, failure: str) -> None:
+        """Record a failure, report it, wait out the backoff (or raise if permanent)."""
+        tail = self.log_tail(REPORT_LINES)
+        text = "\n".join([*tail, failure])
+        diagnosis = diagnose(text)
+        if diagnosis is not None and diagnosis.permanent:
+            raise ServerConfigError(f"The server failed: {failure} ({diagnosis.cause}).",
+                                    diagnosis.fix)
+        oom = vllm_diagnosis.is_oom(text)
+        stepped = oom and self._step_down_after_oom(text)
+        error = failure
+        if oom and not stepped:
+            # Nothing ocrvl may lower is left: the user's fix is the exact settings to change.
+            advice = autotune.suggestion(self._args, self.config, text)
+            error = f"{failure}: {advice}"
+            diagnosis = (dataclasses.replace(diagnosis, fix=advice) if diagnosis is not None
+                         else Diagnosis("cuda_oom", "out of memory", advice))
+        if stepped:
+            delay = 0.0  # a new setting deserves an immediate try (and is not a crash loop)
+        else:
+            now = time.monotonic()
+            self._failures.append(now)
+            while self._failures and now - self._failures[0] > CRASH_LOOP_WINDOW:
+                self._failures.popleft()
+            delay = self._backoff.next_delay()
+        with self._cond:
+            self._last_error, self._diagnosis = error, diagnosis
+            self._restart_count += 1
+            self._ready_at = self._ready_since = None
+        cause = f"; likely cause: {diagnosis}" if diagnosis else ""
+        if len(self._failures) >= CRASH_LOOP_FAILURES and not stepped:
+            log.error("the server keeps failing (%d times in %.0f minutes): %s%s; retrying in "
+                      "%.1fs.\nIts last %d lines:\n%s", len(self._failures), CRASH_LOOP_WINDOW / 60,
+                      failure, cause, delay, len(tail), "\n".join(tail))
+        elif not stepped:
+            log.log(logging.ERROR if oom else logging.WARNING,
+                    "server failed: %s%s; restarting in %.1fs", failure, cause, delay)
+        self._set(ServerState.RESTARTING, f"restarting in {delay:.1f}s")
+        self._wait(delay)
+
+    def _release(self) -> None:
+        """Stop the current group (process_group's one stop) and make sure none of it is left
+        before going on."""
+        group = self._group
+        if group is None:
+            return
+        if not group.stop(self._server.stop_timeout):
+            # Two servers must never compete for VRAM: wait until the kernel lets go.
+            while group.alive() and not self._stopping.wait(1.0):
+                pass
+        if self._pump is not None:
+            self._pump.join(2.0)  # drain the last lines for the diagnosis
+        with self._cond:
+            self._group = None

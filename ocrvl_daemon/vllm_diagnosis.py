@@ -1,0 +1,141 @@
+"""Reading vLLM's output: the likely cause of a failure, out-of-memory text, start-up phases.
+
+Every reading of vLLM's failure text goes through here: the supervisor's diagnosis and
+autotune's out-of-memory step-down read the same patterns (pure functions).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+DiagnosisKind = Literal["max_len", "no_kv_memory", "free_memory", "cuda_oom", "port_in_use",
+                        "missing_package", "model_mismatch"]
+# The kinds that mean "out of GPU memory": lowering vLLM's settings may help.
+OOM_KINDS: frozenset[DiagnosisKind] = frozenset(
+    {"max_len", "no_kv_memory", "free_memory", "cuda_oom"})
+# The kinds that mean the KV cache is what is too small (a smaller GPU share only shrinks it).
+KV_CACHE_KINDS: frozenset[DiagnosisKind] = frozenset({"max_len", "no_kv_memory"})
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The likely cause of a server failure and its fix."""
+
+    kind: DiagnosisKind
+    cause: str
+    fix: str
+    permanent: bool = False  # restarting cannot help; needs the user
+    limit: int | None = None  # max_len: the longest max-model-len vLLM says would fit
+
+    def __str__(self) -> str:
+        return f"{self.cause}; fix: {self.fix}"
+
+
+_SETUP = "run `ocrvl setup-server`, or set server.python to a Python that has it"
+_MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
+_FREE_MEMORY = re.compile(r"Free memory on device[^(]*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)")
+# (pattern, kind, cause, fix, permanent); the first match wins, most specific first.
+_RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
+    (re.compile(r"No available memory for the cache blocks"), "no_kv_memory",
+     "out of memory (no room left for the KV cache)",
+     "the weights and the start-up peak fill gpu-memory-utilization x VRAM: raise "
+     "server.vllm_args.gpu-memory-utilization if nothing else uses the GPU, else lower "
+     "max-num-seqs or max-num-batched-tokens", False),
+    (re.compile(r"Free memory on device"), "free_memory",
+     "out of memory (other programs hold GPU memory)",
+     "lower server.vllm_args.gpu-memory-utilization, or close the programs using the GPU "
+     "(see nvidia-smi)", False),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError"), "cuda_oom", "out of memory",
+     "lower server.vllm_args.gpu-memory-utilization, max-num-seqs or max-model-len, or free "
+     "GPU memory (see nvidia-smi)", False),
+    (re.compile(r"address already in use", re.I), "port_in_use", "port already in use",
+     "set server.port to a free port, or stop the program using it (ss -ltnp)", False),
+    (re.compile(r"No module named '?(flash_attn|xformers)"), "missing_package",
+     "flash-attn or xformers is missing from the server environment",
+     "run `ocrvl setup-server`, or use server.launcher: vllm", True),
+    (re.compile(r"No module named '?vllm\b|vllm: (command )?not found|command not found"),
+     "missing_package", "vLLM is not installed in the server environment", _SETUP, True),
+    (re.compile(r"The model `[^`]*` does not exist"), "model_mismatch",
+     "the server serves another model name",
+     "make the server serve model.served_name, or model.name when that is unset (vLLM: "
+     "--served-model-name)", True),
+)
+
+
+def diagnose(text: str) -> Diagnosis | None:
+    """The likely cause of a failure, from the server's last log lines."""
+    limit = estimated_max_len(text)
+    if limit is not None:
+        return Diagnosis("max_len", "max-model-len is too large for the free GPU memory",
+                         f"set server.vllm_args.max-model-len to at most {limit} (or lower "
+                         "model.max_new_tokens), or raise gpu-memory-utilization",
+                         limit=limit)
+    for pattern, kind, cause, fix, permanent in _RULES:
+        if pattern.search(text):
+            return Diagnosis(kind, cause, fix, permanent)
+    return None
+
+
+def _kinds(text: str) -> set[DiagnosisKind]:
+    """Every kind of failure `text` shows signs of (not only the first)."""
+    kinds: set[DiagnosisKind] = {"max_len"} if _MAX_LEN.search(text) else set()
+    return kinds | {kind for pattern, kind, *_ in _RULES if pattern.search(text)}
+
+
+def is_oom(text: str) -> bool:
+    """Whether a server's output shows it failed for lack of GPU memory."""
+    return bool(_kinds(text) & OOM_KINDS)
+
+
+def kv_cache_too_small(text: str) -> bool:
+    """Whether the output says the KV cache is what did not fit."""
+    return bool(_kinds(text) & KV_CACHE_KINDS)
+
+
+def oom_cause(text: str) -> str | None:
+    """The output line that names the out-of-memory cause, for logs and messages."""
+    for line in text.splitlines():
+        if is_oom(line):
+            return line.strip()[:1000]
+    return None
+
+
+def estimated_max_len(text: str) -> int | None:
+    """The longest max-model-len vLLM says would fit in the memory it found, if it says."""
+    match = _MAX_LEN.search(text)
+    return int(match.group(1)) if match else None
+
+
+def free_share(text: str) -> float | None:
+    """The share of the GPU's memory vLLM found free at start-up (free / total), if it says."""
+    match = _FREE_MEMORY.search(text)
+    return float(match.group(1)) / float(match.group(2)) if match else None
+
+
+# --- start-up phases -----------------------------------------------------------------------
+
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_PHASES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"Starting to load model|Loading safetensors checkpoint"),
+     "loading weights"),
+    (re.compile(r"Model loading took|Loading weights took|Memory profiling takes"),
+     "profiling memory"),
+    (re.compile(r"torch\.compile|Compiling a graph"), "compiling the model"),
+    (re.compile(r"Available KV cache memory"), "allocating KV cache"),
+    (re.compile(r"Capturing CUDA graphs|Capturing cudagraphs"), "capturing CUDA graphs"),
+    (re.compile(r"Graph capturing finished|init engine .* took|Starting vLLM API server|"
+                r"Waiting for application startup"), "starting API server"),
+)
+
+
+def parse_phase(line: str) -> str | None:
+    """The start-up phase a vLLM log line announces, if any."""
+    match = _KV_TOKENS.search(line)
+    if match:
+        return f"allocating KV cache ({match.group(1)} tokens)"
+    for pattern, phase in _PHASES:
+        if pattern.search(line):
+            return phase
+    return None
