@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, start_fake_server
+from testkit.harness import FakeServerProcess, free_port, start_fake_server
 
 
 @pytest.fixture

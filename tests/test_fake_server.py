@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.testing.fake_server import (
+from testkit.fake_server import (
     DEFAULT_MODEL,
     FakeServerConfig,
     InProcessFakeServer,
@@ -28,7 +28,7 @@ from ocrvl_daemon.testing.fake_server import (
     parse_args,
     plan_startup,
 )
-from ocrvl_daemon.testing.harness import (
+from testkit.harness import (
     FakeServerProcess,
     chat_payload,
     free_port,

@@ -24,7 +24,7 @@ from ocrvl_daemon.autotune import (
 )
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.testing.fake_server import (
+from testkit.fake_server import (
     FAIL_KINDS,
     FIXED_FAILURES,
     FakeServerConfig,

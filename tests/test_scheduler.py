@@ -13,7 +13,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageTask
 from ocrvl_daemon.scheduler import SHORT_EXTRA, DocumentPages, pick_pages, ready_margin
-from ocrvl_daemon.testing.documents import make_pdf
+from testkit.documents import make_pdf
 
 
 def doc(job_id: int, pages: int) -> DocumentPages:

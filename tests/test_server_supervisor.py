@@ -32,8 +32,8 @@ from ocrvl_daemon.server import (
     diagnose,
     parse_phase,
 )
-from ocrvl_daemon.testing.fake_server import FIXED_FAILURES
-from ocrvl_daemon.testing.harness import (
+from testkit.fake_server import FIXED_FAILURES
+from testkit.harness import (
     fake_server_command,
     free_port,
     start_fake_server,

@@ -3,7 +3,7 @@
 Used by the tests (life cycle, faults, which page landed where) and by the throughput
 benchmark (a simulated continuous-batching server). Run it as::
 
-    python -m ocrvl_daemon.testing.fake_server --host 127.0.0.1 --port 8118 \\
+    python -m testkit.fake_server --host 127.0.0.1 --port 8118 \\
         --served-model-name PaddleOCR-VL-1.6-0.9B [options]
 
 vLLM flags it does not model (``--trust-remote-code``, ``--limit-mm-per-prompt ...``) are
@@ -222,7 +222,7 @@ class FakeServerConfig:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (vLLM's names where vLLM has the option)."""
     p = argparse.ArgumentParser(
-        prog="python -m ocrvl_daemon.testing.fake_server",
+        prog="python -m testkit.fake_server",
         description="Fake vLLM OpenAI-compatible server for ocrvl tests and benchmarks.",
         allow_abbrev=False,  # an unknown vLLM flag must never match one of ours by prefix
     )
