@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from ocrvl_daemon.testing.harness import chat_payload, make_test_jpeg
+from testkit.harness import chat_payload, make_test_jpeg
 
 PAGE_SIZE = (800, 1584)  # what a 400x792 pt page rendered at 2x looks like
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from ocrvl_daemon.testing.documents import make_pdf, page_width
-from ocrvl_daemon.testing.fake_server import InProcessFakeServer, parse_args
+from testkit.documents import make_pdf, page_width
+from testkit.fake_server import InProcessFakeServer, parse_args
 
 PAGES = 40
 LOOPING = (5, 14, 23, 31)

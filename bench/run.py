@@ -4,7 +4,7 @@
     .venv/bin/python bench/run.py --quick    # smaller documents, for a smoke test
     .venv/bin/python -m bench --only a,b     # some scenarios
 
-A simulated continuous-batching vLLM (ocrvl_daemon.testing.fake_server, parameters in
+A simulated continuous-batching vLLM (testkit.fake_server, parameters in
 SIM_ARGS, explained in bench/README.md) serves every contender in turn:
   B1  `paddleocr doc_parser --input FILE ...` once per file (PaddleOCR's documented CLI)
   B2  one warm `PaddleOCRVL(...).predict([all files])` in one process (only predict timed)
@@ -48,9 +48,9 @@ import psutil  # noqa: E402
 
 from bench.loadgen import images, measure, replay  # noqa: E402
 from ocrvl_daemon.config import PipelineConfig  # noqa: E402
-from ocrvl_daemon.testing.documents import make_pdf  # noqa: E402
-from ocrvl_daemon.testing.harness import free_port, start_fake_server, wait_until  # noqa: E402
-from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config  # noqa: E402
+from testkit.documents import make_pdf  # noqa: E402
+from testkit.harness import free_port, start_fake_server, wait_until  # noqa: E402
+from testkit.runner import ocrvl_argv, ocrvl_env, write_config  # noqa: E402
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 PAGE_HEIGHT = 792  # points: a 400..1380 x 792 pt page, 800..2760 x 1584 px at 2x

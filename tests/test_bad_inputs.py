@@ -18,13 +18,13 @@ import pytest
 from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon.output import outputs_for, read_header
-from ocrvl_daemon.testing.documents import (
+from testkit.documents import (
     BadInput,
     make_bad_input_corpus,
     make_many_tiny_pages_pdf,
     make_pdf,
 )
-from ocrvl_daemon.testing.harness import wait_until
+from testkit.harness import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
-from ocrvl_daemon.testing.harness import free_port, start_fake_server
+from testkit.harness import free_port, start_fake_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,9 @@ from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon.managed_server import PIDFILE_NAME
 from ocrvl_daemon.process_group import GroupRecord
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import wait_until
-from ocrvl_daemon.testing.runner import DaemonProcess
+from testkit.documents import make_pdf
+from testkit.harness import wait_until
+from testkit.runner import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def session_processes(sessions: set[int], port: int) -> list[str]:
                 continue
             cmdline = proc.info["cmdline"] or []
             ours = os.getsid(proc.pid) in sessions or (
-                "ocrvl_daemon.testing.fake_server" in cmdline and str(port) in cmdline) or (
+                "testkit.fake_server" in cmdline and str(port) in cmdline) or (
                 "from ocrvl_daemon.engine_process import serve; serve()" in cmdline
                 and cmdline[-1] in {str(s) for s in sessions})
             if ours and proc.pid != os.getpid():

@@ -250,8 +250,8 @@ def test_parse_vllm_metrics() -> None:
 
 
 def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
-    from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
-    from ocrvl_daemon.testing.harness import wait_until
+    from testkit.fake_server import FakeServerConfig, InProcessFakeServer
+    from testkit.harness import wait_until
 
     with InProcessFakeServer(FakeServerConfig(port=0, access_log=False)) as srv:
         def probe(root: str) -> ServerProbe:

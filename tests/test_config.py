@@ -9,7 +9,7 @@ import pytest
 from ocrvl_daemon.config import load_config, validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
-from ocrvl_daemon.testing.runner import run_ocrvl, write_config
+from testkit.runner import run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
 

@@ -13,16 +13,16 @@ import pytest
 from ocrvl_daemon.config import load_config
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.output import read_header
-from ocrvl_daemon.testing.documents import (
+from testkit.documents import (
     make_damaged_page_pdf,
     make_empty_pdf,
     make_encrypted_pdf,
     make_pdf,
     page_width,
 )
-from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, start_fake_server
-from ocrvl_daemon.testing.plain_server import plain_openai_server
-from ocrvl_daemon.testing.runner import (
+from testkit.harness import FakeServerProcess, free_port, start_fake_server
+from testkit.plain_server import plain_openai_server
+from testkit.runner import (
     broken_paddleocr,
     managed_fake_server,
     run_ocrvl,

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.testing.documents import make_encrypted_pdf, make_pdf
-from ocrvl_daemon.testing.harness import free_port, process_alive, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_encrypted_pdf, make_pdf
+from testkit.harness import free_port, process_alive, wait_until
+from testkit.runner import (
     DaemonProcess,
     broken_paddleocr,
     managed_fake_server,

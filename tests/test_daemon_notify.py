@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from test_systemd_notify import Message, NotifySocket
 
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import answers_health, free_port, process_alive, wait_until
-from ocrvl_daemon.testing.runner import DaemonProcess, managed_fake_server, write_config
+from testkit.documents import make_pdf
+from testkit.harness import answers_health, free_port, process_alive, wait_until
+from testkit.runner import DaemonProcess, managed_fake_server, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from ocrvl_daemon.cli import COMMANDS, build_parser
 from ocrvl_daemon.config import Config, validate_config
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.process_group import terminate_group
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port
-from ocrvl_daemon.testing.runner import ocrvl_env
+from testkit.documents import make_pdf
+from testkit.harness import free_port
+from testkit.runner import ocrvl_env
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = REPO / "tests" / "fixtures" / "gpu" / "nogpu.sh"
@@ -98,7 +98,7 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
 
     Only the places are swapped: the PDF, the scratch folder, the port (8118 may be taken)
     and `.venv/bin/` (this interpreter's)."""
-    block = shell_block(readme(), "ocrvl_daemon.testing.fake_server")
+    block = shell_block(readme(), "testkit.fake_server")
     port = free_port()
     script = (block.replace("/tmp/ocrvl-try", str(tmp_path / "try"))
               .replace("8118", str(port))

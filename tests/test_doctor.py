@@ -19,8 +19,8 @@ from ocrvl_daemon import doctor, gpu, layout_model
 from ocrvl_daemon.config import load_config
 from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.launchers import vllm_serve_command
-from ocrvl_daemon.testing.fake_server import FakeServerConfig, InProcessFakeServer
-from ocrvl_daemon.testing.plain_server import plain_openai_server
+from testkit.fake_server import FakeServerConfig, InProcessFakeServer
+from testkit.plain_server import plain_openai_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 MODEL = "PaddleOCR-VL-1.6-0.9B"

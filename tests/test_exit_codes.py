@@ -18,14 +18,14 @@ import pytest
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.pdf import file_identity
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import (
+from testkit.documents import make_pdf
+from testkit.harness import (
     FakeServerProcess,
     free_port,
     start_fake_server,
     wait_until,
 )
-from ocrvl_daemon.testing.runner import (
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     ocrvl_argv,

@@ -27,8 +27,8 @@ from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.scheduler import pick_pages
 from ocrvl_daemon.store import Job, JobState
-from ocrvl_daemon.testing.documents import deny_reading, make_pdf, make_random_bytes
-from ocrvl_daemon.testing.harness import wait_until
+from testkit.documents import deny_reading, make_pdf, make_random_bytes
+from testkit.harness import wait_until
 
 
 class ReadyServer:

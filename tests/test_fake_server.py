@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import hashlib
 import io
 import json
 import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.testing.fake_server import (
+from testkit.fake_server import (
     DEFAULT_MODEL,
     FakeServerConfig,
     InProcessFakeServer,
@@ -28,9 +30,10 @@ from ocrvl_daemon.testing.fake_server import (
     parse_args,
     plan_startup,
 )
-from ocrvl_daemon.testing.harness import (
+from testkit.harness import (
     FakeServerProcess,
     chat_payload,
+    fake_server_command,
     free_port,
     make_test_jpeg,
     process_alive,
@@ -424,3 +427,25 @@ def test_kv_capacity_preempts() -> None:
         statuses, _ = asyncio.run(_burst(srv, 6))
         assert statuses == [200] * 6
         assert srv.metric("vllm:num_preemptions_total") > 0
+
+
+def test_the_fake_server_command_runs_from_any_directory(tmp_path: Path) -> None:
+    """A fake server that ocrvl (or a test's own supervisor) launches imports testkit from
+    this checkout even though testkit is not installed and the child runs elsewhere."""
+    done = subprocess.run(fake_server_command("--help"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, f"`python -m testkit.fake_server` failed:\n{done.stderr}"
+    assert "--served-model-name" in done.stdout
+
+
+def test_the_test_kit_is_not_part_of_the_installed_package() -> None:
+    """The fake server needs aiohttp, which ocrvl does not depend on: the kit stays in the
+    checkout (tests, bench) and out of the package pip installs."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = [name for name in ("ocrvl_daemon", "testkit", "testkit.fake_server")
+               if any(fnmatch.fnmatchcase(name, pattern) for pattern in include)]
+    assert shipped == ["ocrvl_daemon"], f"pyproject.toml ships {shipped}"
+    assert not (root / "ocrvl_daemon" / "testing").exists(), "the old kit is back"

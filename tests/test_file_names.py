@@ -17,9 +17,9 @@ import pytest
 
 from ocrvl_daemon.names import fit_name, name_max, shell_quote, shown
 from ocrvl_daemon.output import outputs_for
-from ocrvl_daemon.testing.documents import make_encrypted_pdf, make_pdf
-from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, wait_until
-from ocrvl_daemon.testing.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config
+from testkit.documents import make_encrypted_pdf, make_pdf
+from testkit.harness import FakeServerProcess, free_port, wait_until
+from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config
 
 ODD = b"\xff\xfebook.pdf"
 

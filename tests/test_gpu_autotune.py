@@ -23,13 +23,13 @@ from ocrvl_daemon.autotune import (
 )
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.testing.fake_server import (
+from ocrvl_daemon.vllm_diagnosis import is_oom, oom_cause
+from testkit.fake_server import (
     FAIL_KINDS,
     FIXED_FAILURES,
     FakeServerConfig,
     plan_startup,
 )
-from ocrvl_daemon.vllm_diagnosis import is_oom, oom_cause
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 BUDGET = 4096 + 1280 + 64  # default max_new_tokens + image + prompt tokens

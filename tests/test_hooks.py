@@ -20,9 +20,9 @@ import yaml
 from ocrvl_daemon.config import HOOK_PLACEHOLDERS, validate_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.hooks import HookRunner, HookValues
-from ocrvl_daemon.testing.documents import make_damaged_page_pdf, make_html_as_pdf, make_pdf
-from ocrvl_daemon.testing.harness import free_port, process_alive, start_fake_server, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_damaged_page_pdf, make_html_as_pdf, make_pdf
+from testkit.harness import free_port, process_alive, start_fake_server, wait_until
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     run_ocrvl,

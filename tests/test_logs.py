@@ -16,9 +16,9 @@ import pytest
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.logs import PriorityFormatter, doc_fields, set_level, setup_logging
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import wait_until
-from ocrvl_daemon.testing.plain_server import plain_openai_server
+from testkit.documents import make_pdf
+from testkit.harness import wait_until
+from testkit.plain_server import plain_openai_server
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ocrvl_daemon.config import validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_pdf
+from testkit.harness import free_port, wait_until
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     run_ocrvl,

@@ -28,8 +28,8 @@ from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.managed_server import ManagedServer
 from ocrvl_daemon.process_group import group_members
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
-from ocrvl_daemon.testing.harness import free_port, wait_until
-from ocrvl_daemon.testing.runner import managed_fake_server
+from testkit.harness import free_port, wait_until
+from testkit.runner import managed_fake_server
 
 GPU_UUID = "GPU-5a1c4060-0000-4000-8000-000000004060"
 # Another program took 3.5 GiB after nvidia-smi was read; the model's weights and KV cache

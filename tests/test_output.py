@@ -23,7 +23,7 @@ from ocrvl_daemon.errors import InputFileError, NameTooLongError, NotOursError, 
 from ocrvl_daemon.names import name_max
 from ocrvl_daemon.output import Page, outputs_for, read_header, write_document
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.testing.documents import deny_reading, make_gigantic_page_pdf, make_pdf
+from testkit.documents import deny_reading, make_gigantic_page_pdf, make_pdf
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 

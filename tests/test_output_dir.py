@@ -14,9 +14,9 @@ import pytest
 from ocrvl_daemon.config import validate_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.output import OutputPlace, outputs_for, read_header
-from ocrvl_daemon.testing.documents import make_html_as_pdf, make_pdf
-from ocrvl_daemon.testing.harness import free_port, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_html_as_pdf, make_pdf
+from testkit.harness import free_port, wait_until
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     run_ocrvl,

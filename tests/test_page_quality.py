@@ -35,9 +35,9 @@ from ocrvl_daemon.page_quality import (
     assess,
 )
 from ocrvl_daemon.scheduler import pick_pages
-from ocrvl_daemon.testing.documents import make_pdf, page_width
-from ocrvl_daemon.testing.harness import wait_until
-from ocrvl_daemon.testing.runner import run_ocrvl
+from testkit.documents import make_pdf, page_width
+from testkit.harness import wait_until
+from testkit.runner import run_ocrvl
 
 SCHEMA = json.loads(resources.files("ocrvl_daemon").joinpath("data/document.schema.json")
                     .read_text("utf-8"))

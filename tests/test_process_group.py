@@ -24,7 +24,7 @@ from ocrvl_daemon.process_group import (
     group_members,
     kill_leftover,
 )
-from ocrvl_daemon.testing.harness import wait_until
+from testkit.harness import wait_until
 
 # A leader that starts a grandchild in its own group, prints both PIDs, then waits.
 LEADER = textwrap.dedent("""

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.progress import RateMeter, progress_line
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import FakeServerProcess, free_port, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_pdf
+from testkit.harness import FakeServerProcess, free_port, wait_until
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     ocrvl_argv,
@@ -61,7 +61,7 @@ def test_rate_ignores_the_wait_before_the_first_pages_and_single_bursts():
 
 @pytest.fixture
 def slow_server() -> FakeServerProcess:
-    from ocrvl_daemon.testing.harness import start_fake_server
+    from testkit.harness import start_fake_server
 
     with start_fake_server(free_port(), "--step-t0-ms", "60", "--max-num-seqs", "2") as server:
         yield server

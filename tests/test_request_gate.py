@@ -16,8 +16,8 @@ import pytest
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate
-from ocrvl_daemon.testing.documents import make_pdf, page_width
-from ocrvl_daemon.testing.harness import free_port, start_fake_server, wait_until
+from testkit.documents import make_pdf, page_width
+from testkit.harness import free_port, start_fake_server, wait_until
 
 
 def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:

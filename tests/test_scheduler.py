@@ -14,7 +14,7 @@ from ocrvl_daemon.convert import Converter, enqueue_file
 from ocrvl_daemon.engine import PageTask
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
-from ocrvl_daemon.testing.documents import make_pdf
+from testkit.documents import make_pdf
 
 
 def doc(job_id: int, pages: int) -> DocumentPages:

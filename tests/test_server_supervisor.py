@@ -31,14 +31,14 @@ from ocrvl_daemon.server import (
     StallDetector,
     supervisor_for,
 )
-from ocrvl_daemon.testing.fake_server import FIXED_FAILURES
-from ocrvl_daemon.testing.harness import (
+from ocrvl_daemon.vllm_diagnosis import diagnose, parse_phase
+from testkit.fake_server import FIXED_FAILURES
+from testkit.harness import (
     fake_server_command,
     free_port,
     start_fake_server,
     wait_until,
 )
-from ocrvl_daemon.vllm_diagnosis import diagnose, parse_phase
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 FAST_BACKOFF = {"initial": 0.1, "cap": 0.5}

@@ -15,9 +15,9 @@ import pytest
 
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.output import read_header
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port, wait_until
-from ocrvl_daemon.testing.runner import (
+from testkit.documents import make_pdf
+from testkit.harness import free_port, wait_until
+from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
     run_ocrvl,

@@ -13,7 +13,7 @@ import pytest
 
 from ocrvl_daemon.status import finish_times
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
+from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 

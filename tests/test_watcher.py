@@ -13,8 +13,8 @@ from PIL import Image
 
 from ocrvl_daemon.config import InboxConfig
 from ocrvl_daemon.filesystems import filesystem_type, needs_polling, parse_mountinfo
-from ocrvl_daemon.testing.harness import wait_until
 from ocrvl_daemon.watcher import InboxWatcher, opens_as_pdf
+from testkit.harness import wait_until
 
 STABLE = 0.3
 # Long enough that only the start-up scan runs: later files must arrive through events.

@@ -10,8 +10,8 @@ import pytest
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine_process import pipeline_kwargs
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.runner import PACKAGE_ROOT, run_ocrvl, write_config
+from testkit.documents import make_pdf
+from testkit.runner import PACKAGE_ROOT, run_ocrvl, write_config
 
 MARKING_PACKAGE = 'import os\nopen(os.environ["IMPORT_MARKS"], "a").write(__name__ + "\\n")\n'
 

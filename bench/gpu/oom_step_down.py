@@ -30,9 +30,9 @@ from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT
 from ocrvl_daemon import autotune
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port
-from ocrvl_daemon.testing.runner import ocrvl_argv, ocrvl_env, write_config
+from testkit.documents import make_pdf
+from testkit.harness import free_port
+from testkit.runner import ocrvl_argv, ocrvl_env, write_config
 
 HERE = Path(__file__).resolve().parent
 HOG = """

@@ -61,9 +61,9 @@ from bench.run import (  # noqa: E402
 from ocrvl_daemon.config import PipelineConfig  # noqa: E402
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL  # noqa: E402
 from ocrvl_daemon.pdf import render_page  # noqa: E402
-from ocrvl_daemon.testing.documents import make_pdf  # noqa: E402
-from ocrvl_daemon.testing.harness import chat_payload, free_port, wait_until  # noqa: E402
-from ocrvl_daemon.testing.runner import write_config  # noqa: E402
+from testkit.documents import make_pdf  # noqa: E402
+from testkit.harness import chat_payload, free_port, wait_until  # noqa: E402
+from testkit.runner import write_config  # noqa: E402
 
 PAGE_HEIGHT = 792  # points: 400..1380 x 792 pt pages, as bench/run.py's
 PIPELINE = PipelineConfig()

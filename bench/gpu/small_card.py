@@ -33,8 +33,8 @@ from bench.gpu.vllm_server import ServeOptions, started, version
 from ocrvl_daemon import autotune
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.gpu import GpuReading, read_gpu
-from ocrvl_daemon.testing.documents import make_pdf
-from ocrvl_daemon.testing.harness import free_port
+from testkit.documents import make_pdf
+from testkit.harness import free_port
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_PAGES = 32

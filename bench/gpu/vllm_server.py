@@ -20,7 +20,7 @@ import httpx
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.models import DEFAULT_MODEL
 from ocrvl_daemon.server_probe import parse_metrics
-from ocrvl_daemon.testing.harness import answers_health, wait_until
+from testkit.harness import answers_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGITS_PROCESSOR = "bench.gpu.answer_lengths:LognormalAnswerLengths"

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-# The directory holding the ocrvl_daemon package: children run this very checkout.
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# The checkout's root, holding ocrvl_daemon and testkit: children run this very checkout.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 _PRIVATE_ENV = ("OCRVL_CONFIG", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -32,10 +32,16 @@ def write_config(path: Path, **sections: Any) -> Path:
     return path
 
 
+def checkout_first(pythonpath: str | None) -> str:
+    """`pythonpath` with this checkout first, so that a child imports ocrvl_daemon and testkit
+    from here (testkit is never installed)."""
+    return os.pathsep.join(filter(None, [str(PACKAGE_ROOT), pythonpath]))
+
+
 def ocrvl_env(**extra: str) -> dict[str, str]:
     """The environment for an `ocrvl` child: this checkout first on the path, no systemd."""
     env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = checkout_first(env.get("PYTHONPATH"))
     env.update(extra)
     return env
 
@@ -67,7 +73,7 @@ def run_ocrvl(*args: str | Path, timeout: float = 180, cwd: Path | None = None,
 
 def managed_fake_server(port: int, *fake_args: str, **server: Any) -> dict[str, Any]:
     """A `server:` config section that makes ocrvl start the fake vLLM server itself."""
-    from ocrvl_daemon.testing.harness import fake_server_command
+    from testkit.harness import fake_server_command
 
     command = fake_server_command("--host", "{host}", "--port", "{port}",
                                   "--served-model-name", "{model}", *fake_args, "{vllm_args}")
@@ -105,7 +111,7 @@ class DaemonProcess:
 
     def wait_ready(self, timeout: float = 60) -> None:
         """Wait for the daemon's "ready" line; fail with its log if it exits first."""
-        from ocrvl_daemon.testing.harness import wait_until
+        from testkit.harness import wait_until
 
         def ready() -> bool:
             assert self.proc is not None

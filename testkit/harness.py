@@ -30,16 +30,12 @@ import httpx
 from PIL import Image, ImageDraw
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.testing.fake_server import DEFAULT_MODEL
+from testkit.fake_server import DEFAULT_MODEL
+from testkit.runner import checkout_first
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# The directory holding the ocrvl_daemon package: put on the child's PYTHONPATH so the
-# subprocess runs this very code even when the package is not installed.
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it; a race is possible but rare)."""
@@ -96,7 +92,7 @@ def answers_health(url: str) -> bool:
 
 def fake_server_command(*args: str, python: str | None = None) -> list[str]:
     """The argv that runs the fake server (e.g. for ocrvl's ``server.command``)."""
-    return [python or sys.executable, "-m", "ocrvl_daemon.testing.fake_server", *args]
+    return [python or sys.executable, "-m", "testkit.fake_server", *args]
 
 
 def make_test_jpeg(seed: int, size: tuple[int, int] = (612, 792)) -> bytes:
@@ -279,7 +275,7 @@ def start_fake_server(
     wait: bool = True,
     ready_timeout: float = 15.0,
 ) -> FakeServerProcess:
-    """Start ``python -m ocrvl_daemon.testing.fake_server`` on ``host:port``.
+    """Start ``python -m testkit.fake_server`` on ``host:port``.
 
     ``args`` are extra command-line options (a later ``--served-model-name`` overrides
     ``model``); ``env`` is added to the current environment. With ``wait`` the call returns
@@ -287,9 +283,7 @@ def start_fake_server(
     """
     fd, name = tempfile.mkstemp(prefix=f"fake-vllm-{port}-", suffix=".log")
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_PACKAGE_ROOT), full_env.get("PYTHONPATH", "")) if p
-    )
+    full_env["PYTHONPATH"] = checkout_first(full_env.get("PYTHONPATH"))
     argv: Sequence[str] = fake_server_command(
         "--host", host, "--port", str(port), "--served-model-name", model, *args
     )
