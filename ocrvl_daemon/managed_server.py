@@ -313,7 +313,9 @@ class ManagedServer(ServerSupervisor):
     def _restart_after(self, failure: str) -> None:
         """Record a failure, report it, wait out the backoff (or raise if permanent)."""
         tail = self.log_tail(REPORT_LINES)
-        text = "\n".join([*tail, failure])
+        # The whole kept output of this process: vLLM 0.26 prints the cause (e.g. its free
+        # memory check) some 60 lines of tracebacks before it exits.
+        text = "\n".join([*self.log_tail(TAIL_LINES), failure])
         diagnosis = diagnose(text)
         if diagnosis is not None and diagnosis.permanent:
             raise ServerConfigError(f"The server failed: {failure} ({diagnosis.cause}).",

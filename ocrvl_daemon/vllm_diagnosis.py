@@ -35,7 +35,10 @@ class Diagnosis:
 
 _SETUP = "run `ocrvl setup-server`, or set server.python to a Python that has it"
 _MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
-_FREE_MEMORY = re.compile(r"Free memory on device[^(]*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\)")
+# vLLM's refusal to start. Every start also logs "Free memory on device (F/T GiB) on startup.
+# Desired GPU memory utilization is ..." at INFO: that line is no failure.
+_FREE_MEMORY = re.compile(r"Free memory on device[^(]*\(\s*([\d.]+)\s*/\s*([\d.]+)\s*GiB\) "
+                          r"on startup is less than desired")
 # (pattern, kind, cause, fix, permanent); the first match wins, most specific first.
 _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
     (re.compile(r"No available memory for the cache blocks"), "no_kv_memory",
@@ -43,7 +46,7 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
      "the weights and the start-up peak fill gpu-memory-utilization x VRAM: raise "
      "server.vllm_args.gpu-memory-utilization if nothing else uses the GPU, else lower "
      "max-num-seqs or max-num-batched-tokens", False),
-    (re.compile(r"Free memory on device"), "free_memory",
+    (_FREE_MEMORY, "free_memory",
      "out of memory (other programs hold GPU memory)",
      "lower server.vllm_args.gpu-memory-utilization, or close the programs using the GPU "
      "(see nvidia-smi)", False),

@@ -320,6 +320,29 @@ def test_cuda_oom_lowers_batch_then_length_then_utilization() -> None:
     assert steps[-1][MAX_MODEL_LEN] == BUDGET
 
 
+# vLLM 0.26.0's own output on an H200 when 41.9 GiB were taken after ocrvl read the GPU
+# (bench/gpu/oom_step_down.py): the cause, then 63 lines of tracebacks.
+REAL_FREE_MEMORY = (Path(__file__).parent / "fixtures"
+                    / "vllm-0.26-free-memory-failure.log").read_text(encoding="utf-8")
+# ...and the line every successful vLLM 0.26 start logs at INFO.
+REAL_START_INFO = ("(EngineCore pid=1708) INFO 12-01 23:09:40 [gpu_worker.py:851] Free memory on "
+                   "device (96.83/139.8 GiB) on startup. Desired GPU memory utilization is "
+                   "(0.67, 93.67 GiB). Actual usage is 1.63 GiB for weight, 0.61 GiB for peak "
+                   "activation, 0.05 GiB for non-torch memory, and 0.31 GiB for CUDAGraph memory.")
+
+
+def test_real_vllm_free_memory_failure_is_read_and_lowers_to_the_free_share() -> None:
+    assert is_oom(REAL_FREE_MEMORY), "vLLM 0.26's free-memory refusal was not seen as out of memory"
+    current = {UTILIZATION: 0.94, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 256, BATCHED_TOKENS: 16384}
+    after = next_after_oom(current, Config.model_validate({}), REAL_FREE_MEMORY)
+    assert after == {**current, UTILIZATION: 0.67}  # 96.83 / 139.8 - 0.02, rounded down
+
+
+def test_a_successful_starts_free_memory_line_is_not_a_failure() -> None:
+    assert not is_oom(REAL_START_INFO + "\n" + ENGINE_FAILED), \
+        "the start-up INFO line about free memory was taken for an out-of-memory failure"
+
+
 def test_free_memory_error_jumps_to_the_reported_share() -> None:
     current = {UTILIZATION: 0.81, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 88, BATCHED_TOKENS: 16384}
     after = next_after_oom(current, Config.model_validate({}), FREE_MEMORY)

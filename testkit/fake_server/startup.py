@@ -17,6 +17,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from testkit.fake_server.config import FakeServerConfig
 from testkit.fake_server.console import emit, vllm_line
@@ -27,6 +28,10 @@ ENGINE_CHILD_MARKER = "VLLM::EngineCore"
 ROOT_CAUSE_TAIL = (
     "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
 )
+# What real vLLM 0.26 prints between its root cause and ROOT_CAUSE_TAIL (recorded on a GPU):
+# 63 lines of tracebacks, so a reader of the last few lines never sees the cause.
+FAILURE_TRACEBACK = (Path(__file__).with_name("vllm_failure_tail.txt")
+                     .read_text(encoding="utf-8").splitlines())
 
 # prctl(PR_SET_NAME) makes `pgrep VLLM` find it like vLLM's setproctitle'd engine; the
 # marker argument makes `pgrep -f VLLM::EngineCore` find it; the sleep bounds a leak.
@@ -47,6 +52,18 @@ def free_memory_message(free: float, total: float, util: float, wanted: float) -
         f"ValueError: Free memory on device ({free:.1f}/{total:.1f} GiB) on startup is less "
         f"than desired GPU memory utilization ({util}, {wanted:.2f} GiB). Decrease GPU memory "
         "utilization or reduce GPU memory used by other processes."
+    )
+
+
+def free_memory_info(cfg: FakeServerConfig) -> str:
+    """The line every vLLM 0.26 start logs at INFO after profiling: no failure."""
+    total = cfg.fake_vram_gib or 8.0
+    free, util = total - cfg.fake_vram_used_gib, cfg.gpu_memory_utilization
+    return (
+        f"Free memory on device ({free:.2f}/{total:.2f} GiB) on startup. Desired GPU memory "
+        f"utilization is ({util}, {util * total:.2f} GiB). Actual usage is "
+        f"{cfg.fake_weights_gib:.2f} GiB for weight, 0.61 GiB for peak activation, 0.05 GiB "
+        "for non-torch memory, and 0.31 GiB for CUDAGraph memory."
     )
 
 
@@ -138,6 +155,7 @@ def startup_phases(
             f"Maximum concurrency for {cfg.max_model_len} tokens per request: "
             f"{tokens / cfg.max_model_len:.2f}x",
         ),
+        (0.58, None, free_memory_info(cfg)),
         (0.60, None, "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 0/67"),
         (0.95, None, "Graph capturing finished in 3 secs, took 0.45 GiB"),
     ]
@@ -149,6 +167,8 @@ def print_failure(plan: StartupPlan) -> None:
     emit("Traceback (most recent call last):")
     emit('  File "vllm/v1/engine/core.py", line 700, in run_engine_core')
     emit(plan.message)
+    for line in FAILURE_TRACEBACK:
+        emit(line)
     emit(ROOT_CAUSE_TAIL)
 
 
