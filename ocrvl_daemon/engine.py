@@ -759,6 +759,15 @@ class EngineWorker:
                 out.append(payload)
         return out
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the worker now and reap it."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        log.warning("engine worker %s: SIGKILL (forced stop)", process.pid)
+        process.kill()
+        process.wait()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Close the worker's input (it finishes what it has), then TERM/KILL and reap."""
         process = self._process

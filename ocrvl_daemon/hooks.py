@@ -164,6 +164,14 @@ class HookRunner:
             group.stop(STOP_SECONDS)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the hooks running now (and reap them); start no more."""
+        with self._lock:
+            self._stopping = True
+            running = list(self._running)
+        for group in running:
+            group.kill()
+
 
 def _communicate(group: ProcessGroup, timeout: float) -> tuple[bytes, bool]:
     """The hook's output once it ends; stopped after `timeout`. True if it timed out."""

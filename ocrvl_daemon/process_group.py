@@ -153,6 +153,12 @@ def terminate_group(pgid: int, timeout: float, what: str = "server",
         return True
     log.warning("%s process group %d still running %.0fs after SIGTERM: sending SIGKILL",
                 what, pgid, timeout)
+    return kill_group(pgid, what, reap)
+
+
+def kill_group(pgid: int, what: str = "server",
+               reap: Callable[[], object] = lambda: None) -> bool:
+    """SIGKILL group `pgid` and wait (bounded) until it is gone; True once nothing is left."""
     _signal_group(pgid, signal.SIGKILL)
     if _wait_gone(pgid, KILL_WAIT, reap):
         log.info("%s process group %d ended after SIGKILL", what, pgid)
@@ -227,7 +233,15 @@ class ProcessGroup:
 
         True once nothing of the group is left.
         """
-        gone = terminate_group(self.pid, timeout, self.what, self.proc.poll)
+        return self._end(terminate_group(self.pid, timeout, self.what, self.proc.poll))
+
+    def kill(self) -> bool:
+        """A forced stop: SIGKILL the whole group now, reap the leader, drop the pidfile."""
+        log.warning("killing %s: SIGKILL to process group %d", self.what, self.pid)
+        return self._end(kill_group(self.pid, self.what, self.proc.poll))
+
+    def _end(self, gone: bool) -> bool:
+        """Reap the leader; drop the pidfile once nothing of the group is left (`gone`)."""
         if self.proc.returncode is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(KILL_WAIT)

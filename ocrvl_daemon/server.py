@@ -474,6 +474,15 @@ class ServerSupervisor:
         if thread.is_alive():
             log.error("the server supervisor did not stop in time; the server may still run")
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the server's whole process group now and reap it."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+            group = self._group
+        if group is not None:
+            group.kill()
+
     def __enter__(self) -> ServerSupervisor:
         self.start()
         return self
