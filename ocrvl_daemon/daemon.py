@@ -66,7 +66,8 @@ class Daemon:
         self._last_publish = 0.0
         self._last_extend = 0.0
         self._last_status = 0.0
-        # The latest snapshot of this daemon's state, for the metrics endpoint's thread.
+        # The latest snapshot of this daemon's state, for the metrics endpoint's thread (no
+        # lock: it is replaced whole, never changed in place).
         self.metrics_snapshot: DaemonMetrics | None = None
         self._drain = DRAIN_SECONDS
         self._full: StateFullError | None = None  # the state_dir's disk is full: paused

@@ -77,6 +77,8 @@ class HookRunner:
     def __init__(self, max_running: int = MAX_RUNNING) -> None:
         self._pool = ThreadPoolExecutor(max_running, thread_name_prefix="ocrvl-hook")
         self._outcomes: queue.SimpleQueue[HookOutcome] = queue.SimpleQueue()
+        # Guards _running, _futures and _stopping: the main thread (submit, stop, kill), the
+        # pool's threads (_run) and the futures' done-callbacks (_forget) all change them.
         self._lock = threading.Lock()
         self._running: set[ProcessGroup] = set()
         self._futures: set[Future[None]] = set()

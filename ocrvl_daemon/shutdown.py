@@ -25,6 +25,8 @@ class StopSignals:
     """Records SIGTERM, SIGINT (and any `extra` signals) for the main loop to act on."""
 
     def __init__(self, *extra: signal.Signals) -> None:
+        # No lock: Python runs the handler on the main thread, the only one reading these
+        # (a lock taken in a handler could deadlock the very thread it interrupted).
         self.pending: list[int] = []  # received, not acted on yet; oldest first
         self.stops: list[int] = []  # every stop signal received, in order
         self._watched = (*STOP_SIGNALS, *extra)

@@ -38,7 +38,10 @@ def monotonic_usec() -> int:
 
 
 class Notifier:
-    """sd_notify messages to the service manager, if there is one (NOTIFY_SOCKET)."""
+    """sd_notify messages to the service manager, if there is one (NOTIFY_SOCKET).
+
+    No lock: one thread at a time uses it (the main loop; at shutdown the thread that stops).
+    """
 
     def __init__(self) -> None:
         self.socket_path = os.environ.get("NOTIFY_SOCKET") or None
