@@ -331,6 +331,7 @@ class Daemon:
         self.store.close()
         self.lock.release()
         log.info("stopped")
+        self.notifier.close()
 
     def _kill_children(self) -> None:
         """A second stop signal: SIGKILL the workers, hooks and servers now, and reap them."""

@@ -88,6 +88,12 @@ class Notifier:
         """A clean shutdown began."""
         self._send("STOPPING=1")
 
+    def close(self) -> None:
+        """Close the socket to systemd; later messages go nowhere."""
+        if self._sd is not None:
+            self._sd.socket.close()
+            self._sd = None
+
     def watchdog_interval(self) -> float | None:
         """Seconds between watchdog pings (half of WATCHDOG_USEC); None when not asked for."""
         return self._interval if self.enabled else None
