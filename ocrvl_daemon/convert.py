@@ -766,6 +766,14 @@ class Converter:
         self.hooks.stop(None if wait_for_hooks else 0.0)
         self._record_hooks()
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the engine workers and the hooks running, and reap them;
+        pages in flight are redone next time."""
+        for worker in (self._worker, *self._retiring):
+            if worker is not None:
+                worker.kill()
+        self.hooks.kill()
+
 
 def _worker_fix(failure: str) -> str:
     """The fix for the usual reasons the pipeline cannot start."""

@@ -4,7 +4,10 @@ Signal handlers only record what was asked; the loop acts on it. Every iteration
 watcher, ticks the converter, publishes status (systemd's STATUS= and the store, for `ocrvl
 status`) and pings systemd's watchdog, so a stuck loop stops pinging. Stopping is ordered:
 stop taking files, let pages in flight finish and checkpoint (bounded; not after Ctrl-C,
-which means now), stop the workers, then stop the server.
+which means now), stop the workers, then stop the server. A second SIGTERM or Ctrl-C while
+that runs stops at once (`shutdown`): SIGKILL to the workers and the server's process group.
+A reload that changes the server settings stops the old server on a thread, so the loop
+keeps turning (and pinging the watchdog), and starts the new one once the old one is gone.
 
 One daemon per state_dir (`state_lock`). When the state_dir's disk fills up, nothing can be
 checkpointed: the daemon pauses (says so in the log, STATUS= and `ocrvl status`), tries
@@ -17,9 +20,9 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
-from types import FrameType
 
 from ocrvl_daemon.config import Config, load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter, enqueue_file
@@ -28,7 +31,8 @@ from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
 from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
-from ocrvl_daemon.server import ServerState, ServerStatus, supervisor_for
+from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor, supervisor_for
+from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.status import open_store
 from ocrvl_daemon.store import JobState
@@ -57,26 +61,28 @@ class Daemon:
         self.config = config
         self.config_path = config_path
         self.notifier = Notifier()
-        self._signals: list[int] = []
+        self.signals = StopSignals(signal.SIGHUP)
         self._ready_sent = False
         self._last_publish = 0.0
         self._last_extend = 0.0
         self._last_status = 0.0
-        # The latest snapshot of this daemon's state, for the metrics endpoint's thread.
+        # The latest snapshot of this daemon's state, for the metrics endpoint's thread (no
+        # lock: it is replaced whole, never changed in place).
         self.metrics_snapshot: DaemonMetrics | None = None
         self._drain = DRAIN_SECONDS
         self._full: StateFullError | None = None  # the state_dir's disk is full: paused
         self._full_retry_at = 0.0
         self._untaken: list[Path] = []  # found by the watcher, not queued yet (disk full)
+        # After a reload: the server being stopped on `_old_server_stop`, a thread; the new
+        # one (`server`) is started by the loop once that thread has ended.
+        self._old_server: ServerSupervisor | None = None
+        self._old_server_stop: threading.Thread | None = None
         self.again = _retry_command(config_path)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals.append(signum)
-
     def run(self) -> ExitCode:
-        """Run until SIGTERM (exit 0) or SIGINT (130); returns the exit code."""
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._on_signal)
+        """Run until SIGTERM (exit 0) or SIGINT (130), or a second one while stopping (130,
+        at once); returns the exit code."""
+        self.signals.install()
         config = self.config
         self.store = open_store(config)  # a state_dir that cannot be used is a ConfigError
         try:
@@ -106,14 +112,18 @@ class Daemon:
             self.metrics.start()
             self.server.start()
             self.watcher.start()
-            return self._loop()
-        finally:
-            self._shutdown()
+            code = self._loop()
+        except BaseException:
+            self.signals.stop(self._shutdown, self._kill_children)
+            raise
+        if not self.signals.stop(self._shutdown, self._kill_children):
+            return ExitCode.INTERRUPTED
+        return code
 
     def _loop(self) -> ExitCode:
         while True:
-            while self._signals:
-                signum = self._signals.pop(0)
+            while self.signals.pending:
+                signum = self.signals.pending.pop(0)
                 if signum == signal.SIGHUP:
                     self._reload()
                 elif signum == signal.SIGINT:  # Ctrl-C: now, pages in flight are redone
@@ -128,6 +138,7 @@ class Daemon:
             if self._full is not None and now < self._full_retry_at:
                 time.sleep(IDLE_TICK_SECONDS)
                 continue
+            self._start_new_server()
             try:
                 self._untaken += self.watcher.poll(now)
                 # The start-up scan hands over every converted file again: one line says so.
@@ -200,6 +211,9 @@ class Daemon:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
         progress = self.converter.progress()
+        state = server.state
+        if state is ServerState.STOPPED and self._old_server is not None:
+            state = ServerState.STARTING  # it starts once the old one has stopped
         snap = StatusSnapshot(
             server_state=server.state.value,
             server_phase=server.phase or None,
@@ -277,14 +291,29 @@ class Daemon:
         self.watcher.reconfigure(new.inbox)
         if new.config_for_server != old.config_for_server:
             log.info("server settings changed; restarting the server")
-            self.server.stop()
-            self.server = supervisor_for(new)
-            self.converter.server = self.server
-            self.server.start()
+            self._replace_server(new)
         self.converter.reconfigure(new)
         self.progress_log.interval = new.progress_seconds
         log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
         self.notifier.ready()
+
+    def _replace_server(self, config: Config) -> None:
+        """Stop the server on a thread (that can take longer than the watchdog allows one turn
+        of the loop); `_start_new_server` starts one for `config` once the old one is gone,
+        as two servers must not compete for the port and the GPU's memory."""
+        if self._old_server is None:  # else the server made by the last reload never started
+            self._old_server = self.server
+            self._old_server_stop = threading.Thread(target=self.server.stop, daemon=True,
+                                                     name="ocrvl-server-stop")
+            self._old_server_stop.start()
+        self.server = supervisor_for(config)
+        self.converter.server = self.server
+
+    def _start_new_server(self) -> None:
+        """Start the server a reload made, once the old one has stopped."""
+        if self._old_server_stop is not None and not self._old_server_stop.is_alive():
+            self._old_server = self._old_server_stop = None
+            self.server.start()
 
     def _shutdown(self) -> None:
         self.notifier.stopping()
@@ -292,6 +321,8 @@ class Daemon:
             log.info("stopping: finishing pages in flight (up to %.0f s)", self._drain)
         self.watcher.stop()
         self.converter.stop(self._drain)
+        if self._old_server_stop is not None:
+            self._old_server_stop.join()  # bounded, as ServerSupervisor.stop is
         self.server.stop()
         self.metrics.stop()
         # `ocrvl status` must not go on showing the last published state as running.
@@ -300,6 +331,15 @@ class Daemon:
         self.store.close()
         self.lock.release()
         log.info("stopped")
+        self.notifier.close()
+
+    def _kill_children(self) -> None:
+        """A second stop signal: SIGKILL the workers, hooks and servers now, and reap them."""
+        self.converter.kill()
+        for server in (self._old_server, self.server):
+            if server is not None:
+                server.kill()
+        log.info("stopped at once; pages in flight are redone next time")
 
 
 def _retry_command(config_path: Path | None) -> str:

@@ -221,6 +221,12 @@ class EngineWorker:
                 out.append(payload)
         return out
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the worker's process group now and reap it."""
+        process = self._process
+        if process is not None:
+            stop_process_group(process, 0, "engine worker", now=True)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Close the worker's input (it finishes what it has), then stop its process group
         (TERM, bounded wait, KILL, reap)."""

@@ -77,6 +77,8 @@ class HookRunner:
     def __init__(self, max_running: int = MAX_RUNNING) -> None:
         self._pool = ThreadPoolExecutor(max_running, thread_name_prefix="ocrvl-hook")
         self._outcomes: queue.SimpleQueue[HookOutcome] = queue.SimpleQueue()
+        # Guards _running, _futures and _stopping: the main thread (submit, stop, kill), the
+        # pool's threads (_run) and the futures' done-callbacks (_forget) all change them.
         self._lock = threading.Lock()
         self._running: set[ProcessGroup] = set()
         self._futures: set[Future[None]] = set()
@@ -163,6 +165,14 @@ class HookRunner:
         for group in running:
             group.stop(STOP_SECONDS)
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the hooks running now (and reap them); start no more."""
+        with self._lock:
+            self._stopping = True
+            running = list(self._running)
+        for group in running:
+            group.kill()
 
 
 def _communicate(group: ProcessGroup, timeout: float) -> tuple[bytes, bool]:

@@ -352,6 +352,14 @@ class ManagedServer(ServerSupervisor):
         self._set(ServerState.RESTARTING, f"restarting in {delay:.1f}s")
         self._wait(delay)
 
+    def kill(self) -> None:
+        """A forced stop: SIGKILL the server's whole process group now and reap it."""
+        super().kill()
+        with self._cond:
+            group = self._group
+        if group is not None:
+            group.kill()
+
     def _release(self) -> None:
         """Stop the current group (process_group's one stop) and make sure none of it is left
         before going on."""

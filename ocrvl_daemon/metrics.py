@@ -2,7 +2,8 @@
 
 prometheus_client serves it from a thread with a registry of its own. Nothing is counted
 twice: each scrape reads the latest `DaemonMetrics`, the snapshot the main loop takes of
-its own state about once a second.
+its own state about once a second; no lock, since a snapshot is replaced whole and never
+changed in place.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from urllib.parse import urlparse
 
 from ocrvl_daemon import output, pdf
@@ -26,6 +25,7 @@ from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server import supervisor_for
+from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.store import JobState, Store
 
 log = logging.getLogger(__name__)
@@ -115,13 +115,10 @@ def _check_input(path: Path) -> None:
 def _run(
     config: Config, store: Store, jobs: dict[int, Path], again: str
 ) -> dict[Path, OcrvlError]:
-    stop_requested: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop_requested.append(signum)
-
+    signals = StopSignals()
+    stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals.install()
     server = supervisor_for(config)
     converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
     try:
@@ -154,11 +151,19 @@ def _run(
         if stop_requested:
             log.warning("stopping (%s): pages done so far are kept; the same command resumes",
                         signal.Signals(stop_requested[0]).name)
-        converter.stop(INTERRUPT_DRAIN_SECONDS if stop_requested else STOP_TIMEOUT,
-                       wait_for_hooks=not stop_requested)
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        interrupted = bool(stop_requested)
+
+        def stop() -> None:
+            converter.stop(INTERRUPT_DRAIN_SECONDS if interrupted else STOP_TIMEOUT,
+                           wait_for_hooks=not interrupted)
+            server.stop()
+
+        def kill() -> None:  # a second Ctrl-C: now
+            converter.kill()
+            server.kill()
+
+        signals.stop(stop, kill)
+        signals.restore()
     if stop_requested:
         raise KeyboardInterrupt
     return {

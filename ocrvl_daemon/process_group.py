@@ -154,6 +154,12 @@ def terminate_group(pgid: int, timeout: float, what: str = "server",
         return True
     log.warning("%s process group %d still running %.0fs after SIGTERM: sending SIGKILL",
                 what, pgid, timeout)
+    return kill_group(pgid, what, reap)
+
+
+def kill_group(pgid: int, what: str = "server",
+               reap: Callable[[], object] = lambda: None) -> bool:
+    """SIGKILL group `pgid` and wait (bounded) until it is gone; True once nothing is left."""
     _signal_group(pgid, signal.SIGKILL)
     if _wait_gone(pgid, KILL_WAIT, reap):
         log.info("%s process group %d ended after SIGKILL", what, pgid)
@@ -163,12 +169,18 @@ def terminate_group(pgid: int, timeout: float, what: str = "server",
     return False
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], timeout: float, what: str) -> bool:
-    """End the group `proc` leads (TERM, bounded wait, KILL) and reap `proc`.
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float, what: str,
+                       *, now: bool = False) -> bool:
+    """End the group `proc` leads (TERM, bounded wait, KILL; with `now` KILL at once: a
+    forced stop) and reap `proc`.
 
     True once nothing of the group is left.
     """
-    gone = terminate_group(proc.pid, timeout, what, proc.poll)
+    if now:
+        log.warning("killing %s: SIGKILL to process group %d", what, proc.pid)
+        gone = kill_group(proc.pid, what, proc.poll)
+    else:
+        gone = terminate_group(proc.pid, timeout, what, proc.poll)
     if proc.returncode is None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(KILL_WAIT)
@@ -241,7 +253,14 @@ class ProcessGroup:
 
         True once nothing of the group is left.
         """
-        gone = stop_process_group(self.proc, timeout, self.what)
+        return self._end(stop_process_group(self.proc, timeout, self.what))
+
+    def kill(self) -> bool:
+        """A forced stop: SIGKILL the whole group now, reap the leader, drop the pidfile."""
+        return self._end(stop_process_group(self.proc, 0, self.what, now=True))
+
+    def _end(self, gone: bool) -> bool:
+        """Drop the pidfile once nothing of the group is left (`gone`)."""
         if gone and self.pidfile is not None and GroupRecord.load(self.pidfile) == self.record:
             self.pidfile.unlink(missing_ok=True)
         return gone

@@ -164,6 +164,12 @@ class ServerSupervisor:
         if self._metrics is not None:
             self._metrics.close()
 
+    def kill(self) -> None:
+        """A forced stop: supervision ends now (a managed server's group is SIGKILLed)."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+
     def __enter__(self) -> ServerSupervisor:
         self.start()
         return self

@@ -98,6 +98,8 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(path.parent, 0o700)
             fresh = not path.exists()
+            # No lock: one thread at a time uses a Store (the main loop; at shutdown the
+            # thread that stops gracefully, while the main thread only waits for it).
             self._db = sqlite3.connect(
                 path, timeout=30.0, isolation_level=None, check_same_thread=False
             )

@@ -38,7 +38,10 @@ def monotonic_usec() -> int:
 
 
 class Notifier:
-    """sd_notify messages to the service manager, if there is one (NOTIFY_SOCKET)."""
+    """sd_notify messages to the service manager, if there is one (NOTIFY_SOCKET).
+
+    No lock: one thread at a time uses it (the main loop; at shutdown the thread that stops).
+    """
 
     def __init__(self) -> None:
         self.socket_path = os.environ.get("NOTIFY_SOCKET") or None
@@ -84,6 +87,12 @@ class Notifier:
     def stopping(self) -> None:
         """A clean shutdown began."""
         self._send("STOPPING=1")
+
+    def close(self) -> None:
+        """Close the socket to systemd; later messages go nowhere."""
+        if self._sd is not None:
+            self._sd.socket.close()
+            self._sd = None
 
     def watchdog_interval(self) -> float | None:
         """Seconds between watchdog pings (half of WATCHDOG_USEC); None when not asked for."""

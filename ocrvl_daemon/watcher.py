@@ -102,6 +102,8 @@ class InboxWatcher:
         self._inbox = inbox
         self._bad_file_wait = bad_file_wait
         self._handler = _Recorder(self)
+        # Guards _pending_files and _pending_dirs, filled by the observers' threads (_record)
+        # and taken by the main loop (poll); every other field belongs to the main loop.
         self._lock = threading.Lock()
         self._pending_files: set[Path] = set()
         self._pending_dirs: set[Path] = set()

@@ -7,13 +7,16 @@ server problem, 6 missing dependency, 7 `doctor` found a blocking problem, 130 i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+from test_daemon_notify import slow_to_stop, stubborn_pids
 
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.pdf import file_identity
@@ -22,6 +25,7 @@ from testkit.documents import make_pdf
 from testkit.harness import (
     FakeServerProcess,
     free_port,
+    process_alive,
     start_fake_server,
     wait_until,
 )
@@ -229,3 +233,47 @@ def test_130_ctrl_c_stops_ocrvl_convert_at_once_with_pages_in_flight(tmp_path: P
             proc.wait()
     assert code == ExitCode.INTERRUPTED, log.read_text()[-3000:]
     assert seconds < 15, f"took {seconds:.1f} s to stop after Ctrl-C"
+
+
+@pytest.mark.slow
+def test_130_a_second_ctrl_c_stops_ocrvl_convert_at_once_while_its_server_is_slow_to_stop(
+        tmp_path: Path):
+    """The first Ctrl-C waits (bounded) for the server to stop; one that ignores SIGTERM
+    takes `server.stop_timeout`. A second Ctrl-C kills everything and exits within seconds."""
+    requests = tmp_path / "requests.jsonl"
+    stubborn = tmp_path / "stubborn.pid"
+    pdf = make_pdf(tmp_path / "book.pdf", 3)
+    server = managed_fake_server(free_port(), "--hang-after", "0", "--request-log",
+                                 str(requests), stop_timeout=120)
+    config = write_config(tmp_path / "config.yaml", server=slow_to_stop(server, stubborn))
+    log = tmp_path / "convert.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(ocrvl_argv("convert", "--config", config, pdf), stdout=out,
+                                stderr=subprocess.STDOUT, env=ocrvl_env(),
+                                start_new_session=True)
+    try:
+        wait_until(lambda: requests.exists() and requests.stat().st_size, 120,
+                   what="a page request to reach the server")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_until(lambda: "SIGTERM to process group" in log.read_text(errors="replace"), 30,
+                   what="the first Ctrl-C's stop to reach the server")
+        os.killpg(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still running 30 s after a second Ctrl-C:\n"
+                                 f"{log.read_text(errors='replace')[-3000:]}") from None
+        took = time.monotonic() - start
+        wait_until(lambda: not any(process_alive(p.pid) for p in children), 10,
+                   what=f"no process left behind ({children})")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in stubborn_pids(stubborn):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert code == ExitCode.INTERRUPTED, log.read_text(errors="replace")[-3000:]
+    assert took < 10, f"took {took:.1f} s to stop after a second Ctrl-C"
