@@ -15,15 +15,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.engine import PageResult, PageTask
+from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
-    InputFileError,
     InputVanishedError,
     OcrvlError,
     PagesFailedError,
@@ -56,14 +55,6 @@ log = logging.getLogger(__name__)
 ACTIVATIONS_PER_TICK = 16
 RETRY_BASE_SECONDS = 30.0
 RETRY_MAX_SECONDS = 3600.0
-WORKER_RESTART_SECONDS = 10.0
-# A worker that cannot even start (no network for the layout model, a broken install) is
-# retried ever less often: the cause rarely goes away by itself within seconds.
-WORKER_RESTART_MAX_SECONDS = 300.0
-# After a worker crash with several pages in flight, which page crashed it is unknown: those
-# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
-# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
-ISOLATION_SPLIT = 4
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -101,11 +92,11 @@ class Progress:
 
 
 class Converter:
-    """Drives queued jobs of `store` through the engine; `only` limits it to some jobs.
+    """Drives queued jobs of `store` through `engines`; `only` limits it to some jobs.
 
-    A worker that fails to start is started again, ever less often, until `engine_starts`
-    starts in a row have failed (None: forever, as the daemon does). `again` is the command
-    that redoes a document of `store`, for the advice in notes (see `pdf.retry_command`).
+    `engines` defaults to a pool that starts its worker again forever, as the daemon wants.
+    `again` is the command that redoes a document of `store`, for the advice in notes (see
+    `pdf.retry_command`).
 
     A full disk under the store (StateFullError) pauses it: results that cannot be
     checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
@@ -118,12 +109,12 @@ class Converter:
         store: Store,
         server: ServerHandle,
         only: set[int] | None = None,
-        engine_starts: int | None = None,
         again: str = "ocrvl retry",
+        engines: EnginePool | None = None,
     ) -> None:
         self.config = config
         self.again = again
-        self.engine_starts = engine_starts
+        self.engines = EnginePool(config) if engines is None else engines
         self.store = store
         self.server = server
         self.only = only
@@ -142,12 +133,6 @@ class Converter:
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
-        self._worker: EngineWorker | None = None
-        self._retiring: list[EngineWorker] = []
-        self._worker_retry_at = 0.0
-        # Workers that failed before becoming ready, in a row, and why the last one did.
-        self.engine_start_failures = 0
-        self.engine_error: str | None = None
         self.completed_pages = 0
         # Pages given up on (placeholders) and kept with a warning, since this started.
         self.failed_pages = 0
@@ -156,10 +141,6 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
-        # Pages in flight at a worker crash, not yet done, and how many of them may be in
-        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
-        self._suspects: set[tuple[int, int]] = set()
-        self._isolation_bound = 1
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -168,7 +149,12 @@ class Converter:
         now = time.monotonic() if now is None else now
         self._collect()  # first: results already in must not wait for a full disk
         self._record_hooks()
-        self._maintain_workers(now)
+        for lost in self.engines.maintain(now, self.active):
+            doc = self.active[lost.job_id]
+            if lost.crash is None:
+                doc.give_back(lost.page)
+            else:
+                self._page_failed(doc, lost.page, lost.crash)
         if self._wake or now >= self._next_activation:
             self._wake = False
             self._next_activation = now + ACTIVATION_INTERVAL
@@ -185,19 +171,12 @@ class Converter:
 
     def wait(self, timeout: float) -> None:
         """Block until the engine has results, or `timeout` passes (the loop's pause)."""
-        if self._worker is not None:
-            self._worker.wait(timeout)
-        else:
-            time.sleep(timeout)
+        self.engines.wait(timeout)
 
     @property
     def in_flight(self) -> int:
         """Pages at the engine right now."""
         return sum(len(d.in_flight) for d in self.active.values())
-
-    def _at_server(self) -> int:
-        """Pages whose request has left for the server."""
-        return sum(len(w.sent) for w in (self._worker, *self._retiring) if w is not None)
 
     def _backlog(self) -> int:
         return sum(len(d.pending) for d in self.active.values())
@@ -297,109 +276,10 @@ class Converter:
                                     retry_in=delay, place=self.place)
             self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
-    # --- the engine worker --------------------------------------------------------------
-
-    def _maintain_workers(self, now: float) -> None:
-        for old in list(self._retiring):
-            if not old.in_flight or not old.alive():
-                self._requeue_lost(old)
-                old.stop()
-                self._retiring.remove(old)
-        worker = self._worker
-        if worker is not None and worker.ready and self.engine_start_failures:
-            log.info("engine worker %s started after %d failed start(s)", worker.pid,
-                     self.engine_start_failures)
-            self.engine_start_failures, self.engine_error = 0, None
-        if worker is not None and (not worker.alive() or worker.failure):
-            failure = worker.failure or f"engine worker exited ({worker.pid})"
-            delay = WORKER_RESTART_SECONDS
-            if worker.ready:
-                log.error("engine worker failed: %s; starting another in %.0f s",
-                          failure.rstrip("."), delay)
-            else:
-                self.engine_start_failures += 1
-                delay = min(WORKER_RESTART_MAX_SECONDS,
-                            delay * 2 ** (self.engine_start_failures - 1))
-                self.engine_error = (f"The recognition pipeline could not start: "
-                                     f"{failure.rstrip('.')}{_worker_fix(failure)}")
-                if self.engine_gave_up:
-                    delay = float("inf")
-                log.error("%s (failed start %d; %s)", self.engine_error, self.engine_start_failures,
-                          "giving up" if self.engine_gave_up else f"trying again in {delay:.0f} s")
-            self._requeue_lost(worker, crash=failure)
-            worker.stop()
-            self._worker = None
-            self._worker_retry_at = now + delay
-        if self._worker is None and now >= self._worker_retry_at:
-            self._worker = EngineWorker(self.config, self.config.server.base_url)
-            self._worker.start()
-        elif self._worker is not None and self._worker.ready and self._should_recycle(self._worker):
-            log.info(
-                "replacing engine worker %s after %d pages (%.0f MiB)",
-                self._worker.pid,
-                self._worker.pages_done,
-                self._worker.rss_mb(),
-            )
-            self._retiring.append(self._worker)
-            self._worker = EngineWorker(self.config, self.config.server.base_url)
-            self._worker.start()
-
-    @property
-    def engine_gave_up(self) -> bool:
-        """Whether `engine_starts` starts in a row failed: no worker will be started again."""
-        return self.engine_starts is not None and self.engine_start_failures >= self.engine_starts
-
-    def _should_recycle(self, worker: EngineWorker) -> bool:
-        p = self.config.pipeline
-        return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
-
-    def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
-        """Pages a stopped worker still had go back. After a `crash` with one page in flight
-        that page counts an attempt, so a page that kills the worker every time ends as a
-        placeholder, not a loop; with several, none does: they are sent again a few at a
-        time (`_isolating_pages`) until a crash names the page."""
-        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in self.active]
-        if crash is not None and len(lost) > 1:
-            self._suspects |= set(lost)
-            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
-            log.warning("%d pages were in flight when the engine worker crashed; sending them "
-                        "again, %d at a time, to find the page that crashes it", len(lost),
-                        self._isolation_bound)
-        for job_id, page in lost:
-            doc = self.active[job_id]
-            if crash is None or len(lost) > 1:
-                doc.give_back(page)
-            else:
-                self._page_failed(doc, page, crash)
-        worker.in_flight.clear()
-        worker.sent.clear()
-
-    def _isolating_pages(self) -> list[tuple[DocumentPages, int]] | None:
-        """The pages to send while a crash is being narrowed down (None: no crash is)."""
-        self._suspects = {(j, p) for j, p in self._suspects
-                          if j in self.active and (p in self.active[j].pending
-                                                   or p in self.active[j].in_flight)}
-        if not self._suspects:
-            return None
-        room = self._isolation_bound - sum(
-            p in self.active[j].in_flight for j, p in self._suspects)
-        chosen = []
-        for job_id, page in sorted(self._suspects):
-            doc = self.active[job_id]
-            if room <= 0:
-                break
-            if page in doc.pending:
-                doc.pending.remove(page)
-                doc.in_flight.add(page)
-                chosen.append((doc, page))
-                room -= 1
-        return chosen
-
     # --- pages --------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        worker = self._worker
-        if worker is None or not worker.ready or not self.server.is_ready():
+        if not self.engines.ready or not self.server.is_ready():
             return
         # `limit` pages at the server, and a few more being prepared (rendered, laid out,
         # encoded) to replace the next ones that finish. No more than that: a page of a
@@ -409,12 +289,12 @@ class Converter:
         # Pages of a document short of pages in flight go at once, a few beyond that: the gate
         # lets them bump a young request of a document that has many.
         limit, in_flight = self.concurrency.limit, self.in_flight
-        worker.set_limit(limit)
+        self.engines.set_limit(limit)
         margin = ready_margin(limit)
-        preparing = max(0, in_flight - self._at_server())
+        preparing = max(0, in_flight - self.engines.at_server)
         slots = min(limit + margin - in_flight, margin - preparing)
         docs = [self.active[j] for j in sorted(self.active)]
-        chosen = self._isolating_pages()
+        chosen = self.engines.isolating_pages(self.active)
         if chosen is None:
             chosen = pick_pages(docs, slots)
             room = limit + margin + SHORT_EXTRA - self.in_flight
@@ -425,7 +305,7 @@ class Converter:
             job = self._jobs[doc.job_id]
             redo = self._ledgers[doc.job_id].redos.get(
                 page, Redo(self.config.model.effective_max_new_tokens))
-            worker.submit(
+            self.engines.submit(
                 PageTask(
                     job.id,
                     str(job.path),
@@ -441,10 +321,8 @@ class Converter:
 
     def _collect(self) -> None:
         full: StateFullError | None = None
-        workers = [w for w in (self._worker, *self._retiring) if w is not None]
-        for worker in workers:
-            for result in worker.collect():
-                full = self._take_result(result) or full
+        for result in self.engines.collect():
+            full = self._take_result(result) or full
         if full is not None:
             raise full
         for job_id in [j for j, d in self.active.items() if d.finished]:
@@ -717,21 +595,14 @@ class Converter:
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""
-        old, self.config = self.config, config
+        self.config = config
+        self.engines.reconfigure(config)
         self.place = output.output_place(config)
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
         self.concurrency.limit = min(
             max(self.concurrency.limit, self.concurrency.minimum), self.concurrency.maximum
         )
-        if (old.pipeline, old.model, old.server) != (
-            config.pipeline,
-            config.model,
-            config.server,
-        ) and self._worker is not None:
-            log.info("pipeline settings changed; replacing the engine worker")
-            self._retiring.append(self._worker)
-            self._worker = None
 
     # --- status and stop ----------------------------------------------------------------
 
@@ -768,30 +639,14 @@ class Converter:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
         hooks running are stopped, or with `wait_for_hooks` all run to their end first."""
         deadline = time.monotonic() + timeout
-        workers = [w for w in (self._worker, *self._retiring) if w is not None]
-        while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
-            for worker in workers:
-                for result in worker.collect(timeout=0.2):
-                    self._take_result(result)  # one the full disk cannot take is redone
+        while self.in_flight and time.monotonic() < deadline and self.engines.alive():
+            for result in self.engines.collect(timeout=0.2):
+                self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
             log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
-        for worker in workers:
-            worker.stop()
-        self._worker = None
-        self._retiring.clear()
+        self.engines.stop()
         self.hooks.stop(None if wait_for_hooks else 0.0)
         self._record_hooks()
-
-
-def _worker_fix(failure: str) -> str:
-    """The fix for the usual reasons the pipeline cannot start."""
-    if "model hosting" in failure or "model hoster" in failure:
-        return (". Fix: the layout model (PP-DocLayout) is downloaded once on first use: let "
-                "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
-                "false")
-    if "No module named" in failure or "DependencyError" in failure:
-        return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
-    return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
@@ -804,49 +659,3 @@ def _unexpected(exc: Exception) -> OcrvlError:
         f"Unexpected error: {type(exc).__name__}: {exc}.",
         "ocrvl retries by itself; if it keeps failing, report it with the log",
     )
-
-
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
-                       again: str, place: output.OutputPlace) -> None:
-    """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
-    try:
-        st = path.stat()
-    except OSError:
-        return
-    job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
-    if job.state is not JobState.FAILED:
-        store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix,
-                                redo=pdf.retry_command(path, again=again), place=place)
-
-
-def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry",
-                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
-    """Identify `path` and queue it, unless this content is already handled (`again`: see
-    Converter).
-
-    A Markdown file that ocrvl wrote from this very content with this model counts as done,
-    even when the store has never seen the file (a new state dir, a moved inbox).
-    """
-    known = store.job_for_path(path)
-    try:
-        stat = path.stat()
-    except OSError:
-        stat = None
-    # The start-up scan hands over every PDF again: a version already identified (same size,
-    # mtime and model) is not hashed again, which would read whole libraries at each start.
-    if (known is not None and known.sha256 and known.model == model and stat is not None
-            and (known.size, known.mtime) == (stat.st_size, stat.st_mtime)):
-        return known
-    try:
-        ident = pdf.file_identity(path)
-    except InputFileError as exc:
-        _record_unreadable(store, path, model, exc, again, place)
-        raise
-    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
-    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
-        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
-        store.set_done(job.id)
-        output.remove_error_note(path, place)
-        job = store.job(job.id) or job
-    return job
