@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from ocrvl_daemon import output, pdf
+from ocrvl_daemon import jobs, output, pdf
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask
@@ -28,15 +28,15 @@ from ocrvl_daemon.errors import (
     PagesFailedError,
     StateFullError,
 )
-from ocrvl_daemon.hooks import HookRunner, HookValues
+from ocrvl_daemon.hooks import DocumentHooks
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import (
-    REDO_SHARE,
     KeptBecause,
     PageQuality,
     Redo,
     RedoLedger,
     assess,
+    flag_note,
 )
 from ocrvl_daemon.progress import DocumentProgress
 from ocrvl_daemon.scheduler import (
@@ -53,8 +53,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 log = logging.getLogger(__name__)
 
 ACTIVATIONS_PER_TICK = 16
-RETRY_BASE_SECONDS = 30.0
-RETRY_MAX_SECONDS = 3600.0
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -70,11 +68,6 @@ class ServerHandle(Protocol):
     def note_progress(self, in_flight: int, completed_total: int) -> None:
         """Client-side progress, for hang detection."""
         ...
-
-
-def retry_delay(attempts: int) -> float:
-    """Backoff before a transient failure is retried."""
-    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
 
 
 @dataclass
@@ -120,7 +113,7 @@ class Converter:
         self.only = only
         self.model = config.model.name
         self.place = output.output_place(config)
-        self.hooks = HookRunner()
+        self.hooks = DocumentHooks(store)
         self.concurrency = ConcurrencyController(
             config.pipeline.min_concurrency,
             config.pipeline.max_concurrency,
@@ -137,7 +130,6 @@ class Converter:
         # Pages given up on (placeholders) and kept with a warning, since this started.
         self.failed_pages = 0
         self.flagged_pages = 0
-        self.hook_failures: Counter[str] = Counter()
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
@@ -148,7 +140,7 @@ class Converter:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
         self._collect()  # first: results already in must not wait for a full disk
-        self._record_hooks()
+        self.hooks.record()
         for lost in self.engines.maintain(now, self.active):
             doc = self.active[lost.job_id]
             if lost.crash is None:
@@ -243,38 +235,11 @@ class Converter:
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         # The store first: when the state disk is full (StateFullError) the job stays as it
         # is, to fail again, properly recorded, once there is space.
-        self._record_failure(job, exc)
+        if jobs.record_failure(self.store, job, exc, self.again, self.place):
+            self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
         self._ledgers.pop(job.id, None)
-
-    def _record_failure(self, job: Job, exc: OcrvlError) -> None:
-        if isinstance(exc, InputVanishedError) and not job.path.exists():
-            log.info("%s disappeared; dropping it from the queue", job.path)
-            self.store.forget(job.id)
-            return
-        attempts = job.attempts + 1
-        if exc.permanent:
-            redo = pdf.retry_command(job.path, again=self.again)
-            log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo,
-                      extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=self.place)
-            self.store.set_failed(job.id, str(exc), permanent=True)
-            self._run_hook("on_failed", job, error=str(exc))
-        else:
-            delay = retry_delay(attempts)
-            log.warning(
-                "%s: %s (attempt %d; retrying in %.0f s)",
-                job.path,
-                exc,
-                attempts,
-                delay,
-                extra=_fields(job),
-            )
-            output.write_error_note(job.path, exc.message, exc.fix,
-                                    redo=pdf.retry_command(job.path, again=self.again),
-                                    retry_in=delay, place=self.place)
-            self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
 
     # --- pages --------------------------------------------------------------------------
 
@@ -421,41 +386,9 @@ class Converter:
     def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
                       why: Redo | KeptBecause | None) -> str | None:
         """The note of a page kept although it is not ok (None when it is ok)."""
-        if not quality.flagged:
-            return None
-        page = result.page
-        if isinstance(why, KeptBecause) and result.truncated_at is not None:
-            return self._cut_off_note(job, page, result.truncated_at, why)
-        retry = pdf.retry_command(job.path, str(page + 1), self.again)
-        what = {"repetition": "the answer repeats itself (the model looped)",
-                "empty": "the answer is empty although the page has ink on it",
-                "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
-                           "characters",
-                "cut-off": "the answer was cut off at the token limit"}.get(
-                    quality.reason or "", str(quality.reason))
-        return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
-
-    def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
-        """The note of a page kept although its answer was cut off at `cut_at` tokens."""
-        retry = pdf.retry_command(job.path, str(page + 1), self.again)
-        head = f"page {page + 1} was cut off at {cut_at} tokens"
-        if why is KeptBecause.LOOP:
-            return (f"{head}: the answer repeats itself (the model looped), also when sent "
-                    "again with a repetition penalty; its end may be missing or garbled.")
-        if why is KeptBecause.BUDGET:
-            return (f"{head} and not redone: redoing this document's bad pages took "
-                    f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
-                    f"Redo it with: {retry}")
-        if why is KeptBecause.REDONE:
-            return (f"{head}, also after a redo with more tokens; its end may be missing. "
-                    f"Raise model.max_new_tokens, then: {retry}")
-        # The server's max-model-len allows no more: where to raise it depends on who runs it.
-        if self.config.server.mode == "external":
-            fix = "Raise --max-model-len on the server you run"
-        else:
-            fix = "Raise server.vllm_args.max-model-len"
-        return (f"{head} (the server's max-model-len allows no more); its end may be missing. "
-                f"{fix}, then: {retry}")
+        return flag_note(result.page, quality, why, result.truncated_at,
+                         pdf.retry_command(job.path, str(result.page + 1), self.again),
+                         external_server=self.config.server.mode == "external")
 
     def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
         """Count a failed attempt at `page`: send it again, or give up on it."""
@@ -552,41 +485,10 @@ class Converter:
         if short:
             log.info("%s: %s", job.path.name, short, extra=_fields(job))
         data = output.json_for(job.path, self.place)
-        self._run_hook("on_done", job, md=str(md), pages=doc.page_count,
+        self.hooks.run(self.config.hooks, "on_done", job, md=str(md), pages=doc.page_count,
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
-
-    # --- hooks --------------------------------------------------------------------------
-
-    def _run_hook(self, event: str, job: Job, *, md: str = "", images: str = "",
-                  json: str = "", pages: int | None = None, error: str = "") -> None:
-        """Start the user's `hooks.<event>` for `job`, if there is one (in the background)."""
-        argv: list[str] | None = getattr(self.config.hooks, event)
-        if argv is None:
-            return
-        pages = job.page_count if pages is None else pages
-        flagged = sorted(
-            {*self.store.failed_pages(job.sha256, job.model),
-             *self.store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED),
-             *self.store.flagged_pages(job.sha256, job.model)}
-        )
-        values = HookValues(
-            pdf=str(job.path),
-            md=md,
-            json=json,
-            images=images,
-            pages="" if pages is None else str(pages),
-            flagged=",".join(str(p + 1) for p in flagged),
-            error=error,
-        )
-        self.hooks.submit(event, argv, self.config.hooks.timeout, job.id, values)
-
-    def _record_hooks(self) -> None:
-        for outcome in self.hooks.outcomes():
-            self.store.set_hook_error(outcome.job_id, outcome.error)
-            if outcome.error is not None:
-                self.hook_failures[outcome.event] += 1
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
@@ -646,7 +548,6 @@ class Converter:
             log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
         self.engines.stop()
         self.hooks.stop(None if wait_for_hooks else 0.0)
-        self._record_hooks()
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:

@@ -231,7 +231,7 @@ class Daemon:
                 JobState.FAILED.value: progress.failed,
             },
             engine_failed_starts=self.converter.engines.start_failures,
-            hook_failures=dict(self.converter.hook_failures),
+            hook_failures=dict(self.converter.hooks.failures),
             servers=[ServerMetrics(server.url, state.value, server.restart_count)],
         )
         if now - self._last_publish >= PUBLISH_SECONDS:

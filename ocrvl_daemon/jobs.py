@@ -1,5 +1,5 @@
-"""Where jobs are kept and how a file becomes one: the daemon's and `ocrvl convert`'s stores,
-and `enqueue_file`, which identifies a PDF and queues it."""
+"""Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
+a job (`enqueue_file`) and how a job's failure is recorded for the user (`record_failure`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import InputFileError
+from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
+from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
@@ -16,11 +17,52 @@ log = logging.getLogger(__name__)
 DAEMON_DB = "jobs.sqlite"
 # `ocrvl convert` keeps its own record, so it works beside a running daemon.
 ONESHOT_DB = "convert.sqlite"
+RETRY_BASE_SECONDS = 30.0
+RETRY_MAX_SECONDS = 3600.0
 
 
 def open_store(config: Config) -> Store:
     """The daemon's store."""
     return Store(config.state_dir / DAEMON_DB)
+
+
+def retry_delay(attempts: int) -> float:
+    """Backoff before a transient failure is retried."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
+
+
+def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
+                   place: output.OutputPlace) -> bool:
+    """Record why `job` failed: in the store, the log and a note beside its output; a job
+    whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
+    due); a transient failure is retried after `retry_delay` (`again`: see `enqueue_file`).
+    """
+    fields = doc_fields(job.path, None, job.id)
+    if isinstance(exc, InputVanishedError) and not job.path.exists():
+        log.info("%s disappeared; dropping it from the queue", job.path)
+        store.forget(job.id)
+        return False
+    attempts = job.attempts + 1
+    if exc.permanent:
+        redo = pdf.retry_command(job.path, again=again)
+        log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo, extra=fields)
+        output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=place)
+        store.set_failed(job.id, str(exc), permanent=True)
+        return True
+    delay = retry_delay(attempts)
+    log.warning(
+        "%s: %s (attempt %d; retrying in %.0f s)",
+        job.path,
+        exc,
+        attempts,
+        delay,
+        extra=fields,
+    )
+    output.write_error_note(job.path, exc.message, exc.fix,
+                            redo=pdf.retry_command(job.path, again=again),
+                            retry_in=delay, place=place)
+    store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
+    return False
 
 
 def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,

@@ -20,7 +20,7 @@ import yaml
 from stand_in_worker import StandInWorker
 from test_daemon import Setup, wait_for_markdown
 
-from ocrvl_daemon import convert, output, status
+from ocrvl_daemon import jobs, output, status
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.engine import PageResult
@@ -263,7 +263,7 @@ def test_a_loop_is_told_from_long_text_and_tables():
 
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(convert, "retry_delay", lambda attempts: 0.0)
+    monkeypatch.setattr(jobs, "retry_delay", lambda attempts: 0.0)
     usage = shutil.disk_usage(policy.folder)
     monkeypatch.setattr(output.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)
