@@ -1,11 +1,13 @@
-"""Documents from queued job to written Markdown: pages -> engine -> checkpoints -> output.
+"""Schedules the pages of active documents through the engine pool, checkpoints each answer,
+and writes a document out once all its pages are in.
 
 `Converter.tick()` is called from the owner's loop (the daemon's main loop, or `ocrvl
-convert`'s). It activates queued jobs, sends pages to the engine worker while the server is
-ready, checkpoints every finished page before counting it, and assembles a document once all
-its pages are in. One bad document never stops the others: its failure is recorded in the
-store, the log and a `<stem>.ocrvl-error.txt` beside its output. The user's hooks run
-after each document written or failed for good; how they ended goes to the store.
+convert`'s). It activates queued jobs, sends pages to the engine workers (`engine_pool`)
+while the server is ready, checkpoints every finished page before counting it, and assembles
+a document once all its pages are in. One bad document never stops the others: its failure
+is recorded (`jobs.record_failure`) in the store, the log and a `<stem>.ocrvl-error.txt`
+beside its output. The user's hooks (`hooks.DocumentHooks`) run after each document written
+or failed for good.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 from ocrvl_daemon import jobs, output, pdf
@@ -38,7 +39,7 @@ from ocrvl_daemon.page_quality import (
     assess,
     flag_note,
 )
-from ocrvl_daemon.progress import DocumentProgress
+from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.scheduler import (
     MAX_ACTIVE_DOCUMENTS,
     SHORT_EXTRA,
@@ -68,20 +69,6 @@ class ServerHandle(Protocol):
     def note_progress(self, in_flight: int, completed_total: int) -> None:
         """Client-side progress, for hang detection."""
         ...
-
-
-@dataclass
-class Progress:
-    """A snapshot for status lines."""
-
-    current: str | None
-    page_done: int
-    page_total: int
-    pages_per_s: float
-    queued: int
-    done: int
-    failed: int
-    in_flight: int
 
 
 class Converter:
@@ -206,31 +193,13 @@ class Converter:
                 self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
-        path = job.path
-        if not path.exists():
-            log.info("%s is gone; dropping it from the queue", path)
-            self.store.forget(job.id)
-            return
-        stat = path.stat()
-        # No hash yet (unreadable when found) or another version: identify it again.
-        if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
-            ident = pdf.file_identity(path)
-            job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
-            if job.state is not JobState.QUEUED:
-                return
-        output.check_writable(path, json_output="json" in self.config.output.formats,
-                              place=self.place)
-        count = pdf.page_count(path)
-        done = self.store.done_pages(job.sha256, self.model)
-        self.store.set_running(job.id, count)
-        self._jobs[job.id] = job
-        self._ledgers[job.id] = RedoLedger()
-        pending = [p for p in range(count) if p not in done]
-        self.active[job.id] = DocumentPages(job.id, count, pending, done=count - len(pending))
-        if done:
-            log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
-        else:
-            log.info("%s: %d pages queued", path.name, count, extra=_fields(job))
+        started = jobs.start_job(self.store, job, self.model, self.place,
+                                 json_output="json" in self.config.output.formats)
+        if started is not None:
+            job, pages = started
+            self._jobs[job.id] = job
+            self._ledgers[job.id] = RedoLedger()
+            self.active[job.id] = pages
 
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         # The store first: when the state disk is full (StateFullError) the job stays as it

@@ -1,5 +1,6 @@
 """Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
-a job (`enqueue_file`) and how a job's failure is recorded for the user (`record_failure`)."""
+a job (`enqueue_file`), how a queued job starts (`start_job`) and how its failure is recorded
+for the user (`record_failure`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.scheduler import DocumentPages
 from ocrvl_daemon.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,35 @@ RETRY_MAX_SECONDS = 3600.0
 def open_store(config: Config) -> Store:
     """The daemon's store."""
     return Store(config.state_dir / DAEMON_DB)
+
+
+def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
+              json_output: bool) -> tuple[Job, DocumentPages] | None:
+    """Mark queued `job` running: the job (identified again if its file changed) and its
+    pages still to do. None when its file is gone (it is dropped) or this version is not
+    queued. An unusable file or output place raises, as OcrvlError or OSError."""
+    path = job.path
+    if not path.exists():
+        log.info("%s is gone; dropping it from the queue", path)
+        store.forget(job.id)
+        return None
+    stat = path.stat()
+    # No hash yet (unreadable when found) or another version: identify it again.
+    if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
+        ident = pdf.file_identity(path)
+        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
+        if job.state is not JobState.QUEUED:
+            return None
+    output.check_writable(path, json_output=json_output, place=place)
+    count = pdf.page_count(path)
+    done = store.done_pages(job.sha256, model)
+    store.set_running(job.id, count)
+    pending = [p for p in range(count) if p not in done]
+    if done:
+        log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
+    else:
+        log.info("%s: %d pages queued", path.name, count, extra=doc_fields(path, None, job.id))
+    return job, DocumentPages(job.id, count, pending, done=count - len(pending))
 
 
 def retry_delay(attempts: int) -> float:
