@@ -163,7 +163,7 @@ class EnginePool:
                 self._worker.pages_done,
                 self._worker.rss_mb(),
             )
-            self.retire()
+            self._retire()
             self._start()
         return lost
 
@@ -171,7 +171,7 @@ class EnginePool:
         self._worker = self._new_worker(self.config, self.config.server.base_url)
         self._worker.start()
 
-    def retire(self) -> None:
+    def _retire(self) -> None:
         """The worker taking pages finishes those it has; the next one starts when due."""
         if self._worker is not None:
             self._retiring.append(self._worker)
@@ -186,7 +186,7 @@ class EnginePool:
             config.server,
         ) and self._worker is not None:
             log.info("pipeline settings changed; replacing the engine worker")
-            self.retire()
+            self._retire()
 
     def _worn(self, worker: EngineWorker) -> bool:
         p = self.config.pipeline
