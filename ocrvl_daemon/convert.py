@@ -162,22 +162,11 @@ class Converter:
 
     # --- jobs ---------------------------------------------------------------------------
 
-    def _runnable_jobs(self, limit: int) -> list[Job]:
-        wall = time.time()
-        jobs = [
-            j
-            for j in self.store.jobs(JobState.QUEUED)
-            if j.id not in self.active
-            and j.not_before <= wall
-            and (self.only is None or j.id in self.only)
-        ]
-        return jobs[:limit]
-
     def _activate(self) -> None:
         room = min(ACTIVATIONS_PER_TICK, MAX_ACTIVE_DOCUMENTS - len(self.active))
         if room <= 0:
             return
-        for job in self._runnable_jobs(room):
+        for job in jobs.due_jobs(self.store, room, self.active, self.only):
             try:
                 self._start_job(job)
             except StateFullError:

@@ -1,10 +1,12 @@
 """Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
-a job (`enqueue_file`), how a queued job starts (`start_job`) and how its failure is recorded
-for the user (`record_failure`)."""
+a job (`enqueue_file`), which queued jobs are due and how one starts (`due_jobs`,
+`start_job`), and how a job's failure is recorded for the user (`record_failure`)."""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Container
 from pathlib import Path
 
 from ocrvl_daemon import output, pdf
@@ -26,6 +28,20 @@ RETRY_MAX_SECONDS = 3600.0
 def open_store(config: Config) -> Store:
     """The daemon's store."""
     return Store(config.state_dir / DAEMON_DB)
+
+
+def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | None) -> list[Job]:
+    """Up to `limit` queued jobs whose retry time has come, oldest first, except those in
+    `skip` (with `only`: of those jobs alone)."""
+    wall = time.time()
+    jobs = [
+        j
+        for j in store.jobs(JobState.QUEUED)
+        if j.id not in skip
+        and j.not_before <= wall
+        and (only is None or j.id in only)
+    ]
+    return jobs[:limit]
 
 
 def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
