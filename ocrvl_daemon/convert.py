@@ -1,11 +1,13 @@
-"""Documents from queued job to written Markdown: pages -> engine -> checkpoints -> output.
+"""Schedules the pages of active documents through the engine pool, checkpoints each answer,
+and writes a document out once all its pages are in.
 
 `Converter.tick()` is called from the owner's loop (the daemon's main loop, or `ocrvl
-convert`'s). It activates queued jobs, sends pages to the engine worker while the server is
-ready, checkpoints every finished page before counting it, and assembles a document once all
-its pages are in. One bad document never stops the others: its failure is recorded in the
-store, the log and a `<stem>.ocrvl-error.txt` beside its output. The user's hooks run
-after each document written or failed for good; how they ended goes to the store.
+convert`'s). It activates queued jobs, sends pages to the engine workers (`engine_pool`)
+while the server is ready, checkpoints every finished page before counting it, and assembles
+a document once all its pages are in. One bad document never stops the others: its failure
+is recorded (`jobs.record_failure`) in the store, the log and a `<stem>.ocrvl-error.txt`
+beside its output. The user's hooks (`hooks.DocumentHooks`) run after each document written
+or failed for good.
 """
 
 from __future__ import annotations
@@ -14,32 +16,30 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from ocrvl_daemon import output, pdf
+from ocrvl_daemon import jobs, output, pdf
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.engine import PageResult, PageTask
+from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
-    InputFileError,
     InputVanishedError,
     OcrvlError,
     PagesFailedError,
     StateFullError,
 )
-from ocrvl_daemon.hooks import HookRunner, HookValues
+from ocrvl_daemon.hooks import DocumentHooks
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import (
-    REDO_SHARE,
     KeptBecause,
     PageQuality,
     Redo,
     RedoLedger,
     assess,
+    flag_note,
 )
-from ocrvl_daemon.progress import DocumentProgress
+from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages
 from ocrvl_daemon.server_probe import ServerMetrics
@@ -48,16 +48,6 @@ from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 log = logging.getLogger(__name__)
 
 ACTIVATIONS_PER_TICK = 16
-RETRY_BASE_SECONDS = 30.0
-RETRY_MAX_SECONDS = 3600.0
-WORKER_RESTART_SECONDS = 10.0
-# A worker that cannot even start (no network for the layout model, a broken install) is
-# retried ever less often: the cause rarely goes away by itself within seconds.
-WORKER_RESTART_MAX_SECONDS = 300.0
-# After a worker crash with several pages in flight, which page crashed it is unknown: those
-# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
-# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
-ISOLATION_SPLIT = 4
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
@@ -79,31 +69,12 @@ class ServerHandle(Protocol):
         ...
 
 
-def retry_delay(attempts: int) -> float:
-    """Backoff before a transient failure is retried."""
-    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
-
-
-@dataclass
-class Progress:
-    """A snapshot for status lines."""
-
-    current: str | None
-    page_done: int
-    page_total: int
-    pages_per_s: float
-    queued: int
-    done: int
-    failed: int
-    in_flight: int
-
-
 class Converter:
-    """Drives queued jobs of `store` through the engine; `only` limits it to some jobs.
+    """Drives queued jobs of `store` through `engines`; `only` limits it to some jobs.
 
-    A worker that fails to start is started again, ever less often, until `engine_starts`
-    starts in a row have failed (None: forever, as the daemon does). `again` is the command
-    that redoes a document of `store`, for the advice in notes (see `pdf.retry_command`).
+    `engines` defaults to a pool that starts its worker again forever, as the daemon wants.
+    `again` is the command that redoes a document of `store`, for the advice in notes (see
+    `pdf.retry_command`).
 
     A full disk under the store (StateFullError) pauses it: results that cannot be
     checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
@@ -116,18 +87,18 @@ class Converter:
         store: Store,
         server: ServerHandle,
         only: set[int] | None = None,
-        engine_starts: int | None = None,
         again: str = "ocrvl retry",
+        engines: EnginePool | None = None,
     ) -> None:
         self.config = config
         self.again = again
-        self.engine_starts = engine_starts
+        self.engines = EnginePool(config) if engines is None else engines
         self.store = store
         self.server = server
         self.only = only
         self.model = config.model.name
         self.place = output.output_place(config)
-        self.hooks = HookRunner()
+        self.hooks = DocumentHooks(store)
         self.concurrency = ConcurrencyController(
             config.pipeline.min_concurrency,
             config.pipeline.max_concurrency,
@@ -136,24 +107,13 @@ class Converter:
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
-        self._worker: EngineWorker | None = None
-        self._retiring: list[EngineWorker] = []
-        self._worker_retry_at = 0.0
-        # Workers that failed before becoming ready, in a row, and why the last one did.
-        self.engine_start_failures = 0
-        self.engine_error: str | None = None
         self.completed_pages = 0
         # Pages given up on (placeholders) and kept with a warning, since this started.
         self.failed_pages = 0
         self.flagged_pages = 0
-        self.hook_failures: Counter[str] = Counter()
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
-        # Pages in flight at a worker crash, not yet done, and how many of them may be in
-        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
-        self._suspects: set[tuple[int, int]] = set()
-        self._isolation_bound = 1
 
     # --- the tick -----------------------------------------------------------------------
 
@@ -161,8 +121,13 @@ class Converter:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
         self._collect()  # first: results already in must not wait for a full disk
-        self._record_hooks()
-        self._maintain_workers(now)
+        self.hooks.record()
+        for lost in self.engines.maintain(now, self.active):
+            doc = self.active[lost.job_id]
+            if lost.crash is None:
+                doc.give_back(lost.page)
+            else:
+                self._page_failed(doc, lost.page, lost.crash)
         if self._wake or now >= self._next_activation:
             self._wake = False
             self._next_activation = now + ACTIVATION_INTERVAL
@@ -179,41 +144,23 @@ class Converter:
 
     def wait(self, timeout: float) -> None:
         """Block until the engine has results, or `timeout` passes (the loop's pause)."""
-        if self._worker is not None:
-            self._worker.wait(timeout)
-        else:
-            time.sleep(timeout)
+        self.engines.wait(timeout)
 
     @property
     def in_flight(self) -> int:
         """Pages at the engine right now."""
         return sum(len(d.in_flight) for d in self.active.values())
 
-    def _at_server(self) -> int:
-        """Pages whose request has left for the server."""
-        return sum(len(w.sent) for w in (self._worker, *self._retiring) if w is not None)
-
     def _backlog(self) -> int:
         return sum(len(d.pending) for d in self.active.values())
 
     # --- jobs ---------------------------------------------------------------------------
 
-    def _runnable_jobs(self, limit: int) -> list[Job]:
-        wall = time.time()
-        jobs = [
-            j
-            for j in self.store.jobs(JobState.QUEUED)
-            if j.id not in self.active
-            and j.not_before <= wall
-            and (self.only is None or j.id in self.only)
-        ]
-        return jobs[:limit]
-
     def _activate(self) -> None:
         room = min(ACTIVATIONS_PER_TICK, MAX_ACTIVE_DOCUMENTS - len(self.active))
         if room <= 0:
             return
-        for job in self._runnable_jobs(room):
+        for job in jobs.due_jobs(self.store, room, self.active, self.only):
             try:
                 self._start_job(job)
             except StateFullError:
@@ -229,177 +176,33 @@ class Converter:
                 self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
-        path = job.path
-        if not path.exists():
-            log.info("%s is gone; dropping it from the queue", path)
-            self.store.forget(job.id)
-            return
-        stat = path.stat()
-        # No hash yet (unreadable when found) or another version: identify it again.
-        if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
-            ident = pdf.file_identity(path)
-            job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, self.model)
-            if job.state is not JobState.QUEUED:
-                return
-        output.check_writable(path, json_output="json" in self.config.output.formats,
-                              place=self.place)
-        count = pdf.page_count(path)
-        done = self.store.done_pages(job.sha256, self.model)
-        self.store.set_running(job.id, count)
-        self._jobs[job.id] = job
-        self._ledgers[job.id] = RedoLedger()
-        pending = [p for p in range(count) if p not in done]
-        self.active[job.id] = DocumentPages(job.id, count, pending, done=count - len(pending))
-        if done:
-            log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
-        else:
-            log.info("%s: %d pages queued", path.name, count, extra=_fields(job))
+        started = jobs.start_job(self.store, job, self.model, self.place,
+                                 json_output="json" in self.config.output.formats)
+        if started is not None:
+            job, pages = started
+            self._jobs[job.id] = job
+            self._ledgers[job.id] = RedoLedger()
+            self.active[job.id] = pages
 
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         # The store first: when the state disk is full (StateFullError) the job stays as it
         # is, to fail again, properly recorded, once there is space.
-        self._record_failure(job, exc)
+        if jobs.record_failure(self.store, job, exc, self.again, self.place):
+            self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
         self.active.pop(job.id, None)
         self._jobs.pop(job.id, None)
         self._ledgers.pop(job.id, None)
 
-    def _record_failure(self, job: Job, exc: OcrvlError) -> None:
-        if isinstance(exc, InputVanishedError) and not job.path.exists():
-            log.info("%s disappeared; dropping it from the queue", job.path)
-            self.store.forget(job.id)
-            return
-        attempts = job.attempts + 1
-        if exc.permanent:
-            redo = pdf.retry_command(job.path, again=self.again)
-            log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo,
-                      extra=_fields(job))
-            output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=self.place)
-            self.store.set_failed(job.id, str(exc), permanent=True)
-            self._run_hook("on_failed", job, error=str(exc))
-        else:
-            delay = retry_delay(attempts)
-            log.warning(
-                "%s: %s (attempt %d; retrying in %.0f s)",
-                job.path,
-                exc,
-                attempts,
-                delay,
-                extra=_fields(job),
-            )
-            output.write_error_note(job.path, exc.message, exc.fix,
-                                    redo=pdf.retry_command(job.path, again=self.again),
-                                    retry_in=delay, place=self.place)
-            self.store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
-
-    # --- the engine worker --------------------------------------------------------------
-
-    def _maintain_workers(self, now: float) -> None:
-        for old in list(self._retiring):
-            if not old.in_flight or not old.alive():
-                self._requeue_lost(old)
-                old.stop()
-                self._retiring.remove(old)
-        worker = self._worker
-        if worker is not None and worker.ready and self.engine_start_failures:
-            log.info("engine worker %s started after %d failed start(s)", worker.pid,
-                     self.engine_start_failures)
-            self.engine_start_failures, self.engine_error = 0, None
-        if worker is not None and (not worker.alive() or worker.failure):
-            failure = worker.failure or f"engine worker exited ({worker.pid})"
-            delay = WORKER_RESTART_SECONDS
-            if worker.ready:
-                log.error("engine worker failed: %s; starting another in %.0f s",
-                          failure.rstrip("."), delay)
-            else:
-                self.engine_start_failures += 1
-                delay = min(WORKER_RESTART_MAX_SECONDS,
-                            delay * 2 ** (self.engine_start_failures - 1))
-                self.engine_error = (f"The recognition pipeline could not start: "
-                                     f"{failure.rstrip('.')}{_worker_fix(failure)}")
-                if self.engine_gave_up:
-                    delay = float("inf")
-                log.error("%s (failed start %d; %s)", self.engine_error, self.engine_start_failures,
-                          "giving up" if self.engine_gave_up else f"trying again in {delay:.0f} s")
-            self._requeue_lost(worker, crash=failure)
-            worker.stop()
-            self._worker = None
-            self._worker_retry_at = now + delay
-        if self._worker is None and now >= self._worker_retry_at:
-            self._worker = EngineWorker(self.config, self.config.server.base_url)
-            self._worker.start()
-        elif self._worker is not None and self._worker.ready and self._should_recycle(self._worker):
-            log.info(
-                "replacing engine worker %s after %d pages (%.0f MiB)",
-                self._worker.pid,
-                self._worker.pages_done,
-                self._worker.rss_mb(),
-            )
-            self._retiring.append(self._worker)
-            self._worker = EngineWorker(self.config, self.config.server.base_url)
-            self._worker.start()
-
-    @property
-    def engine_gave_up(self) -> bool:
-        """Whether `engine_starts` starts in a row failed: no worker will be started again."""
-        return self.engine_starts is not None and self.engine_start_failures >= self.engine_starts
-
-    def _should_recycle(self, worker: EngineWorker) -> bool:
-        p = self.config.pipeline
-        return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
-
-    def _requeue_lost(self, worker: EngineWorker, crash: str | None = None) -> None:
-        """Pages a stopped worker still had go back. After a `crash` with one page in flight
-        that page counts an attempt, so a page that kills the worker every time ends as a
-        placeholder, not a loop; with several, none does: they are sent again a few at a
-        time (`_isolating_pages`) until a crash names the page."""
-        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in self.active]
-        if crash is not None and len(lost) > 1:
-            self._suspects |= set(lost)
-            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
-            log.warning("%d pages were in flight when the engine worker crashed; sending them "
-                        "again, %d at a time, to find the page that crashes it", len(lost),
-                        self._isolation_bound)
-        for job_id, page in lost:
-            doc = self.active[job_id]
-            if crash is None or len(lost) > 1:
-                doc.give_back(page)
-            else:
-                self._page_failed(doc, page, crash)
-        worker.in_flight.clear()
-        worker.sent.clear()
-
-    def _isolating_pages(self) -> list[tuple[DocumentPages, int]] | None:
-        """The pages to send while a crash is being narrowed down (None: no crash is)."""
-        self._suspects = {(j, p) for j, p in self._suspects
-                          if j in self.active and (p in self.active[j].pending
-                                                   or p in self.active[j].in_flight)}
-        if not self._suspects:
-            return None
-        room = self._isolation_bound - sum(
-            p in self.active[j].in_flight for j, p in self._suspects)
-        chosen = []
-        for job_id, page in sorted(self._suspects):
-            doc = self.active[job_id]
-            if room <= 0:
-                break
-            if page in doc.pending:
-                doc.pending.remove(page)
-                doc.in_flight.add(page)
-                chosen.append((doc, page))
-                room -= 1
-        return chosen
-
     # --- pages --------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        worker = self._worker
-        if worker is None or not worker.ready or not self.server.is_ready():
+        if not self.engines.ready or not self.server.is_ready():
             return
         limit = self.concurrency.limit
-        worker.set_limit(limit)
-        slots, short_room = slots_to_fill(limit, self.in_flight, self._at_server())
+        self.engines.set_limit(limit)
+        slots, short_room = slots_to_fill(limit, self.in_flight, self.engines.at_server)
         docs = [self.active[j] for j in sorted(self.active)]
-        chosen = self._isolating_pages()
+        chosen = self.engines.isolating_pages(self.active)
         if chosen is None:
             chosen = pick_pages(docs, slots)
             chosen += pick_pages(docs, short_room - len(chosen), short_of=SHORT_OF_PAGES)
@@ -409,7 +212,7 @@ class Converter:
             job = self._jobs[doc.job_id]
             redo = self._ledgers[doc.job_id].redos.get(
                 page, Redo(self.config.model.effective_max_new_tokens))
-            worker.submit(
+            self.engines.submit(
                 PageTask(
                     job.id,
                     str(job.path),
@@ -425,10 +228,8 @@ class Converter:
 
     def _collect(self) -> None:
         full: StateFullError | None = None
-        workers = [w for w in (self._worker, *self._retiring) if w is not None]
-        for worker in workers:
-            for result in worker.collect():
-                full = self._take_result(result) or full
+        for result in self.engines.collect():
+            full = self._take_result(result) or full
         if full is not None:
             raise full
         for job_id in [j for j, d in self.active.items() if d.finished]:
@@ -527,41 +328,9 @@ class Converter:
     def _quality_note(self, job: Job, result: PageResult, quality: PageQuality,
                       why: Redo | KeptBecause | None) -> str | None:
         """The note of a page kept although it is not ok (None when it is ok)."""
-        if not quality.flagged:
-            return None
-        page = result.page
-        if isinstance(why, KeptBecause) and result.truncated_at is not None:
-            return self._cut_off_note(job, page, result.truncated_at, why)
-        retry = pdf.retry_command(job.path, str(page + 1), self.again)
-        what = {"repetition": "the answer repeats itself (the model looped)",
-                "empty": "the answer is empty although the page has ink on it",
-                "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
-                           "characters",
-                "cut-off": "the answer was cut off at the token limit"}.get(
-                    quality.reason or "", str(quality.reason))
-        return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
-
-    def _cut_off_note(self, job: Job, page: int, cut_at: int, why: KeptBecause) -> str:
-        """The note of a page kept although its answer was cut off at `cut_at` tokens."""
-        retry = pdf.retry_command(job.path, str(page + 1), self.again)
-        head = f"page {page + 1} was cut off at {cut_at} tokens"
-        if why is KeptBecause.LOOP:
-            return (f"{head}: the answer repeats itself (the model looped), also when sent "
-                    "again with a repetition penalty; its end may be missing or garbled.")
-        if why is KeptBecause.BUDGET:
-            return (f"{head} and not redone: redoing this document's bad pages took "
-                    f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
-                    f"Redo it with: {retry}")
-        if why is KeptBecause.REDONE:
-            return (f"{head}, also after a redo with more tokens; its end may be missing. "
-                    f"Raise model.max_new_tokens, then: {retry}")
-        # The server's max-model-len allows no more: where to raise it depends on who runs it.
-        if self.config.server.mode == "external":
-            fix = "Raise --max-model-len on the server you run"
-        else:
-            fix = "Raise server.vllm_args.max-model-len"
-        return (f"{head} (the server's max-model-len allows no more); its end may be missing. "
-                f"{fix}, then: {retry}")
+        return flag_note(result.page, quality, why, result.truncated_at,
+                         pdf.retry_command(job.path, str(result.page + 1), self.again),
+                         external_server=self.config.server.mode == "external")
 
     def _page_failed(self, doc: DocumentPages, page: int, error: str) -> None:
         """Count a failed attempt at `page`: send it again, or give up on it."""
@@ -658,41 +427,10 @@ class Converter:
         if short:
             log.info("%s: %s", job.path.name, short, extra=_fields(job))
         data = output.json_for(job.path, self.place)
-        self._run_hook("on_done", job, md=str(md), pages=doc.page_count,
+        self.hooks.run(self.config.hooks, "on_done", job, md=str(md), pages=doc.page_count,
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
-
-    # --- hooks --------------------------------------------------------------------------
-
-    def _run_hook(self, event: str, job: Job, *, md: str = "", images: str = "",
-                  json: str = "", pages: int | None = None, error: str = "") -> None:
-        """Start the user's `hooks.<event>` for `job`, if there is one (in the background)."""
-        argv: list[str] | None = getattr(self.config.hooks, event)
-        if argv is None:
-            return
-        pages = job.page_count if pages is None else pages
-        flagged = sorted(
-            {*self.store.failed_pages(job.sha256, job.model),
-             *self.store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED),
-             *self.store.flagged_pages(job.sha256, job.model)}
-        )
-        values = HookValues(
-            pdf=str(job.path),
-            md=md,
-            json=json,
-            images=images,
-            pages="" if pages is None else str(pages),
-            flagged=",".join(str(p + 1) for p in flagged),
-            error=error,
-        )
-        self.hooks.submit(event, argv, self.config.hooks.timeout, job.id, values)
-
-    def _record_hooks(self) -> None:
-        for outcome in self.hooks.outcomes():
-            self.store.set_hook_error(outcome.job_id, outcome.error)
-            if outcome.error is not None:
-                self.hook_failures[outcome.event] += 1
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.model):
@@ -701,21 +439,14 @@ class Converter:
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration; the worker is replaced if its settings changed."""
-        old, self.config = self.config, config
+        self.config = config
+        self.engines.reconfigure(config)
         self.place = output.output_place(config)
         self.concurrency.minimum = config.pipeline.min_concurrency
         self.concurrency.maximum = config.pipeline.max_concurrency
         self.concurrency.limit = min(
             max(self.concurrency.limit, self.concurrency.minimum), self.concurrency.maximum
         )
-        if (old.pipeline, old.model, old.server) != (
-            config.pipeline,
-            config.model,
-            config.server,
-        ) and self._worker is not None:
-            log.info("pipeline settings changed; replacing the engine worker")
-            self._retiring.append(self._worker)
-            self._worker = None
 
     # --- status and stop ----------------------------------------------------------------
 
@@ -752,38 +483,19 @@ class Converter:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
         hooks running are stopped, or with `wait_for_hooks` all run to their end first."""
         deadline = time.monotonic() + timeout
-        workers = [w for w in (self._worker, *self._retiring) if w is not None]
-        while self.in_flight and time.monotonic() < deadline and any(w.alive() for w in workers):
-            for worker in workers:
-                for result in worker.collect(timeout=0.2):
-                    self._take_result(result)  # one the full disk cannot take is redone
+        while self.in_flight and time.monotonic() < deadline and self.engines.alive():
+            for result in self.engines.collect(timeout=0.2):
+                self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
             log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
-        for worker in workers:
-            worker.stop()
-        self._worker = None
-        self._retiring.clear()
+        self.engines.stop()
         self.hooks.stop(None if wait_for_hooks else 0.0)
-        self._record_hooks()
 
     def kill(self) -> None:
         """A forced stop: SIGKILL the engine workers and the hooks running, and reap them;
         pages in flight are redone next time."""
-        for worker in (self._worker, *self._retiring):
-            if worker is not None:
-                worker.kill()
+        self.engines.kill()
         self.hooks.kill()
-
-
-def _worker_fix(failure: str) -> str:
-    """The fix for the usual reasons the pipeline cannot start."""
-    if "model hosting" in failure or "model hoster" in failure:
-        return (". Fix: the layout model (PP-DocLayout) is downloaded once on first use: let "
-                "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
-                "false")
-    if "No module named" in failure or "DependencyError" in failure:
-        return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
-    return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"
 
 
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
@@ -796,49 +508,3 @@ def _unexpected(exc: Exception) -> OcrvlError:
         f"Unexpected error: {type(exc).__name__}: {exc}.",
         "ocrvl retries by itself; if it keeps failing, report it with the log",
     )
-
-
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
-                       again: str, place: output.OutputPlace) -> None:
-    """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
-    try:
-        st = path.stat()
-    except OSError:
-        return
-    job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
-    if job.state is not JobState.FAILED:
-        store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix,
-                                redo=pdf.retry_command(path, again=again), place=place)
-
-
-def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry",
-                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
-    """Identify `path` and queue it, unless this content is already handled (`again`: see
-    Converter).
-
-    A Markdown file that ocrvl wrote from this very content with this model counts as done,
-    even when the store has never seen the file (a new state dir, a moved inbox).
-    """
-    known = store.job_for_path(path)
-    try:
-        stat = path.stat()
-    except OSError:
-        stat = None
-    # The start-up scan hands over every PDF again: a version already identified (same size,
-    # mtime and model) is not hashed again, which would read whole libraries at each start.
-    if (known is not None and known.sha256 and known.model == model and stat is not None
-            and (known.size, known.mtime) == (stat.st_size, stat.st_mtime)):
-        return known
-    try:
-        ident = pdf.file_identity(path)
-    except InputFileError as exc:
-        _record_unreadable(store, path, model, exc, again, place)
-        raise
-    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
-    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
-        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
-        store.set_done(job.id)
-        output.remove_error_note(path, place)
-        job = store.job(job.id) or job
-    return job

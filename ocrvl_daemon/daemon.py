@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 from ocrvl_daemon.config import Config, load_config, resolve_config_path
-from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError, StateFullError
+from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
 from ocrvl_daemon.names import shell_quote
@@ -34,7 +35,6 @@ from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor, supervisor_for
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
-from ocrvl_daemon.status import open_store
 from ocrvl_daemon.store import JobState
 from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_status
 from ocrvl_daemon.watcher import InboxWatcher
@@ -226,7 +226,7 @@ class Daemon:
             queued=max(0, progress.queued),
             done=progress.done,
             failed=progress.failed,
-            engine_failed_starts=self.converter.engine_start_failures,
+            engine_failed_starts=self.converter.engines.start_failures,
         )
         self.notifier.status(format_status(snap), now)
         self.metrics_snapshot = DaemonMetrics(
@@ -241,9 +241,9 @@ class Daemon:
                 JobState.DONE.value: progress.done,
                 JobState.FAILED.value: progress.failed,
             },
-            engine_failed_starts=self.converter.engine_start_failures,
-            hook_failures=dict(self.converter.hook_failures),
-            servers=[ServerMetrics(server.url, server.state.value, server.restart_count)],
+            engine_failed_starts=self.converter.engines.start_failures,
+            hook_failures=dict(self.converter.hooks.failures),
+            servers=[ServerMetrics(server.url, state.value, server.restart_count)],
         )
         if now - self._last_publish >= PUBLISH_SECONDS:
             self._last_publish = now
@@ -258,7 +258,7 @@ class Daemon:
                 "pages_per_s": round(rate, 3),
                 "in_flight": self.converter.in_flight,
                 "concurrency": self.converter.concurrency.limit,
-                "engine_error": self.converter.engine_error,
+                "engine_error": self.converter.engines.start_error,
                 "server": {
                     "state": server.state.value,
                     "phase": server.phase,

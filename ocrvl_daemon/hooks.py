@@ -15,13 +15,15 @@ import os
 import queue
 import subprocess
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ocrvl_daemon.config import HOOK_PLACEHOLDERS
+from ocrvl_daemon.config import HOOK_PLACEHOLDERS, HooksConfig
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.process_group import ProcessGroup
+from ocrvl_daemon.store import Job, PageFailure, Store
 
 log = logging.getLogger(__name__)
 # A hook's own output, line by line.
@@ -173,6 +175,55 @@ class HookRunner:
             running = list(self._running)
         for group in running:
             group.kill()
+
+
+class DocumentHooks:
+    """The user's hooks for the documents of `store`: started in the background by `run`,
+    how they ended recorded in the store by `record` (call it from the owner's loop)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.runner = HookRunner()
+        self.failures: Counter[str] = Counter()  # hooks that failed or timed out, by event
+
+    def run(self, hooks: HooksConfig, event: str, job: Job, *, md: str = "", images: str = "",
+            json: str = "", pages: int | None = None, error: str = "") -> None:
+        """Start `hooks.<event>` for `job`, if there is one (in the background)."""
+        argv: list[str] | None = getattr(hooks, event)
+        if argv is None:
+            return
+        pages = job.page_count if pages is None else pages
+        flagged = sorted(
+            {*self.store.failed_pages(job.sha256, job.model),
+             *self.store.failed_pages(job.sha256, job.model, PageFailure.DAMAGED),
+             *self.store.flagged_pages(job.sha256, job.model)}
+        )
+        values = HookValues(
+            pdf=str(job.path),
+            md=md,
+            json=json,
+            images=images,
+            pages="" if pages is None else str(pages),
+            flagged=",".join(str(p + 1) for p in flagged),
+            error=error,
+        )
+        self.runner.submit(event, argv, hooks.timeout, job.id, values)
+
+    def record(self) -> None:
+        """Write how the hooks that ended since the last call went to the store."""
+        for outcome in self.runner.outcomes():
+            self.store.set_hook_error(outcome.job_id, outcome.error)
+            if outcome.error is not None:
+                self.failures[outcome.event] += 1
+
+    def stop(self, wait_seconds: float | None = 0.0) -> None:
+        """`HookRunner.stop`, then record how they ended."""
+        self.runner.stop(wait_seconds)
+        self.record()
+
+    def kill(self) -> None:
+        """A forced stop: `HookRunner.kill`."""
+        self.runner.kill()
 
 
 def _communicate(group: ProcessGroup, timeout: float) -> tuple[bytes, bool]:

@@ -20,8 +20,10 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.convert import Converter
+from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
+from ocrvl_daemon.jobs import ONESHOT_DB, enqueue_file
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server import supervisor_for
@@ -63,7 +65,7 @@ def convert_files(
             except OcrvlError:
                 continue  # reported below, as a bad file
             redo[path] = pdf.parse_pages(pages, count, path)
-    store = Store(config.state_dir / "convert.sqlite")
+    store = Store(config.state_dir / ONESHOT_DB)
     failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
     place = output.output_place(config)
@@ -120,7 +122,8 @@ def _run(
     view = _progress_view(config, store, jobs)
     signals.install()
     server = supervisor_for(config)
-    converter = Converter(config, store, server, set(jobs), ENGINE_START_ATTEMPTS, again)
+    converter = Converter(config, store, server, set(jobs), again,
+                          EnginePool(config, ENGINE_START_ATTEMPTS))
     try:
         server.start()
         if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
@@ -140,8 +143,8 @@ def _run(
             view.update(time.monotonic(), converter.running())
             if server.error is not None:
                 return _unfinished(store, jobs, server.error)
-            if converter.engine_gave_up:
-                return _unfinished(store, jobs, OcrvlError(converter.engine_error or ""))
+            if converter.engines.gave_up:
+                return _unfinished(store, jobs, OcrvlError(converter.engines.start_error or ""))
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break

@@ -239,3 +239,46 @@ class RedoLedger:
         that failed asks for no tokens any more)."""
         self._best.pop(page, None)
         self._out.discard(page)
+
+
+def flag_note(page: int, quality: PageQuality, why: Redo | KeptBecause | None,
+              cut_at: int | None, retry: str, external_server: bool) -> str | None:
+    """The note of page `page` (0-based) kept although it is not ok (None when it is ok).
+
+    `why` is the ledger's decision, `cut_at` the token limit that cut its answer off,
+    `retry` the command that redoes it; `external_server`: ocrvl does not run the server.
+    """
+    if not quality.flagged:
+        return None
+    if isinstance(why, KeptBecause) and cut_at is not None:
+        return _cut_off_note(page, cut_at, why, retry, external_server)
+    what = {"repetition": "the answer repeats itself (the model looped)",
+            "empty": "the answer is empty although the page has ink on it",
+            "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
+                       "characters",
+            "cut-off": "the answer was cut off at the token limit"}.get(
+                quality.reason or "", str(quality.reason))
+    return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
+
+
+def _cut_off_note(page: int, cut_at: int, why: KeptBecause, retry: str,
+                  external_server: bool) -> str:
+    """The note of a page kept although its answer was cut off at `cut_at` tokens."""
+    head = f"page {page + 1} was cut off at {cut_at} tokens"
+    if why is KeptBecause.LOOP:
+        return (f"{head}: the answer repeats itself (the model looped), also when sent "
+                "again with a repetition penalty; its end may be missing or garbled.")
+    if why is KeptBecause.BUDGET:
+        return (f"{head} and not redone: redoing this document's bad pages took "
+                f"{REDO_SHARE:.0%} of its tokens already; its end may be missing. "
+                f"Redo it with: {retry}")
+    if why is KeptBecause.REDONE:
+        return (f"{head}, also after a redo with more tokens; its end may be missing. "
+                f"Raise model.max_new_tokens, then: {retry}")
+    # The server's max-model-len allows no more: where to raise it depends on who runs it.
+    if external_server:
+        fix = "Raise --max-model-len on the server you run"
+    else:
+        fix = "Raise server.vllm_args.max-model-len"
+    return (f"{head} (the server's max-model-len allows no more); its end may be missing. "
+            f"{fix}, then: {retry}")

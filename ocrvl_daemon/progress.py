@@ -35,6 +35,20 @@ MAX_BARS = 8
 BAR_REFRESH_SECONDS = 0.2
 
 
+@dataclass
+class Progress:
+    """A snapshot of the converter for status lines."""
+
+    current: str | None
+    page_done: int
+    page_total: int
+    pages_per_s: float
+    queued: int
+    done: int
+    failed: int
+    in_flight: int
+
+
 @dataclass(frozen=True)
 class DocumentProgress:
     """Pages done of one document being converted."""

@@ -12,6 +12,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
+from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.names import shell_quote, shown
 from ocrvl_daemon.output import OutputPlace, output_place, shortened_names
 from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
@@ -22,16 +23,10 @@ from ocrvl_daemon.systemd import format_duration
 
 log = logging.getLogger(__name__)
 
-DAEMON_DB = "jobs.sqlite"
 # Without --all: every document not done yet, and this many of the last finished.
 RECENT_DONE = 10
 # A daemon that has not published for this long is taken for dead (it publishes every 2 s).
 STALE_SECONDS = 30.0
-
-
-def open_store(config: Config) -> Store:
-    """The daemon's store."""
-    return Store(config.state_dir / DAEMON_DB)
 
 
 def _job_view(store: Store, job: Job, place: OutputPlace) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Failure policy: what is retried by itself, what waits for the user, and what a page can sink.
 
-The converter tests feed `PageResult`s straight into a `Converter` (no worker, no server):
-that is the boundary where the engine reports trouble, so every policy path can be driven
-exactly. The daemon tests at the end check the token-limit handling end to end.
+The converter tests drive a `Converter` through its `tick()`, with a stand-in engine worker
+whose pages are answered (or which crashes) by hand: that is the boundary where the engine
+reports trouble, so every policy path can be driven exactly. The daemon tests at the end
+check the token-limit handling end to end.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
+from stand_in_worker import StandInWorker
 from test_daemon import Setup, wait_for_markdown
 
-from ocrvl_daemon import convert, output, status
+from ocrvl_daemon import jobs, output, status
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, enqueue_file
+from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.engine_pool import WORKER_RESTART_SECONDS, EnginePool
 from ocrvl_daemon.errors import InputFileError
+from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.page_quality import looks_like_a_loop
-from ocrvl_daemon.scheduler import pick_pages
 from ocrvl_daemon.store import Job, JobState
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import wait_until
@@ -45,25 +47,60 @@ class ReadyServer:
 
 
 class Policy:
-    """A converter over a real store and real PDFs, with page results injected by hand."""
+    """A converter over a real store and real PDFs, with page results given by hand to its
+    stand-in engine worker. Its clock moves only when a test says so."""
 
     def __init__(self, tmp_path: Path, server: dict | None = None, **pipeline: object) -> None:
         self.folder = tmp_path / "inbox"
         self.folder.mkdir()
         self.config = Config.model_validate(
             {"state_dir": str(tmp_path / "state"), "pipeline": pipeline, "server": server or {}})
-        self.store = status.open_store(self.config)
-        self.converter = Converter(self.config, self.store, ReadyServer())
+        self.store = open_store(self.config)
+        self.workers: list[StandInWorker] = []
+        engines = EnginePool(self.config, new_worker=self._new_worker)  # type: ignore[arg-type]
+        self.converter = Converter(self.config, self.store, ReadyServer(), engines=engines)
+        self.now = 0.0
+        self._handed = 0  # pages of the worker's `order` that `send()` returned already
+
+    def _new_worker(self, config: Config, server_url: str) -> StandInWorker:
+        self.workers.append(StandInWorker(config, server_url))
+        self._handed = 0
+        return self.workers[-1]
+
+    @property
+    def worker(self) -> StandInWorker:
+        """The worker started last."""
+        return self.workers[-1]
+
+    def tick(self) -> None:
+        self.converter.tick(self.now)
+
+    def activate(self) -> None:
+        """Look at the queue on this tick (the converter was told of a job)."""
+        self.converter.wake()
+        self.tick()
 
     def queue(self, pdf: Path) -> Job:
         job = enqueue_file(self.store, pdf, self.config.model.name)
-        self.converter._activate()
+        self.activate()
         return job
 
     def send(self) -> list[tuple[int, int]]:
-        """Hand every pending page to the (imaginary) engine."""
-        docs = list(self.converter.active.values())
-        return [(doc.job_id, page) for doc, page in pick_pages(docs, 100_000)]
+        """Tick until the converter hands the worker no more pages (each page reaches the
+        server at once); the pages handed to it since the last call."""
+        while True:
+            handed = len(self.worker.order)
+            self.worker.reach_server()
+            self.tick()
+            if len(self.worker.order) == handed:
+                break
+        sent, self._handed = self.worker.order[self._handed:], len(self.worker.order)
+        return sent
+
+    def deliver(self, result: PageResult) -> None:
+        """The worker reports `result`; the converter takes it on this tick."""
+        self.worker.results.append(result)
+        self.tick()
 
     def answer(self, job: Job, page: int, error: str | None = None, kind: str = "page",
                truncated_at: int | None = None) -> None:
@@ -72,8 +109,13 @@ class Policy:
             result.markdown = f"text of page {page + 1}"
         else:
             result.error, result.error_kind = error, kind
-        self.converter._on_result(result)
-        self.converter._collect()
+        self.deliver(result)
+
+    def crash(self, failure: str) -> None:
+        """The worker dies with every page it had; time passes until another may start."""
+        self.worker.die(failure)
+        self.tick()
+        self.now += WORKER_RESTART_SECONDS
 
     def job(self, job: Job) -> Job | None:
         return self.store.job(job.id)
@@ -113,7 +155,7 @@ def test_a_page_that_keeps_failing_becomes_a_placeholder_and_can_be_redone(polic
     assert policy.view(book)["failed_pages"] == [2]
 
     status.retry(policy.config, [book], failed=False, pages="2")
-    policy.converter._activate()
+    policy.activate()
     assert policy.send() == [(job.id, 1)], "only the failed page may be redone"
     policy.answer(job, 1)
     md = book.with_suffix(".md").read_text("utf-8")
@@ -165,7 +207,7 @@ def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
         with caplog.at_level(logging.INFO, logger="ocrvl_daemon.status"):
             status.retry(policy.config, [], failed=True, pages=None)
         assert "nothing to retry" in caplog.text, "`ocrvl retry --failed` said nothing"
-        policy.converter._activate()
+        policy.activate()
         assert policy.send() == [], "`ocrvl retry --failed` sent a damaged page again"
     policy.store.close()
 
@@ -176,10 +218,10 @@ def test_a_page_that_kills_the_worker_every_time_does_not_loop_forever(policy: P
     policy.send()
     policy.answer(job, 0)
     for _ in range(3):
-        worker = SimpleNamespace(in_flight={(job.id, 1)}, sent={(job.id, 1)})
-        policy.converter._requeue_lost(worker, crash="engine worker exited (-11)")  # type: ignore[arg-type]
+        assert policy.worker.in_flight == {(job.id, 1)}
+        policy.crash("engine worker exited (-11)")
         policy.send()
-    policy.converter._collect()
+    policy.tick()
     assert "engine worker exited (-11)" in book.with_suffix(".md").read_text("utf-8")
 
 
@@ -225,7 +267,7 @@ def test_a_loop_is_told_from_long_text_and_tables():
 
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(convert, "retry_delay", lambda attempts: 0.0)
+    monkeypatch.setattr(jobs, "retry_delay", lambda attempts: 0.0)
     usage = shutil.disk_usage(policy.folder)
     monkeypatch.setattr(output.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)
@@ -240,9 +282,9 @@ def test_a_full_disk_pauses_output_and_retries_by_itself(
     assert not book.with_suffix(".md").exists()
 
     monkeypatch.undo()
-    policy.converter._activate()
+    policy.activate()
     assert policy.send() == [], "checkpointed pages were recognised again"
-    policy.converter._collect()
+    policy.tick()
     assert policy.job(job).state is JobState.DONE  # type: ignore[union-attr]
     assert book.with_suffix(".md").exists() and not output.outputs_for(book)[2].exists()
 
@@ -251,7 +293,7 @@ def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(polic
     gone = make_pdf(policy.folder / "gone.pdf", 1)
     enqueue_file(policy.store, gone, policy.config.model.name)
     gone.unlink()  # deleted while queued
-    policy.converter._activate()
+    policy.activate()
     assert policy.store.job_for_path(gone) is None
 
     moving = make_pdf(policy.folder / "moving.pdf", 2)
@@ -292,7 +334,7 @@ def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
     assert "chmod u+r" in note_of(locked)
     # Once readable, `ocrvl retry` identifies it afresh and converts it.
     status.retry(policy.config, [locked], failed=False, pages=None)
-    policy.converter._activate()
+    policy.activate()
     assert [p for _, p in policy.send()] == [0]
 
 

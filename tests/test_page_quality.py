@@ -14,7 +14,6 @@ import json
 import logging
 from importlib import resources
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -34,7 +33,6 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
-from ocrvl_daemon.scheduler import pick_pages
 from testkit.documents import make_pdf, page_width
 from testkit.harness import wait_until
 from testkit.runner import run_ocrvl
@@ -87,12 +85,10 @@ def test_a_page_that_stays_bad_keeps_its_best_answer(tmp_path: Path):
     policy.send()
     first = PageResult(job.id, 0, markdown="the start of the page, then it loops " + "x y " * 50,
                        truncated_at=4096, looping=True, tokens=4096, has_ink=True)
-    policy.converter._on_result(first)
+    policy.deliver(first)
     policy.send()
     # The loop-breaking try comes back empty: worse than the loop, so the loop's text stays.
-    policy.converter._on_result(PageResult(job.id, 0, tokens=0, has_ink=True,
-                                           finish_reason="stop"))
-    policy.converter._collect()
+    policy.deliver(PageResult(job.id, 0, tokens=0, has_ink=True, finish_reason="stop"))
     md = book.with_suffix(".md").read_text("utf-8")
     assert "the start of the page" in md, "the better of the two answers was not kept"
     assert "<!-- ocrvl: page 1 bad: repetition -->" in md
@@ -104,9 +100,8 @@ def test_a_redo_that_fails_keeps_the_first_answer(tmp_path: Path):
     book = make_pdf(policy.folder / "book.pdf", 1)
     job = policy.queue(book)
     policy.send()
-    policy.converter._on_result(PageResult(job.id, 0, markdown="a long table, cut off",
-                                           truncated_at=256, tokens=256, token_ceiling=4096,
-                                           has_ink=True))
+    policy.deliver(PageResult(job.id, 0, markdown="a long table, cut off", truncated_at=256,
+                              tokens=256, token_ceiling=4096, has_ink=True))
     assert policy.send() == [(job.id, 0)], "the cut-off page was not redone"
     policy.answer(job, 0, error="BadRequestError: maximum context length is 1792 tokens")
     md = book.with_suffix(".md").read_text("utf-8")
@@ -122,8 +117,7 @@ def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
     job = policy.queue(book)
     policy.send()
     with caplog.at_level(logging.INFO, logger="ocrvl_daemon.convert"):
-        policy.converter._on_result(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
-        policy.converter._collect()
+        policy.deliver(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
     fields = [(getattr(r, "OCRVL_PAGE", None), getattr(r, "OCRVL_VERDICT", None),
                getattr(r, "OCRVL_REASON", None)) for r in caplog.records]
     assert (1, "bad", "empty") in fields, f"no journal fields for the bad page: {fields}"
@@ -210,22 +204,19 @@ def test_a_page_that_crashes_the_worker_is_found_and_only_it_counts_attempts(tmp
     pages, culprit = 64, 41
     book = make_pdf(policy.folder / "book.pdf", pages)
     job = policy.queue(book)
-    in_flight = {(job.id, p) for _, p in policy.send()}
+    policy.send()
+    assert len(policy.worker.in_flight) == pages
     crashes = 0
-    while in_flight:
+    while in_flight := set(policy.worker.in_flight):
         if (job.id, culprit) in in_flight:  # the worker dies with every page it had
             crashes += 1
-            worker = SimpleNamespace(in_flight=set(in_flight), sent=set(in_flight))
-            policy.converter._requeue_lost(worker, crash="engine worker exited (-11)")  # type: ignore[arg-type]
+            policy.crash("engine worker exited (-11)")
         else:
             for _, page in sorted(in_flight):
                 policy.answer(job, page)
-        chosen = policy.converter._isolating_pages()
-        if chosen is None:
-            chosen = pick_pages(list(policy.converter.active.values()), 100_000)
-        in_flight = {(doc.job_id, page) for doc, page in chosen}
+        policy.send()
         assert crashes < 20, "the crashing page was never found"
-    policy.converter._collect()
+    policy.tick()
     md = book.with_suffix(".md").read_text("utf-8")
     view = policy.view(book)
     assert view["failed_pages"] == [culprit + 1], (

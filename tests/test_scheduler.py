@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from stand_in_worker import StandInWorker
 from test_failure_policy import ReadyServer
 
-from ocrvl_daemon import status
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, enqueue_file
-from ocrvl_daemon.engine import PageTask
+from ocrvl_daemon.convert import Converter
+from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.engine_pool import EnginePool
+from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from testkit.documents import make_pdf
@@ -115,63 +117,38 @@ def test_fairness_over_a_whole_run() -> None:
     assert letter_done_at is not None and letter_done_at - 10 <= 16 + 2
 
 
-class RecordingWorker:
-    """Stands in for the engine worker: records what is handed to it."""
-
-    ready = True
-
-    def __init__(self) -> None:
-        self.in_flight: set[tuple[int, int]] = set()
-        self.sent: set[tuple[int, int]] = set()
-        self.order: list[tuple[int, int]] = []
-        self.limit: int | None = None
-        self.priorities: dict[int, int] = {}  # job -> the priority of its last page sent
-
-    def set_limit(self, limit: int) -> None:
-        self.limit = limit
-
-    def submit(self, task: PageTask) -> None:
-        self.in_flight.add((task.job_id, task.page))
-        self.order.append((task.job_id, task.page))
-        self.priorities[task.job_id] = task.priority
-
-    def reach_server(self) -> None:
-        self.sent |= self.in_flight
-
-    def finish(self, key: tuple[int, int], converter: Converter) -> None:
-        self.in_flight.discard(key)
-        self.sent.discard(key)
-        converter.active[key[0]].in_flight.discard(key[1])
-
-
 def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_at_once(
     tmp_path: Path,
 ) -> None:
     config = Config.model_validate({"state_dir": str(tmp_path / "state")})
-    store = status.open_store(config)
-    converter = Converter(config, store, ReadyServer())
-    worker = RecordingWorker()
-    converter._worker = worker  # type: ignore[assignment]
+    store = open_store(config)
+    worker = StandInWorker(config, config.server.base_url)
+    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
+    converter = Converter(config, store, ReadyServer(), engines=engines)
     limit = converter.concurrency.limit
     margin = ready_margin(limit)
     enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
-    converter._activate()
 
-    converter._dispatch()
+    def dispatch() -> None:
+        """One tick of the converter (its clock stands still: no queue look-up unless told)."""
+        converter.tick(0.0)
+
+    converter.wake()
+    dispatch()
     assert worker.limit == limit, "the worker's request gate was not told the limit"
     assert len(worker.in_flight) == margin, "pages not yet at the server are capped at the margin"
     while len(worker.in_flight) < limit + margin:
         worker.reach_server()
         before = len(worker.in_flight)
-        converter._dispatch()
+        dispatch()
         assert len(worker.in_flight) > before, "the ramp stalled"
     worker.reach_server()
-    converter._dispatch()
+    dispatch()
     assert len(worker.in_flight) == limit + margin, "never more than limit + margin in flight"
 
     letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
-    converter._activate()
-    converter._dispatch()
+    converter.wake()
+    dispatch()
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], (
         "a letter's pages must go to the engine at once, not wait until a book page finishes"
     )
@@ -182,15 +159,14 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
         "request gate lets them bump or pass the book's"
     )
     memo = enqueue_file(store, make_pdf(tmp_path / "memo.pdf", 5), config.model.name)
-    converter._activate()
-    converter._dispatch()
+    converter.wake()
+    dispatch()
     assert sum(job == memo.id for job, _ in worker.order) == SHORT_EXTRA - 2, (
         "documents short of pages may only go a few pages beyond limit + margin"
     )
-    for key in sorted(worker.sent)[:SHORT_EXTRA]:
-        worker.finish(key, converter)
+    worker.results += [PageResult(*key) for key in sorted(worker.sent)[:SHORT_EXTRA]]
     worker.reach_server()
-    converter._dispatch()
+    dispatch()
     assert [job for job, _ in worker.order[-2:]] == [memo.id, memo.id], (
         "the memo's pages must take the next free slots, ahead of the book's"
     )

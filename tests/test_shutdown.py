@@ -8,9 +8,9 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from ocrvl_daemon.testing.harness import wait_until
 
 from ocrvl_daemon.shutdown import StopSignals
+from testkit.harness import wait_until
 
 
 @pytest.fixture

@@ -1,0 +1,261 @@
+"""The engine workers pages go to: started, restarted with backoff, recycled, and what a
+stopped worker still had handed back as lost pages.
+
+`EnginePool` keeps one worker taking pages (`submit`, `collect`) and the retiring ones that
+finish what they have; the converter asks it at each tick to `maintain` them and gets back
+the pages a stopped worker lost. The API names no worker, so that several can run behind it.
+After a crash with several pages in flight, which page crashed the worker is unknown: the
+pool narrows it down (`isolating_pages`) by sending only those pages, ever fewer at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.scheduler import DocumentPages
+
+log = logging.getLogger(__name__)
+
+WORKER_RESTART_SECONDS = 10.0
+# A worker that cannot even start (no network for the layout model, a broken install) is
+# retried ever less often: the cause rarely goes away by itself within seconds.
+WORKER_RESTART_MAX_SECONDS = 300.0
+# After a worker crash with several pages in flight, which page crashed it is unknown: those
+# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
+# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
+ISOLATION_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class LostPage:
+    """A page a stopped worker still had: it goes back to its document.
+
+    `crash` is set when the page was alone in flight at a worker crash: it is the cause, so
+    it counts a failed attempt (a page that kills the worker every time ends as a
+    placeholder, not a loop).
+    """
+
+    job_id: int
+    page: int
+    crash: str | None = None
+
+
+class EnginePool:
+    """The engine workers of a converter; `maintain` at each tick keeps one taking pages.
+
+    A worker that fails to start is started again, ever less often, until `starts` starts in
+    a row have failed (None: forever, as the daemon does). `new_worker` makes a worker from
+    the configuration and the server's URL (tests give a stand-in).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        starts: int | None = None,
+        new_worker: Callable[[Config, str], EngineWorker] = EngineWorker,
+    ) -> None:
+        self.config = config
+        self.starts = starts
+        self._new_worker = new_worker
+        self._worker: EngineWorker | None = None
+        self._retiring: list[EngineWorker] = []
+        self._retry_at = 0.0
+        # Workers that failed before becoming ready, in a row, and why the last one did.
+        self.start_failures = 0
+        self.start_error: str | None = None
+        # Pages in flight at a worker crash, not yet done, and how many of them may be in
+        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
+        self._suspects: set[tuple[int, int]] = set()
+        self._isolation_bound = 1
+
+    def _workers(self) -> list[EngineWorker]:
+        return [w for w in (self._worker, *self._retiring) if w is not None]
+
+    # --- pages --------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether a worker takes pages now."""
+        return self._worker is not None and self._worker.ready
+
+    @property
+    def at_server(self) -> int:
+        """Pages whose request has left for the server."""
+        return sum(len(w.sent) for w in self._workers())
+
+    def set_limit(self, limit: int) -> None:
+        """How many requests the workers may have at the server."""
+        if self._worker is not None:
+            self._worker.set_limit(limit)
+
+    def submit(self, task: PageTask) -> None:
+        """Hand one page to a worker (only while `ready`)."""
+        assert self._worker is not None, "submit() before the pool is ready"
+        self._worker.submit(task)
+
+    def collect(self, timeout: float = 0.0) -> list[PageResult]:
+        """Results that arrived from every worker; each waits up to `timeout` for its first."""
+        return [result for worker in self._workers() for result in worker.collect(timeout)]
+
+    def wait(self, timeout: float) -> None:
+        """Block until the worker has results, or `timeout` passes (the loop's pause)."""
+        if self._worker is not None:
+            self._worker.wait(timeout)
+        else:
+            time.sleep(timeout)
+
+    def alive(self) -> bool:
+        """Whether any worker process still runs."""
+        return any(w.alive() for w in self._workers())
+
+    # --- the lifecycle ------------------------------------------------------------------
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether `starts` starts in a row failed: no worker will be started again."""
+        return self.starts is not None and self.start_failures >= self.starts
+
+    def maintain(self, now: float, active: Mapping[int, DocumentPages]) -> list[LostPage]:
+        """Stop retired workers that are done, replace a failed or worn one, start one when
+        due; returns the pages of `active` documents that stopped workers still had."""
+        lost: list[LostPage] = []
+        for old in list(self._retiring):
+            if not old.in_flight or not old.alive():
+                lost += self._lost_pages(old, active)
+                old.stop()
+                self._retiring.remove(old)
+        worker = self._worker
+        if worker is not None and worker.ready and self.start_failures:
+            log.info("engine worker %s started after %d failed start(s)", worker.pid,
+                     self.start_failures)
+            self.start_failures, self.start_error = 0, None
+        if worker is not None and (not worker.alive() or worker.failure):
+            failure = worker.failure or f"engine worker exited ({worker.pid})"
+            delay = WORKER_RESTART_SECONDS
+            if worker.ready:
+                log.error("engine worker failed: %s; starting another in %.0f s",
+                          failure.rstrip("."), delay)
+            else:
+                self.start_failures += 1
+                delay = min(WORKER_RESTART_MAX_SECONDS,
+                            delay * 2 ** (self.start_failures - 1))
+                self.start_error = (f"The recognition pipeline could not start: "
+                                    f"{failure.rstrip('.')}{_worker_fix(failure)}")
+                if self.gave_up:
+                    delay = float("inf")
+                log.error("%s (failed start %d; %s)", self.start_error, self.start_failures,
+                          "giving up" if self.gave_up else f"trying again in {delay:.0f} s")
+            lost += self._lost_pages(worker, active, crash=failure)
+            worker.stop()
+            self._worker = None
+            self._retry_at = now + delay
+        if self._worker is None and now >= self._retry_at:
+            self._start()
+        elif self._worker is not None and self._worker.ready and self._worn(self._worker):
+            log.info(
+                "replacing engine worker %s after %d pages (%.0f MiB)",
+                self._worker.pid,
+                self._worker.pages_done,
+                self._worker.rss_mb(),
+            )
+            self._retire()
+            self._start()
+        return lost
+
+    def _start(self) -> None:
+        self._worker = self._new_worker(self.config, self.config.server.base_url)
+        self._worker.start()
+
+    def _retire(self) -> None:
+        """The worker taking pages finishes those it has; the next one starts when due."""
+        if self._worker is not None:
+            self._retiring.append(self._worker)
+            self._worker = None
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded configuration; the worker is replaced if its settings changed."""
+        old, self.config = self.config, config
+        if (old.pipeline, old.model, old.server) != (
+            config.pipeline,
+            config.model,
+            config.server,
+        ) and self._worker is not None:
+            log.info("pipeline settings changed; replacing the engine worker")
+            self._retire()
+
+    def _worn(self, worker: EngineWorker) -> bool:
+        p = self.config.pipeline
+        return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
+
+    def stop(self) -> None:
+        """Stop every worker (pages still in flight are dropped: the converter redoes them)."""
+        for worker in self._workers():
+            worker.stop()
+        self._worker = None
+        self._retiring.clear()
+
+    def kill(self) -> None:
+        """A forced stop: SIGKILL every worker's process group now and reap it."""
+        for worker in self._workers():
+            worker.kill()
+        self._worker = None
+        self._retiring.clear()
+
+    # --- lost pages ---------------------------------------------------------------------
+
+    def _lost_pages(self, worker: EngineWorker, active: Mapping[int, DocumentPages],
+                    crash: str | None = None) -> list[LostPage]:
+        """Pages a stopped worker still had. After a `crash` with one page in flight that
+        page is to blame; with several, none is: they are sent again a few at a time
+        (`isolating_pages`) until a crash names the page."""
+        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in active]
+        if crash is not None and len(lost) > 1:
+            self._suspects |= set(lost)
+            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
+            log.warning("%d pages were in flight when the engine worker crashed; sending them "
+                        "again, %d at a time, to find the page that crashes it", len(lost),
+                        self._isolation_bound)
+        worker.in_flight.clear()
+        worker.sent.clear()
+        blamed = crash if len(lost) == 1 else None
+        return [LostPage(job_id, page, blamed) for job_id, page in lost]
+
+    def isolating_pages(
+        self, active: Mapping[int, DocumentPages]
+    ) -> list[tuple[DocumentPages, int]] | None:
+        """The pages to send while a crash is being narrowed down, marked in flight (None:
+        no crash is)."""
+        self._suspects = {(j, p) for j, p in self._suspects
+                          if j in active and (p in active[j].pending
+                                              or p in active[j].in_flight)}
+        if not self._suspects:
+            return None
+        room = self._isolation_bound - sum(
+            p in active[j].in_flight for j, p in self._suspects)
+        chosen = []
+        for job_id, page in sorted(self._suspects):
+            doc = active[job_id]
+            if room <= 0:
+                break
+            if page in doc.pending:
+                doc.pending.remove(page)
+                doc.in_flight.add(page)
+                chosen.append((doc, page))
+                room -= 1
+        return chosen
+
+
+def _worker_fix(failure: str) -> str:
+    """The fix for the usual reasons the pipeline cannot start."""
+    if "model hosting" in failure or "model hoster" in failure:
+        return (". Fix: the layout model (PP-DocLayout) is downloaded once on first use: let "
+                "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
+                "false")
+    if "No module named" in failure or "DependencyError" in failure:
+        return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
+    return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"

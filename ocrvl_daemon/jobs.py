@@ -1,0 +1,158 @@
+"""Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
+a job (`enqueue_file`), which queued jobs are due and how one starts (`due_jobs`,
+`start_job`), and how a job's failure is recorded for the user (`record_failure`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Container
+from pathlib import Path
+
+from ocrvl_daemon import output, pdf
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
+from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.scheduler import DocumentPages
+from ocrvl_daemon.store import Job, JobState, Store
+
+log = logging.getLogger(__name__)
+
+DAEMON_DB = "jobs.sqlite"
+# `ocrvl convert` keeps its own record, so it works beside a running daemon.
+ONESHOT_DB = "convert.sqlite"
+RETRY_BASE_SECONDS = 30.0
+RETRY_MAX_SECONDS = 3600.0
+
+
+def open_store(config: Config) -> Store:
+    """The daemon's store."""
+    return Store(config.state_dir / DAEMON_DB)
+
+
+def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | None) -> list[Job]:
+    """Up to `limit` queued jobs whose retry time has come, oldest first, except those in
+    `skip` (with `only`: of those jobs alone)."""
+    wall = time.time()
+    jobs = [
+        j
+        for j in store.jobs(JobState.QUEUED)
+        if j.id not in skip
+        and j.not_before <= wall
+        and (only is None or j.id in only)
+    ]
+    return jobs[:limit]
+
+
+def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
+              json_output: bool) -> tuple[Job, DocumentPages] | None:
+    """Mark queued `job` running: the job (identified again if its file changed) and its
+    pages still to do. None when its file is gone (it is dropped) or this version is not
+    queued. An unusable file or output place raises, as OcrvlError or OSError."""
+    path = job.path
+    if not path.exists():
+        log.info("%s is gone; dropping it from the queue", path)
+        store.forget(job.id)
+        return None
+    stat = path.stat()
+    # No hash yet (unreadable when found) or another version: identify it again.
+    if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
+        ident = pdf.file_identity(path)
+        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
+        if job.state is not JobState.QUEUED:
+            return None
+    output.check_writable(path, json_output=json_output, place=place)
+    count = pdf.page_count(path)
+    done = store.done_pages(job.sha256, model)
+    store.set_running(job.id, count)
+    pending = [p for p in range(count) if p not in done]
+    if done:
+        log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
+    else:
+        log.info("%s: %d pages queued", path.name, count, extra=doc_fields(path, None, job.id))
+    return job, DocumentPages(job.id, count, pending, done=count - len(pending))
+
+
+def retry_delay(attempts: int) -> float:
+    """Backoff before a transient failure is retried."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
+
+
+def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
+                   place: output.OutputPlace) -> bool:
+    """Record why `job` failed: in the store, the log and a note beside its output; a job
+    whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
+    due); a transient failure is retried after `retry_delay` (`again`: see `enqueue_file`).
+    """
+    fields = doc_fields(job.path, None, job.id)
+    if isinstance(exc, InputVanishedError) and not job.path.exists():
+        log.info("%s disappeared; dropping it from the queue", job.path)
+        store.forget(job.id)
+        return False
+    attempts = job.attempts + 1
+    if exc.permanent:
+        redo = pdf.retry_command(job.path, again=again)
+        log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo, extra=fields)
+        output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=place)
+        store.set_failed(job.id, str(exc), permanent=True)
+        return True
+    delay = retry_delay(attempts)
+    log.warning(
+        "%s: %s (attempt %d; retrying in %.0f s)",
+        job.path,
+        exc,
+        attempts,
+        delay,
+        extra=fields,
+    )
+    output.write_error_note(job.path, exc.message, exc.fix,
+                            redo=pdf.retry_command(job.path, again=again),
+                            retry_in=delay, place=place)
+    store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
+    return False
+
+
+def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
+                       again: str, place: output.OutputPlace) -> None:
+    """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
+    if job.state is not JobState.FAILED:
+        store.set_failed(job.id, str(exc), permanent=True)
+        output.write_error_note(path, exc.message, exc.fix,
+                                redo=pdf.retry_command(path, again=again), place=place)
+
+
+def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry",
+                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
+    """Identify `path` and queue it, unless this content is already handled (`again`: the
+    command that redoes a document, for the advice in notes: see `pdf.retry_command`).
+
+    A Markdown file that ocrvl wrote from this very content with this model counts as done,
+    even when the store has never seen the file (a new state dir, a moved inbox).
+    """
+    known = store.job_for_path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    # The start-up scan hands over every PDF again: a version already identified (same size,
+    # mtime and model) is not hashed again, which would read whole libraries at each start.
+    if (known is not None and known.sha256 and known.model == model and stat is not None
+            and (known.size, known.mtime) == (stat.st_size, stat.st_mtime)):
+        return known
+    try:
+        ident = pdf.file_identity(path)
+    except InputFileError as exc:
+        _record_unreadable(store, path, model, exc, again, place)
+        raise
+    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
+    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
+        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
+        store.set_done(job.id)
+        output.remove_error_note(path, place)
+        job = store.job(job.id) or job
+    return job

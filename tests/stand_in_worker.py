@@ -1,0 +1,63 @@
+"""A stand-in for the engine worker process: the converter's tests hand out its pages and
+give back results (or crash it) by hand, through the converter's public `tick()`."""
+
+from __future__ import annotations
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.engine import PageResult, PageTask
+
+
+class StandInWorker:
+    """What `EnginePool` sees of a worker: ready at once, alive until `die()`."""
+
+    def __init__(self, config: Config, server_url: str) -> None:
+        self.in_flight: set[tuple[int, int]] = set()
+        self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
+        self.order: list[tuple[int, int]] = []  # every page submitted, in order
+        self.priorities: dict[int, int] = {}  # job -> the priority of its last page submitted
+        self.limit: int | None = None
+        self.results: list[PageResult] = []  # what `collect` hands over next
+        self.pages_done = 0
+        self.ready = True
+        self.failure: str | None = None
+        self.pid = 4242
+        self._alive = True
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._alive = False
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def die(self, failure: str) -> None:
+        """The process ends with every page it had."""
+        self._alive, self.failure = False, failure
+
+    def rss_mb(self) -> float:
+        return 100.0
+
+    def submit(self, task: PageTask) -> None:
+        self.in_flight.add((task.job_id, task.page))
+        self.order.append((task.job_id, task.page))
+        self.priorities[task.job_id] = task.priority
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+
+    def reach_server(self) -> None:
+        """Every page in flight has been sent to the server."""
+        self.sent |= self.in_flight
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def collect(self, timeout: float = 0.0) -> list[PageResult]:
+        out, self.results = self.results, []
+        for result in out:
+            self.in_flight.discard((result.job_id, result.page))
+            self.sent.discard((result.job_id, result.page))
+            self.pages_done += 1
+        return out
