@@ -1,5 +1,6 @@
 """The least an OpenAI-compatible server offers, unlike vLLM and unlike our fake: chat
-completions (and, optionally, /v1/models), no /health, no /metrics."""
+completions (and, optionally, /v1/models), no /health, no /metrics; and `serving`, which
+runs any such small handler on a free port for a test."""
 
 from __future__ import annotations
 
@@ -53,6 +54,21 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 @contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free local port in a thread; yields http://127.0.0.1:PORT.
+    Always shut down and joined."""
+    server = _Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(5)
+        server.server_close()
+
+
+@contextlib.contextmanager
 def plain_openai_server(*, lists_models: bool = True, model: str = DEFAULT_MODEL,
                         finish_reason: str = "stop") -> Iterator[str]:
     """Serve `model` on a free port; yields the OpenAI base URL (ending in /v1). Each answer
@@ -60,12 +76,5 @@ def plain_openai_server(*, lists_models: bool = True, model: str = DEFAULT_MODEL
     request for another model gets vLLM's 404."""
     handler = type("Handler", (_Handler,), {"lists_models": lists_models, "model": model,
                                             "finish_reason": finish_reason})
-    server = _Server(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
+    with serving(handler) as url:
+        yield url + "/v1"

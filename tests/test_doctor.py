@@ -6,9 +6,8 @@ import json
 import shutil
 import socket
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from ocrvl_daemon.config import load_config
 from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.launchers import vllm_serve_command
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
-from testkit.plain_server import plain_openai_server
+from testkit.plain_server import plain_openai_server, serving
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 MODEL = "PaddleOCR-VL-1.6-0.9B"
@@ -372,15 +371,8 @@ class _Host(BaseHTTPRequestHandler):
 @pytest.fixture
 def model_host() -> Iterator[str]:
     """A local stand-in for a model host: answers PaddleX's HEAD health check."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Host)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(_Host) as url:
+        yield url
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import re
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -22,6 +21,7 @@ from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.hooks import HookRunner, HookValues
 from testkit.documents import make_damaged_page_pdf, make_html_as_pdf, make_pdf
 from testkit.harness import free_port, process_alive, start_fake_server, wait_until
+from testkit.plain_server import serving
 from testkit.runner import (
     DaemonProcess,
     managed_fake_server,
@@ -282,15 +282,8 @@ def webhook_receiver() -> Iterator[tuple[str, list[dict[str, list[str]]]]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hooks/ocrvl", received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(Handler) as url:
+        yield f"{url}/hooks/ocrvl", received
 
 
 @pytest.mark.slow

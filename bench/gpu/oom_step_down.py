@@ -13,12 +13,10 @@ and remember the setting. Prints what happened and writes `oom_step_down.json` h
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
-from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT
+from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT, model_dir_parser
 from ocrvl_daemon import autotune
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
 from testkit.documents import make_pdf
@@ -58,12 +56,7 @@ def stale_nvidia_smi(where: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu.oom_step_down", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--model-dir", required=True,
-                    help="random-weight model dir (bench.gpu.dummy_model)")
-    ap.add_argument("--vllm-python", default=sys.executable)
-    ap.add_argument("--vllm-pythonpath", default="")
+    ap = model_dir_parser("python -m bench.gpu.oom_step_down", __doc__)
     ap.add_argument("--hog-share", type=float, default=0.3,
                     help="share of the card taken after the reading (default 0.3)")  # fmt: skip
     ap.add_argument("--pages", type=int, default=8)

@@ -16,11 +16,9 @@ bound. Prints the table and writes `small_card.json` beside this file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -29,7 +27,7 @@ from typing import Any
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log
-from bench.gpu.vllm_server import ServeOptions, started, version
+from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon import autotune
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.gpu import GpuReading, read_gpu
@@ -55,12 +53,7 @@ def card_reading(real: GpuReading, total_mib: int, used_mib: int) -> GpuReading:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu.small_card", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--model-dir", required=True,
-                    help="random-weight model dir (bench.gpu.dummy_model)")
-    ap.add_argument("--vllm-python", default=sys.executable)
-    ap.add_argument("--vllm-pythonpath", default="")
+    ap = model_dir_parser("python -m bench.gpu.small_card", __doc__)
     ap.add_argument("--card-mib", type=int, default=RTX_4060_MIB)
     ap.add_argument("--card-used-mib", type=int, default=DESKTOP_MIB)
     ap.add_argument("--pages", type=int, default=256)

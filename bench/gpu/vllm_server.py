@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -151,3 +152,14 @@ def version(url: str) -> str:
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
         return str(httpx.get(url + "/version", timeout=5).json()["version"])
     return "?"
+
+
+def model_dir_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with what starting vLLM on a random-weight model dir needs."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model-dir", required=True,
+                    help="random-weight model dir (bench.gpu.dummy_model)")
+    ap.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
+    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
+    return ap
