@@ -123,6 +123,11 @@ class _LogPump(threading.Thread):
             return list(self._lines)[-n:]
 
 
+def pidfile_name(name: str) -> str:
+    """The pidfile of the server called `name`: server.pid, server-gpu0-1.pid, ..."""
+    return PIDFILE_NAME if name == "server" else f"server-{name.replace('/', '-')}.pid"
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether another program listens on host:port (checked before each launch)."""
     try:
@@ -142,11 +147,16 @@ class ManagedServer(ServerSupervisor):
     """Starts the model server and keeps it ready; see the module docstring."""
 
     def __init__(self, config: Config, on_change: Callable[[ServerStatus], None] | None = None,
-                 backoff: BackoffPolicy | None = None) -> None:
-        super().__init__(config, on_change)
+                 backoff: BackoffPolicy | None = None, name: str = "server",
+                 gpu_reading: Callable[[], GpuReading | None] | None = None) -> None:
+        """`gpu_reading` reads the server's GPU for planning `auto` flags (default: the one
+        its environment selects, as it is); replicas sharing a GPU count each other's memory
+        as free (see server_set)."""
+        super().__init__(config, on_change, name)
         self._backoff = backoff or BackoffPolicy(
             initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
-        self._pidfile = config.state_dir / PIDFILE_NAME
+        self._pidfile = config.state_dir / pidfile_name(name)
+        self._gpu_reading = gpu_reading or (lambda: read_gpu(launchers.server_env(config)))
         # _group and _pump are written under _cond (status() reads the pid from another
         # thread); the rest below is the supervisor thread's own.
         self._group: ProcessGroup | None = None
@@ -214,9 +224,10 @@ class ManagedServer(ServerSupervisor):
     def _plan_args(self) -> None:
         """Choose the `auto` flags for this launch from the GPU as it is now."""
         # The server's environment decides which GPU it sees (CUDA_VISIBLE_DEVICES).
-        self._gpu = read_gpu(launchers.server_env(self.config))
+        self._gpu = self._gpu_reading()
         remembered = self._lowered or autotune.load_remembered(
-            self.config.state_dir, self._gpu, self.config.model.name)
+            self.config.state_dir, self._gpu, self.config.model.name,
+            autotune.replicas_of(self.config))
         tuned = launchers.resolve_vllm_args(self.config, self._gpu, remembered)
         self._args = tuned.values
         log.info("vLLM settings: %s", ", ".join(
@@ -232,7 +243,7 @@ class ManagedServer(ServerSupervisor):
         path = self.config.state_dir / autotune.TUNING_FILE
         try:
             autotune.save_remembered(self.config.state_dir, self._gpu, self.config.model.name,
-                                     self._args)
+                                     self._args, autotune.replicas_of(self.config))
         except OSError as exc:
             log.warning("could not remember the lowered vLLM settings in %s: %s", path, exc)
         else:
