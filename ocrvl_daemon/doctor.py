@@ -164,6 +164,7 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             "server.vllm_args.max-num-seqs lower"))
     if _managed_model_server(config):
         checks.append(_settings_check(config, reading))
+        checks.append(_replicas_check(config, reading))
     return checks
 
 
@@ -189,6 +190,19 @@ def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
     if tuned.warnings:
         return Check("server settings", "warn", shown, "; ".join(tuned.warnings))
     return Check("server settings", "info", f"{shown} (auto: computed from this GPU)")
+
+
+def _replicas_check(config: Config, reading: gpu.GpuReading) -> Check:
+    replicas = config.server.replicas
+    if replicas == "auto":
+        count = autotune.auto_replicas(reading.total_mib)
+        return Check("server replicas", "info", f"{count} per GPU (auto, from "
+                     f"{_gib(reading.total_mib)} on {reading.name})")
+    assert isinstance(replicas, int)
+    problem = autotune.replicas_fit_problem(config, reading, replicas)
+    if problem is not None:
+        return Check("server replicas", "fail", problem, "use server.replicas: 1 or auto")
+    return Check("server replicas", "ok", f"{replicas} per GPU")
 
 
 def _wsl_checks(osrelease: str | None) -> list[Check]:
