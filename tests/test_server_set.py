@@ -7,8 +7,10 @@ nvidia-smi's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ from ocrvl_daemon.process_group import group_members
 from ocrvl_daemon.server import ServerState, ServerStatus
 from ocrvl_daemon.server_set import ServerSet
 from testkit.harness import free_port, start_fake_server, wait_until
-from testkit.runner import managed_fake_server
+from testkit.runner import PACKAGE_ROOT, managed_fake_server
 
 GIB = 1024
 H200 = ("NVIDIA H200", 143771)
@@ -255,7 +257,7 @@ def test_replicas_start_one_after_another_on_their_own_ports(tmp_path: Path,
     one, two = servers.endpoints
     assert (one.name, two.name) == ("gpu0/1", "gpu0/2")
     assert first(changes, "gpu0/2", ServerState.STARTING) >= first(
-        changes, "gpu0/1", ServerState.READY), "the second replica started before the first was ready"
+        changes, "gpu0/1", ServerState.READY), "the second replica started before the first"
     assert one.url != two.url and two.config.server.port == one.config.server.port + 1
     for endpoint, pidfile in ((one, "server-gpu0-1.pid"), (two, "server-gpu0-2.pid")):
         assert (tmp_path / "state" / pidfile).is_file(), f"{pidfile} missing"
@@ -299,3 +301,52 @@ def test_two_external_urls_are_two_endpoints(tmp_path: Path, running: Any) -> No
         b.stop()
         wait_until(lambda: not servers.endpoints[1].is_ready(), 20, what="b seen down")
         assert servers.endpoints[0].is_ready() and servers.is_ready()
+
+
+def shared_card_nvidia_smi(tmp_path: Path, ledger: Path, total_mib: int,
+                           used_mib: int) -> str:
+    """An nvidia-smi for one card that also counts what the live fake servers on it hold."""
+    script = tmp_path / "nvidia-smi-shared"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(PACKAGE_ROOT)!r})\n"
+        "from testkit.fake_server.startup import ledger_used_gib\n"
+        f"used = {used_mib} + int(ledger_used_gib({str(ledger)!r}, 0) * 1024)\n"
+        f"print(f'0, GPU-00000000-0000-4000-8000-000000000048, NVIDIA L40S, {total_mib}, "
+        f"{{used}}, {{{total_mib} - used}}, 560.94, 8.9')\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.slow
+def test_a_restarting_replica_passes_the_free_memory_check_beside_the_running_one(
+        tmp_path: Path, running: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM starts only if free >= utilization x total: with the card's share split, a
+    replica that restarts fits beside the one that keeps running, and both plan the same
+    share though the other's memory is in use when they do."""
+    caplog.set_level(logging.INFO, "ocrvl_daemon")
+    ledger = tmp_path / "card"
+    ledger.mkdir()
+    section = managed_fake_server(
+        two_free_ports(), "--disable-uvicorn-access-log", "--fake-vram-gib", "48",
+        "--fake-vram-used-gib", "1", "--fake-vram-ledger", str(ledger), health_interval=0.2,
+        startup_timeout=20, stop_timeout=3, replicas=2,
+        env={NVIDIA_SMI_ENV: shared_card_nvidia_smi(tmp_path, ledger, 48 * GIB, GIB),
+             NO_NVML_ENV: "1"})
+    config = validate_config({"state_dir": str(tmp_path / "state"), "server": section})
+    servers, _ = running(config)
+    wait_until(lambda: all(e.is_ready() for e in servers.endpoints), 30,
+               what="both replicas ready")
+    one, two = servers.endpoints
+    shares = [e.vllm_args[autotune.UTILIZATION] for e in (one, two)]
+    assert shares[0] == shares[1], f"the second planned with the first's memory in use: {shares}"
+    victim = one.status().pid
+    assert victim is not None
+    os.killpg(victim, signal.SIGKILL)
+    wait_until(lambda: one.is_ready() and one.status().pid not in (None, victim), 30,
+               what="the killed replica restarted")
+    assert one.restart_count == 1 and two.restart_count == 0
+    assert one.vllm_args[autotune.UTILIZATION] == shares[0]
+    oom = [r.getMessage() for r in caplog.records if "ran out of GPU memory" in r.getMessage()]
+    assert not oom, f"a replica did not fit beside the other: {oom}"
