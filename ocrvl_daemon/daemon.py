@@ -297,27 +297,29 @@ class Daemon:
             if getattr(new, key) != getattr(old, key):
                 log.warning("%s changed; that takes effect at the next restart", key)
                 new = new.model_copy(update={key: getattr(old, key)})
+        servers = None
+        if new.config_for_server != old.config_for_server:
+            try:
+                servers = ServerSet(new)  # replicas that cannot fit are refused here
+            except ServerConfigError as exc:
+                log.error("reload rejected, the running configuration stays in force: %s", exc)
+                self.notifier.ready()
+                return
         self.config = new
         set_level(new.log_level)
         self.watcher.reconfigure(new.inbox)
-        if new.config_for_server != old.config_for_server:
+        if servers is not None:
             log.info("server settings changed; restarting the server")
-            self._replace_server(new)
+            self._replace_server(servers)
         self.converter.reconfigure(new)
         self.progress_log.interval = new.progress_seconds
         log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
         self.notifier.ready()
 
-    def _replace_server(self, config: Config) -> None:
-        """Stop the server on a thread (that can take longer than the watchdog allows one turn
-        of the loop); `_start_new_server` starts one for `config` once the old one is gone,
+    def _replace_server(self, servers: ServerSet) -> None:
+        """Stop the servers on a thread (that can take longer than the watchdog allows one
+        turn of the loop); `_start_new_server` starts `servers` once the old ones are gone,
         as two servers must not compete for the port and the GPU's memory."""
-        try:
-            servers = ServerSet(config)
-        except ServerConfigError as exc:
-            log.error("the new server settings cannot be used, the running servers stay: %s",
-                      exc)
-            return
         if self._old_server is None:  # else the servers made by the last reload never started
             self._old_server = self.servers
             self._old_server_stop = threading.Thread(target=self.servers.stop, daemon=True,

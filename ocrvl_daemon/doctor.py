@@ -183,7 +183,14 @@ def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
 
 
 def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
-    remembered = autotune.load_remembered(config.state_dir, reading, config.model.name)
+    # As each of the replicas on this GPU would start (`auto`: the count it decides).
+    replicas = config.server.replicas
+    if not isinstance(replicas, int):
+        replicas = autotune.auto_replicas(reading.total_mib)
+    config = config.model_copy(update={"server": config.server.model_copy(
+        update={"replicas": replicas})})
+    remembered = autotune.load_remembered(config.state_dir, reading, config.model.name,
+                                          replicas)
     tuned = autotune.plan_vllm_args(config, reading, remembered)
     shown = ", ".join(f"{k} {tuned.values[k]}" for k in autotune.TUNED_KEYS
                       if k in tuned.values)

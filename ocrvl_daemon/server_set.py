@@ -208,11 +208,13 @@ class ServerSet:
     def stop(self) -> None:
         """Stop every endpoint (managed servers in parallel); bounded and idempotent."""
         self._halt()
+        for starter in self._starters:
+            starter.join()  # no replica may start behind the stops below
         stoppers = [threading.Thread(target=e.stop, name="ocrvl-server-stop", daemon=True)
                     for e in self.endpoints]
         for thread in stoppers:
             thread.start()
-        for thread in [*stoppers, *self._starters]:
+        for thread in stoppers:
             thread.join()  # each stop is bounded (ServerSupervisor.stop)
 
     def kill(self) -> None:
