@@ -45,7 +45,7 @@ from ocrvl_daemon.server_probe import ServerProbe
 from ocrvl_daemon.vllm_diagnosis import Diagnosis, diagnose, parse_phase
 
 log = logging.getLogger(__name__)
-server_log = log.getChild("vllm")  # the server's own output, line by line
+server_log = log.getChild("vllm")  # the server's own output, line by line (a child per replica)
 
 PIDFILE_NAME = "server.pid"
 TAIL_LINES = 200  # kept in memory
@@ -89,8 +89,10 @@ class _LogPump(threading.Thread):
     Reading continuously means the server never blocks on a full pipe.
     """
 
-    def __init__(self, stream: IO[bytes], on_line: Callable[[str], None]) -> None:
+    def __init__(self, stream: IO[bytes], on_line: Callable[[str], None],
+                 logger: logging.Logger) -> None:
         super().__init__(name="ocrvl-server-log", daemon=True)
+        self._logger = logger
         self._stream = stream
         self._on_line = on_line
         self._lock = threading.Lock()  # protects _lines (this thread appends, tail() reads)
@@ -114,7 +116,7 @@ class _LogPump(threading.Thread):
         level = _LEVELS[match.group(1)] if match else logging.INFO
         if _ACCESS.search(line):
             level = logging.DEBUG  # one per health probe and per page: noise in the journal
-        server_log.log(level, "%s", line)
+        self._logger.log(level, "%s", line)
         self._on_line(line)
 
     def tail(self, n: int) -> list[str]:
@@ -205,7 +207,8 @@ class ManagedServer(ServerSupervisor):
         except OSError as exc:
             raise ServerConfigError(f"Cannot start the server {spec.argv[0]!r}: {exc}.",
                                     launchers.SETUP_FIX) from exc
-        pump = _LogPump(group.stdout, self._on_line)
+        output_log = server_log if self.name == "server" else server_log.getChild(self.name)
+        pump = _LogPump(group.stdout, self._on_line, output_log)
         with self._cond:
             self._group, self._pump = group, pump
         pump.start()

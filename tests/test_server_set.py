@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,8 +29,9 @@ from ocrvl_daemon.managed_server import BackoffPolicy
 from ocrvl_daemon.process_group import group_members
 from ocrvl_daemon.server import ServerState, ServerStatus
 from ocrvl_daemon.server_set import ServerSet
+from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
-from testkit.runner import PACKAGE_ROOT, managed_fake_server
+from testkit.runner import PACKAGE_ROOT, managed_fake_server, run_ocrvl, write_config
 
 GIB = 1024
 H200 = ("NVIDIA H200", 143771)
@@ -57,8 +59,6 @@ def two_free_ports() -> int:
 
 
 def _free(port: int) -> bool:
-    import socket
-
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -350,3 +350,16 @@ def test_a_restarting_replica_passes_the_free_memory_check_beside_the_running_on
     assert one.vllm_args[autotune.UTILIZATION] == shares[0]
     oom = [r.getMessage() for r in caplog.records if "ran out of GPU memory" in r.getMessage()]
     assert not oom, f"a replica did not fit beside the other: {oom}"
+
+
+@pytest.mark.slow
+def test_convert_server_url_is_the_one_endpoint_whatever_the_config_lists(
+        tmp_path: Path) -> None:
+    dead = [f"http://127.0.0.1:{free_port()}/v1" for _ in range(2)]
+    config = write_config(tmp_path / "config.yaml",
+                          server={"mode": "external", "urls": dead})
+    pdf = make_pdf(tmp_path / "letter.pdf", 1)
+    with start_fake_server(free_port()) as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, pdf)
+    assert result.returncode == 0, result.stderr
+    assert pdf.with_suffix(".md").is_file()
