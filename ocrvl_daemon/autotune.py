@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -96,11 +96,14 @@ def replicas_fit_problem(config: Config, gpu: GpuReading, replicas: int) -> str 
     """Why `replicas` servers cannot share `gpu`, with the numbers; None when they fit.
 
     Each gets its share of gpu-memory-utilization x the card, which must hold the weights,
-    the start-up spike and the KV cache of one max-model-len request.
+    the start-up spike and the KV cache of one max-model-len request. The card counts as
+    empty: what other programs (or ocrvl's servers being replaced) hold now may be gone by
+    the start, and a start that runs short of memory steps its settings down.
     """
     shared = config.model_copy(update={"server": config.server.model_copy(
         update={"replicas": replicas})})
-    values = plan_vllm_args(shared, gpu).values
+    empty = replace(gpu, used_mib=0, free_mib=gpu.total_mib)
+    values = plan_vllm_args(shared, empty).values
     share_mib = float(values[UTILIZATION]) * gpu.total_mib
     tokens = int(values[MAX_MODEL_LEN])
     kv_mib = tokens * KV_BYTES_PER_TOKEN / (1024 * 1024)
@@ -109,8 +112,8 @@ def replicas_fit_problem(config: Config, gpu: GpuReading, replicas: int) -> str 
         return None
     return (f"server.replicas = {replicas} does not fit {gpu.name} ({_gib(gpu.total_mib)}): "
             f"each replica would get {_gib(share_mib)}, one needs at least {_gib(need_mib)} "
-            f"({_gib(WEIGHTS_MIB)[:-4]} weights + {_gib(STARTUP_SPIKE_MIB)[:-4]} start-up + "
-            f"{_gib(kv_mib)[:-4]} KV for {tokens} tokens)")
+            f"({WEIGHTS_MIB / 1024:.1f} weights + {STARTUP_SPIKE_MIB / 1024:.1f} start-up + "
+            f"{kv_mib / 1024:.1f} KV for {tokens} tokens)")
 
 
 def tunable_keys(config: Config) -> tuple[str, ...]:
