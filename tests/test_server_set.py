@@ -31,7 +31,13 @@ from ocrvl_daemon.server import ServerState, ServerStatus
 from ocrvl_daemon.server_set import ServerSet
 from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
-from testkit.runner import PACKAGE_ROOT, managed_fake_server, run_ocrvl, write_config
+from testkit.runner import (
+    PACKAGE_ROOT,
+    DaemonProcess,
+    managed_fake_server,
+    run_ocrvl,
+    write_config,
+)
 
 GIB = 1024
 H200 = ("NVIDIA H200", 143771)
@@ -363,3 +369,27 @@ def test_convert_server_url_is_the_one_endpoint_whatever_the_config_lists(
         result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, pdf)
     assert result.returncode == 0, result.stderr
     assert pdf.with_suffix(".md").is_file()
+
+
+@pytest.mark.slow
+def test_the_daemon_runs_both_replicas_converts_and_stops_them(tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    section = managed_fake_server(
+        two_free_ports(), "--disable-uvicorn-access-log", replicas=2, health_interval=0.2,
+        stop_timeout=3, env={NVIDIA_SMI_ENV: fake_nvidia_smi(tmp_path, H200),
+                             NO_NVML_ENV: "1"})
+    config = write_config(tmp_path / "config.yaml", server=section,
+                          inbox={"paths": [str(inbox)], "stable_seconds": 0.2})
+    state = tmp_path / "state"
+    with DaemonProcess(config) as daemon:
+        daemon.wait_ready(60)
+        pidfiles = [state / "server-gpu0-1.pid", state / "server-gpu0-2.pid"]
+        wait_until(lambda: all(p.is_file() for p in pidfiles), 30,
+                   what="both replicas running")
+        groups = [json.loads(p.read_text())["pgid"] for p in pidfiles]
+        pdf = make_pdf(inbox / "letter.pdf", 1)
+        wait_until(lambda: pdf.with_suffix(".md").is_file(), 120, what="letter.md written")
+        assert daemon.terminate() == 0, daemon.log()
+    assert not any(group_members(g) for g in groups), "a replica outlived the daemon"
+    assert not any(p.exists() for p in pidfiles)
