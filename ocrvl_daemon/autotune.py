@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,12 @@ FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next 
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
 TUNING_FILE = "server-tuning.json"
-
+# `server.replicas: auto`: measured on one H200 (141 GB) with this 0.9B model, one server left
+# the GPU half idle (per-request CPU work is its limit): 2 servers gave 1.63x one, 3 only
+# 1.74x (+7% for a third of each server's KV cache and more client CPU). On 8-24 GB cards the
+# GPU itself is the limit and a replica adds nothing. So: two from a card with room for two
+# servers with a large KV cache each (40 GiB: A100 40 GB, L40S, A6000), else one.
+TWO_REPLICAS_FROM_MIB = 40 * 1024
 
 
 @dataclass
@@ -74,6 +79,41 @@ class TunedArgs:
 def model_budget(config: Config) -> int:
     """Tokens one page request can need: max-model-len may never be below this."""
     return config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
+
+
+def auto_replicas(total_mib: int | None) -> int:
+    """`server.replicas: auto` for a card with `total_mib` of memory (None: no reading)."""
+    return 2 if total_mib is not None and total_mib >= TWO_REPLICAS_FROM_MIB else 1
+
+
+def replicas_of(config: Config) -> int:
+    """Servers sharing each GPU (`auto` is resolved by the server set before planning)."""
+    replicas = config.server.replicas
+    return replicas if isinstance(replicas, int) else 1
+
+
+def replicas_fit_problem(config: Config, gpu: GpuReading, replicas: int) -> str | None:
+    """Why `replicas` servers cannot share `gpu`, with the numbers; None when they fit.
+
+    Each gets its share of gpu-memory-utilization x the card, which must hold the weights,
+    the start-up spike and the KV cache of one max-model-len request. The card counts as
+    empty: what other programs (or ocrvl's servers being replaced) hold now may be gone by
+    the start, and a start that runs short of memory steps its settings down.
+    """
+    shared = config.model_copy(update={"server": config.server.model_copy(
+        update={"replicas": replicas})})
+    empty = replace(gpu, used_mib=0, free_mib=gpu.total_mib)
+    values = plan_vllm_args(shared, empty).values
+    share_mib = float(values[UTILIZATION]) * gpu.total_mib
+    tokens = int(values[MAX_MODEL_LEN])
+    kv_mib = tokens * KV_BYTES_PER_TOKEN / (1024 * 1024)
+    need_mib = WEIGHTS_MIB + STARTUP_SPIKE_MIB + kv_mib
+    if share_mib >= need_mib:
+        return None
+    return (f"server.replicas = {replicas} does not fit {gpu.name} ({_gib(gpu.total_mib)}): "
+            f"each replica would get {_gib(share_mib)}, one needs at least {_gib(need_mib)} "
+            f"({WEIGHTS_MIB / 1024:.1f} weights + {STARTUP_SPIKE_MIB / 1024:.1f} start-up + "
+            f"{kv_mib / 1024:.1f} KV for {tokens} tokens)")
 
 
 def tunable_keys(config: Config) -> tuple[str, ...]:
@@ -104,8 +144,9 @@ def plan_vllm_args(config: Config, gpu: GpuReading | None,
                        "per step; the start-up memory estimate assumes it")
     if gpu is None:
         _plan_without_gpu(tuned, tunable)
+        _share(tuned, replicas_of(config))
     else:
-        _plan_for_gpu(tuned, tunable, gpu)
+        _plan_for_gpu(tuned, tunable, gpu, replicas_of(config))
     if remembered:
         _apply_remembered(tuned, tunable, remembered, budget)
     return tuned
@@ -123,7 +164,10 @@ def _plan_without_gpu(tuned: TunedArgs, tunable: tuple[str, ...]) -> None:
             f"{tuned.values[MAX_NUM_SEQS]}")
 
 
-def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading) -> None:
+def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
+                  replicas: int) -> None:
+    """Plan for `gpu` as if none of ocrvl's servers ran; with `replicas`, utilization is for
+    the whole card and each server gets an equal share of it."""
     values, reasons, warnings = tuned.values, tuned.reasons, tuned.warnings
     total = gpu.total_mib
     free_share = _floor2(gpu.free_mib / total)
@@ -143,6 +187,8 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading) -
             f"{UTILIZATION} {utilization:.2f} is more than the free share of {gpu.name} "
             f"({_gib(gpu.free_mib)} of {_gib(total)} = {free_share:.2f}): vLLM will refuse to "
             "start; close the programs using the GPU (see nvidia-smi)")
+    _share(tuned, replicas)
+    utilization = float(values[UTILIZATION])
     kv_mib = utilization * total - WEIGHTS_MIB - STARTUP_SPIKE_MIB
     kv_tokens = max(0, int(kv_mib * 1024 * 1024 // KV_BYTES_PER_TOKEN))
     if kv_tokens < int(values[MAX_MODEL_LEN]):
@@ -157,6 +203,16 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading) -
             f"{MAX_NUM_SEQS} {values[MAX_NUM_SEQS]}: ~{_gib(max(kv_mib, 0))} KV cache holds "
             f"~{kv_tokens} tokens, ~{kv_tokens // TYPICAL_SEQUENCE_TOKENS} pages of "
             f"~{TYPICAL_SEQUENCE_TOKENS} tokens at once")
+
+
+def _share(tuned: TunedArgs, replicas: int) -> None:
+    """Split the card's utilization equally between the `replicas` servers on it."""
+    # vLLM checks free >= utilization x total per server: with each server at its share, one
+    # that restarts passes the check while the others keep theirs.
+    if replicas > 1 and tuned.values.get(UTILIZATION) is not None:
+        share = tuned.values[UTILIZATION] = _floor2(float(tuned.values[UTILIZATION]) / replicas)
+        tuned.reasons.append(f"{UTILIZATION} {share:.2f} each: the card's share split between "
+                             f"{replicas} servers (server.replicas)")
 
 
 def _apply_remembered(tuned: TunedArgs, tunable: tuple[str, ...], remembered: dict[str, Any],
@@ -178,7 +234,8 @@ def _apply_remembered(tuned: TunedArgs, tunable: tuple[str, ...], remembered: di
 def next_after_oom(current: dict[str, Any], config: Config, failure_text: str
                    ) -> dict[str, Any] | None:
     """The next, smaller `auto` flags to try after an out-of-memory start; None when spent."""
-    return _lower(current, tunable_keys(config), model_budget(config), failure_text)
+    return _lower(current, tunable_keys(config), model_budget(config), failure_text,
+                  MIN_UTILIZATION / replicas_of(config))
 
 
 def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> str:
@@ -188,7 +245,9 @@ def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> st
     explicit = [k for k in TUNED_KEYS
                 if k not in tunable and config.server.vllm_args.get(k) is not None]
     cause = vllm_diagnosis.oom_cause(failure_text) or "out of GPU memory"
-    lowered = _lower(current, explicit, model_budget(config), failure_text)
+    replicas = replicas_of(config)
+    lowered = _lower(current, explicit, model_budget(config), failure_text,
+                     MIN_UTILIZATION / replicas)
     head = f"The model server ran out of GPU memory ({cause})."
     if lowered is None:
         return (f"{head} Nothing ocrvl may change is left to lower: close other programs "
@@ -196,25 +255,27 @@ def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> st
                 "with more memory.")
     changed = [k for k in explicit if lowered[k] != current.get(k)]
     them = "them" if len(changed) > 1 else "it"
-    lines = ", ".join(f"`{k}: {lowered[k]}`" for k in changed)
+    # The config's utilization is for the whole card: each of the replicas has its share.
+    lines = ", ".join(f"`{k}: {_floor2(lowered[k] * replicas) if k == UTILIZATION else lowered[k]}`"
+                      for k in changed)
     return (f"{head} The config sets {', '.join(changed)} explicitly, so ocrvl leaves {them} "
             f"alone; try these lines under `server: vllm_args:` in config.yaml: {lines} (or "
             f"`auto`, to let ocrvl choose).")
 
 
 def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budget: int,
-           text: str) -> dict[str, Any] | None:
+           text: str, floor_utilization: float) -> dict[str, Any] | None:
     new = dict(current)
     utilization = float(_get(current, UTILIZATION, FALLBACK_UTILIZATION))
     free = vllm_diagnosis.free_share(text)
     if free is not None:
         # Only a lower utilization passes vLLM's free-memory check at start-up.
-        if UTILIZATION not in lowerable or utilization <= MIN_UTILIZATION:
+        if UTILIZATION not in lowerable or utilization <= floor_utilization:
             return None
         target = _floor2(free - FREE_MEMORY_HEADROOM)
         if target >= utilization:
             target = _floor2(utilization - UTILIZATION_STEP)
-        new[UTILIZATION] = max(MIN_UTILIZATION, target)
+        new[UTILIZATION] = max(floor_utilization, target)
         return new
     length = int(_get(current, MAX_MODEL_LEN, _round_up(budget, LENGTH_STEP)))
     estimated = vllm_diagnosis.estimated_max_len(text)
@@ -240,9 +301,9 @@ def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budg
         new[MAX_MODEL_LEN] = budget
         return new
     # When the KV cache is what is too small, a smaller share of the GPU only shrinks it.
-    if (UTILIZATION in lowerable and utilization > MIN_UTILIZATION
+    if (UTILIZATION in lowerable and utilization > floor_utilization
             and not vllm_diagnosis.kv_cache_too_small(text)):
-        new[UTILIZATION] = max(MIN_UTILIZATION, _floor2(utilization - UTILIZATION_STEP))
+        new[UTILIZATION] = max(floor_utilization, _floor2(utilization - UTILIZATION_STEP))
         return new
     return None
 
@@ -253,17 +314,20 @@ def _get(values: dict[str, Any], key: str, default: float) -> float:
     return default if value is None else float(value)
 
 
-def _remember_key(gpu: GpuReading | None, model_name: str) -> str:
-    return f"{gpu.uuid if gpu else 'unknown-gpu'}|{model_name}"
+def _remember_key(gpu: GpuReading | None, model_name: str, replicas: int) -> str:
+    # Per replica count: a share lowered for three servers would starve one.
+    key = f"{gpu.uuid if gpu else 'unknown-gpu'}|{model_name}"
+    return key if replicas == 1 else f"{key}|{replicas} replicas"
 
 
-def load_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str
-                    ) -> dict[str, Any] | None:
-    """The flags an earlier out-of-memory recovery settled on for this GPU and model."""
+def load_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
+                    replicas: int = 1) -> dict[str, Any] | None:
+    """The flags an earlier out-of-memory recovery settled on for this GPU, model and number
+    of servers sharing the GPU."""
     path = state_dir / TUNING_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        entry = data[_remember_key(gpu, model_name)]["values"]
+        entry = data[_remember_key(gpu, model_name, replicas)]["values"]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -274,7 +338,7 @@ def load_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str
 
 
 def save_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
-                    values: dict[str, Any]) -> None:
+                    values: dict[str, Any], replicas: int = 1) -> None:
     """Remember the flags that got past an out-of-memory start (written atomically)."""
     path = state_dir / TUNING_FILE
     try:
@@ -283,7 +347,7 @@ def save_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
             data = {}
     except (OSError, ValueError):
         data = {}
-    data[_remember_key(gpu, model_name)] = {
+    data[_remember_key(gpu, model_name, replicas)] = {
         "values": {k: values[k] for k in TUNED_KEYS if k in values},
         "gpu": gpu.name if gpu else None,
         "saved": datetime.now(timezone.utc).isoformat(timespec="seconds"),

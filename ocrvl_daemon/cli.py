@@ -198,8 +198,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """`ocrvl convert`."""
     from ocrvl_daemon.oneshot import convert_files
 
+    # --server-url is the one endpoint: the config's managed or external servers step aside.
     overrides = (
-        {"server.mode": "external", "server.url": args.server_url} if args.server_url else None
+        {"server.mode": "external", "server.url": args.server_url, "server.urls": None,
+         "server.replicas": "auto", "server.gpus": "auto"} if args.server_url else None
     )
     config, _ = _load(args, overrides)
     _logging(config)

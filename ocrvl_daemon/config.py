@@ -145,6 +145,11 @@ class ServerConfig(_Section):
     mode: Literal["managed", "external"] = "managed"
     launcher: Literal["vllm", "genai_server", "command"] = "vllm"
     url: str | None = None
+    # Several endpoints (external only); each also normalised to .../v1.
+    urls: list[str] | None = None
+    # vLLM servers per GPU and the GPUs they run on (managed only); see `server_set`.
+    replicas: int | Literal["auto"] = "auto"
+    gpus: list[int] | Literal["auto"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8118, ge=1, le=65535)
     python: Path | None = None
@@ -172,12 +177,45 @@ class ServerConfig(_Section):
     @field_validator("url")
     @classmethod
     def _openai_base(cls, value: str | None) -> str | None:
+        return None if value is None else _openai_base_url(value)
+
+    @field_validator("urls")
+    @classmethod
+    def _openai_bases(cls, value: list[str] | None) -> list[str] | None:
         if value is None:
             return None
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8118/v1")
-        value = value.rstrip("/")
-        return value if value.endswith("/v1") else value + "/v1"
+        if not value:
+            raise ValueError("is an empty list; give at least one URL, or use server.url")
+        urls = [_openai_base_url(url) for url in value]
+        if len(set(urls)) < len(urls):
+            raise KeyProblem("server.urls", value, f"names {_twice(urls)} twice; each "
+                            "endpoint must be listed once (a second entry would not add a "
+                            "server, only send it twice the work)")
+        return urls
+
+    # Before pydantic's own checks: a union's error would name its branch ("replicas.int").
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _at_least_one(cls, value: Any) -> Any:
+        if value == AUTO:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("must be 'auto' or a whole number of at least 1")
+        return value
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_indices(cls, value: Any) -> Any:
+        if value == AUTO:
+            return value
+        if not isinstance(value, list) or not value or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+            raise ValueError("must be 'auto' (every visible GPU) or a list of GPU indices as "
+                             "CUDA numbers them, e.g. [0, 1]")
+        if len(set(value)) < len(value):
+            raise KeyProblem("server.gpus", value, f"names GPU {_twice(value)} twice; list "
+                            "each GPU once and use server.replicas for more servers per GPU")
+        return value
 
     @field_validator("command")
     @classmethod
@@ -225,9 +263,9 @@ class ServerConfig(_Section):
 
     @property
     def base_url(self) -> str:
-        """The OpenAI base URL (ending in /v1) the pipeline talks to."""
-        if self.mode == "external" and self.url:
-            return self.url
+        """The OpenAI base URL (ending in /v1) the pipeline talks to (the first of several)."""
+        if self.mode == "external" and (self.url or self.urls):
+            return self.url or (self.urls or [""])[0]
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}/v1"
 
@@ -337,8 +375,15 @@ class MetricsConfig(_Section):
         return self
 
 
-def _twice(names: list[str]) -> str:
+def _twice(names: list[Any]) -> Any:
     return next(n for n in names if names.count(n) > 1)
+
+
+def _openai_base_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8118/v1")
+    value = value.rstrip("/")
+    return value if value.endswith("/v1") else value + "/v1"
 
 
 def _is_loopback(host: str) -> bool:
@@ -377,13 +422,25 @@ class Config(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         server = self.server
-        if server.mode == "external" and not server.url:
+        if server.mode == "external" and not server.url and not server.urls:
             raise KeyProblem(
                 "server.url",
                 None,
                 "server.mode is 'external' but no url is set; "
                 "set server.url: http://HOST:PORT/v1, or use server.mode: managed",
             )
+        if server.url and server.urls:
+            raise KeyProblem("server.urls", server.urls, f"server.url ({server.url}) is set "
+                             "too; use server.url for one endpoint or server.urls for several, "
+                             "not both")
+        if server.mode == "managed" and server.urls:
+            raise KeyProblem("server.urls", server.urls, "is for server.mode: external (servers "
+                             "ocrvl does not start); remove it, or set server.mode: external")
+        for key in ("replicas", "gpus"):
+            if server.mode == "external" and getattr(server, key) != AUTO:
+                raise KeyProblem(f"server.{key}", getattr(server, key), "is for servers ocrvl "
+                                 "starts (server.mode: managed); an external server's replicas "
+                                 "are listed in server.urls; remove it")
         if server.mode == "managed" and server.launcher == "command" and not server.command:
             raise KeyProblem(
                 "server.command",

@@ -1,4 +1,4 @@
-"""`ocrvl run`: wires server supervisor, inbox watcher and converter into one main loop.
+"""`ocrvl run`: wires the model servers, inbox watcher and converter into one main loop.
 
 Signal handlers only record what was asked; the loop acts on it. Every iteration polls the
 watcher, ticks the converter, publishes status (systemd's STATUS= and the store, for `ocrvl
@@ -26,13 +26,20 @@ from pathlib import Path
 
 from ocrvl_daemon.config import Config, load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter
-from ocrvl_daemon.errors import ConfigError, ExitCode, OcrvlError, StateFullError
+from ocrvl_daemon.errors import (
+    ConfigError,
+    ExitCode,
+    OcrvlError,
+    ServerConfigError,
+    StateFullError,
+)
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
 from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
-from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor, supervisor_for
+from ocrvl_daemon.server import ServerState, ServerStatus
+from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.store import JobState
@@ -73,9 +80,9 @@ class Daemon:
         self._full: StateFullError | None = None  # the state_dir's disk is full: paused
         self._full_retry_at = 0.0
         self._untaken: list[Path] = []  # found by the watcher, not queued yet (disk full)
-        # After a reload: the server being stopped on `_old_server_stop`, a thread; the new
-        # one (`server`) is started by the loop once that thread has ended.
-        self._old_server: ServerSupervisor | None = None
+        # After a reload: the servers being stopped on `_old_server_stop`, a thread; the new
+        # ones (`servers`) are started by the loop once that thread has ended.
+        self._old_server: ServerSet | None = None
         self._old_server_stop: threading.Thread | None = None
         self.again = _retry_command(config_path)
 
@@ -84,6 +91,8 @@ class Daemon:
         at once); returns the exit code."""
         self.signals.install()
         config = self.config
+        # Replicas that cannot fit the GPU are refused here, before anything starts.
+        self.servers = ServerSet(config)
         self.store = open_store(config)  # a state_dir that cannot be used is a ConfigError
         try:
             self.lock = StateLock(config.state_dir)
@@ -103,14 +112,14 @@ class Daemon:
         for job in self.store.jobs():
             if not job.path.exists():  # moved or deleted while ocrvl was down
                 self.store.forget(job.id)
-        self.server = supervisor_for(config)
         self.watcher = InboxWatcher(config.inbox)
-        self.converter = Converter(config, self.store, self.server, again=self.again)
+        self.converter = Converter(config, self.store, self.servers.endpoints[0],
+                                   again=self.again)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
-            self.server.start()
+            self.servers.start()
             self.watcher.start()
             code = self._loop()
         except BaseException:
@@ -194,7 +203,7 @@ class Daemon:
         return job.state is JobState.DONE
 
     def _report(self, now: float) -> None:
-        server = self.server.status()
+        server = self.servers.overall()
         if not self._ready_sent:
             if server.state is ServerState.READY:
                 self._ready_sent = True
@@ -211,9 +220,8 @@ class Daemon:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
         progress = self.converter.progress()
-        state = server.state
-        if state is ServerState.STOPPED and self._old_server is not None:
-            state = ServerState.STARTING  # it starts once the old one has stopped
+        # A new server set starts once the old one has stopped.
+        replacing = self._old_server is not None
         snap = StatusSnapshot(
             server_state=server.state.value,
             server_phase=server.phase or None,
@@ -243,7 +251,10 @@ class Daemon:
             },
             engine_failed_starts=self.converter.engines.start_failures,
             hook_failures=dict(self.converter.hooks.failures),
-            servers=[ServerMetrics(server.url, state.value, server.restart_count)],
+            servers=[ServerMetrics(s.url, (ServerState.STARTING if replacing and s.state is
+                                           ServerState.STOPPED else s.state).value,
+                                   s.restart_count)
+                     for s in self.servers.status()],
         )
         if now - self._last_publish >= PUBLISH_SECONDS:
             self._last_publish = now
@@ -286,34 +297,42 @@ class Daemon:
             if getattr(new, key) != getattr(old, key):
                 log.warning("%s changed; that takes effect at the next restart", key)
                 new = new.model_copy(update={key: getattr(old, key)})
+        servers = None
+        if new.config_for_server != old.config_for_server:
+            try:
+                servers = ServerSet(new)  # replicas that cannot fit are refused here
+            except ServerConfigError as exc:
+                log.error("reload rejected, the running configuration stays in force: %s", exc)
+                self.notifier.ready()
+                return
         self.config = new
         set_level(new.log_level)
         self.watcher.reconfigure(new.inbox)
-        if new.config_for_server != old.config_for_server:
+        if servers is not None:
             log.info("server settings changed; restarting the server")
-            self._replace_server(new)
+            self._replace_server(servers)
         self.converter.reconfigure(new)
         self.progress_log.interval = new.progress_seconds
         log.info("configuration reloaded from %s", self.config_path or "built-in defaults")
         self.notifier.ready()
 
-    def _replace_server(self, config: Config) -> None:
-        """Stop the server on a thread (that can take longer than the watchdog allows one turn
-        of the loop); `_start_new_server` starts one for `config` once the old one is gone,
+    def _replace_server(self, servers: ServerSet) -> None:
+        """Stop the servers on a thread (that can take longer than the watchdog allows one
+        turn of the loop); `_start_new_server` starts `servers` once the old ones are gone,
         as two servers must not compete for the port and the GPU's memory."""
-        if self._old_server is None:  # else the server made by the last reload never started
-            self._old_server = self.server
-            self._old_server_stop = threading.Thread(target=self.server.stop, daemon=True,
+        if self._old_server is None:  # else the servers made by the last reload never started
+            self._old_server = self.servers
+            self._old_server_stop = threading.Thread(target=self.servers.stop, daemon=True,
                                                      name="ocrvl-server-stop")
             self._old_server_stop.start()
-        self.server = supervisor_for(config)
-        self.converter.server = self.server
+        self.servers = servers
+        self.converter.server = self.servers.endpoints[0]
 
     def _start_new_server(self) -> None:
         """Start the server a reload made, once the old one has stopped."""
         if self._old_server_stop is not None and not self._old_server_stop.is_alive():
             self._old_server = self._old_server_stop = None
-            self.server.start()
+            self.servers.start()
 
     def _shutdown(self) -> None:
         self.notifier.stopping()
@@ -323,7 +342,7 @@ class Daemon:
         self.converter.stop(self._drain)
         if self._old_server_stop is not None:
             self._old_server_stop.join()  # bounded, as ServerSupervisor.stop is
-        self.server.stop()
+        self.servers.stop()
         self.metrics.stop()
         # `ocrvl status` must not go on showing the last published state as running.
         with contextlib.suppress(StateFullError):
@@ -336,9 +355,9 @@ class Daemon:
     def _kill_children(self) -> None:
         """A second stop signal: SIGKILL the workers, hooks and servers now, and reap them."""
         self.converter.kill()
-        for server in (self._old_server, self.server):
-            if server is not None:
-                server.kill()
+        for servers in (self._old_server, self.servers):
+            if servers is not None:
+                servers.kill()
         log.info("stopped at once; pages in flight are redone next time")
 
 

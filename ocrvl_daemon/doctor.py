@@ -164,6 +164,7 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             "server.vllm_args.max-num-seqs lower"))
     if _managed_model_server(config):
         checks.append(_settings_check(config, reading))
+        checks.append(_replicas_check(config, reading))
     return checks
 
 
@@ -182,13 +183,33 @@ def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
 
 
 def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
-    remembered = autotune.load_remembered(config.state_dir, reading, config.model.name)
+    # As each of the replicas on this GPU would start (`auto`: the count it decides).
+    replicas = config.server.replicas
+    if not isinstance(replicas, int):
+        replicas = autotune.auto_replicas(reading.total_mib)
+    config = config.model_copy(update={"server": config.server.model_copy(
+        update={"replicas": replicas})})
+    remembered = autotune.load_remembered(config.state_dir, reading, config.model.name,
+                                          replicas)
     tuned = autotune.plan_vllm_args(config, reading, remembered)
     shown = ", ".join(f"{k} {tuned.values[k]}" for k in autotune.TUNED_KEYS
                       if k in tuned.values)
     if tuned.warnings:
         return Check("server settings", "warn", shown, "; ".join(tuned.warnings))
     return Check("server settings", "info", f"{shown} (auto: computed from this GPU)")
+
+
+def _replicas_check(config: Config, reading: gpu.GpuReading) -> Check:
+    replicas = config.server.replicas
+    if replicas == "auto":
+        count = autotune.auto_replicas(reading.total_mib)
+        return Check("server replicas", "info", f"{count} per GPU (auto, from "
+                     f"{_gib(reading.total_mib)} on {reading.name})")
+    assert isinstance(replicas, int)
+    problem = autotune.replicas_fit_problem(config, reading, replicas)
+    if problem is not None:
+        return Check("server replicas", "fail", problem, "use server.replicas: 1 or auto")
+    return Check("server replicas", "ok", f"{replicas} per GPU")
 
 
 def _wsl_checks(osrelease: str | None) -> list[Check]:

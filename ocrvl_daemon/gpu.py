@@ -55,57 +55,40 @@ class GpuProbe:
     problems: list[str] = field(default_factory=list)
 
 
+def visible_devices(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The devices CUDA_VISIBLE_DEVICES names, in CUDA's order (indices or UUIDs); None when
+    it is unset (every GPU). As CUDA does, the list ends at the first invalid entry."""
+    env = os.environ if env is None else env
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    devices: list[str] = []
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        devices.append(entry)
+    return devices
+
+
 def selected_device(env: Mapping[str, str] | None = None) -> str | None:
     """The first device CUDA_VISIBLE_DEVICES names (index or UUID); "0" when unset.
 
     None when the variable hides every GPU (empty, or a negative index), as CUDA treats it.
     """
-    env = os.environ if env is None else env
-    value = env.get("CUDA_VISIBLE_DEVICES")
-    if value is None:
+    devices = visible_devices(env)
+    if devices is None:
         return "0"
-    first = value.split(",")[0].strip()
-    if not first or first.startswith("-"):
-        return None
-    return first
+    return devices[0] if devices else None
 
 
 def probe_gpu(env: Mapping[str, str] | None = None) -> GpuProbe:
     """Read the selected GPU through NVML, else nvidia-smi."""
-    env = os.environ if env is None else env
     device = selected_device(env)
     if device is None:
         return GpuProbe(None, "", ["CUDA_VISIBLE_DEVICES hides every GPU"])
     probe = GpuProbe(None, device)
-    if env.get(NO_NVML_ENV) != "1":
-        try:
-            probe.reading = _read_nvml(device)
-        except Exception as exc:  # NVML raises its own error types, or is not installed
-            probe.problems.append(f"NVML: {exc or type(exc).__name__}")
-        if probe.reading is not None:
-            return probe
-    smi = _nvidia_smi_path(env)
-    if smi is None:
-        probe.problems.append("nvidia-smi: not found on PATH")
-        return probe
-    try:
-        done = subprocess.run(
-            [smi, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT, check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        probe.problems.append(f"nvidia-smi: {exc}")
-        return probe
-    if done.returncode != 0:
-        said = (done.stdout + done.stderr).strip().splitlines()
-        probe.problems.append(
-            f"nvidia-smi exited with status {done.returncode}: {said[0] if said else 'no output'}"
-        )
-        return probe
-    try:
-        probe.reading = parse_nvidia_smi(done.stdout, device)
-    except ValueError as exc:
-        probe.problems.append(f"nvidia-smi: {exc}")
+    readings = _read_all(env, probe.problems)
+    probe.reading = next((r for r in readings if _matches(device, r.index, r.uuid)), None)
     return probe
 
 
@@ -117,26 +100,82 @@ def read_gpu(env: Mapping[str, str] | None = None) -> GpuReading | None:
     return probe.reading
 
 
+def read_gpus(env: Mapping[str, str] | None = None) -> list[GpuReading]:
+    """Every GPU CUDA_VISIBLE_DEVICES lets a server see, in CUDA's order; [] when none can be
+    read."""
+    problems: list[str] = []
+    devices = visible_devices(env)
+    readings = _read_all(env, problems) if devices != [] else []
+    if problems and not readings:
+        log.debug("no GPU reading: %s", "; ".join(problems))
+    if devices is None:
+        return readings
+    return [next(r for r in readings if _matches(d, r.index, r.uuid)) for d in devices
+            if any(_matches(d, r.index, r.uuid) for r in readings)]
+
+
+def _read_all(env: Mapping[str, str] | None, problems: list[str]) -> list[GpuReading]:
+    """Every GPU of the machine through NVML, else nvidia-smi; why each gave up goes to
+    `problems`."""
+    env = os.environ if env is None else env
+    if env.get(NO_NVML_ENV) != "1":
+        try:
+            readings = _read_nvml()
+        except Exception as exc:  # NVML raises its own error types, or is not installed
+            problems.append(f"NVML: {exc or type(exc).__name__}")
+        else:
+            if readings:
+                return readings
+    smi = _nvidia_smi_path(env)
+    if smi is None:
+        problems.append("nvidia-smi: not found on PATH")
+        return []
+    try:
+        done = subprocess.run(
+            [smi, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problems.append(f"nvidia-smi: {exc}")
+        return []
+    if done.returncode != 0:
+        said = (done.stdout + done.stderr).strip().splitlines()
+        problems.append(
+            f"nvidia-smi exited with status {done.returncode}: {said[0] if said else 'no output'}"
+        )
+        return []
+    try:
+        return parse_nvidia_smi_all(done.stdout)
+    except ValueError as exc:
+        problems.append(f"nvidia-smi: {exc}")
+        return []
+
+
 def parse_nvidia_smi(text: str, device: str) -> GpuReading | None:
     """Pick `device` (index or UUID prefix) out of nvidia-smi's CSV; None if it is not listed."""
+    return next((r for r in parse_nvidia_smi_all(text) if _matches(device, r.index, r.uuid)),
+                None)
+
+
+def parse_nvidia_smi_all(text: str) -> list[GpuReading]:
+    """Every GPU in nvidia-smi's CSV."""
+    readings = []
     for row in csv.reader(text.splitlines(), skipinitialspace=True):
         if not row:
             continue
         if len(row) != 8:
             raise ValueError(f"unexpected output line {','.join(row)!r}")
         index, uuid, name, total, used, free, driver, cap = (c.strip() for c in row)
-        if not _matches(device, int(index), uuid):
-            continue
         total_mib, free_mib = _mib(total), _mib(free)
         # WSL2 and some drivers report "[N/A]" for used memory; total - free is the same thing.
         used_mib = _mib(used) if _number(used) else total_mib - free_mib
         major, _, minor = cap.partition(".")
-        return GpuReading(
+        readings.append(GpuReading(
             index=int(index), uuid=uuid, name=name, total_mib=total_mib, used_mib=used_mib,
             free_mib=free_mib, driver=driver, compute_capability=(int(major), int(minor or 0)),
             source="nvidia-smi",
-        )
-    return None
+        ))
+    return readings
 
 
 def is_wsl(osrelease: str | None = None) -> bool:
@@ -150,26 +189,25 @@ def is_wsl(osrelease: str | None = None) -> bool:
     return "microsoft" in lowered or "wsl" in lowered
 
 
-def _read_nvml(device: str) -> GpuReading | None:
+def _read_nvml() -> list[GpuReading]:
     import pynvml
 
     pynvml.nvmlInit()
     try:
+        readings = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            if not _matches(device, i, uuid):
-                continue
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            return GpuReading(
-                index=i, uuid=uuid, name=_text(pynvml.nvmlDeviceGetName(handle)),
+            readings.append(GpuReading(
+                index=i, uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                name=_text(pynvml.nvmlDeviceGetName(handle)),
                 total_mib=int(memory.total) // MIB, used_mib=int(memory.used) // MIB,
                 free_mib=int(memory.free) // MIB,
                 driver=_text(pynvml.nvmlSystemGetDriverVersion()),
                 compute_capability=(int(major), int(minor)), source="nvml",
-            )
-        return None
+            ))
+        return readings
     finally:
         pynvml.nvmlShutdown()
 

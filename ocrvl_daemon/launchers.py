@@ -193,7 +193,9 @@ def vllm_serve_command(config: Config, host: str = ANY_HOST, port: int | None = 
     address by default; `port` defaults to server.port). `auto` flags take the values ocrvl
     uses when it cannot read the GPU, which start on an 8 GB card.
     """
-    args = resolve_vllm_args(config).values
+    # One server there, whatever server.replicas says of the servers ocrvl starts here.
+    alone = config.model_copy(update={"server": config.server.model_copy(update={"replicas": 1})})
+    args = resolve_vllm_args(alone).values
     port = port or config.server.port
     return shlex.join(["vllm", "serve", *_serve_args(config, args, host, port)])
 

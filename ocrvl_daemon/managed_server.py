@@ -45,7 +45,7 @@ from ocrvl_daemon.server_probe import ServerProbe
 from ocrvl_daemon.vllm_diagnosis import Diagnosis, diagnose, parse_phase
 
 log = logging.getLogger(__name__)
-server_log = log.getChild("vllm")  # the server's own output, line by line
+server_log = log.getChild("vllm")  # the server's own output, line by line (a child per replica)
 
 PIDFILE_NAME = "server.pid"
 TAIL_LINES = 200  # kept in memory
@@ -89,8 +89,10 @@ class _LogPump(threading.Thread):
     Reading continuously means the server never blocks on a full pipe.
     """
 
-    def __init__(self, stream: IO[bytes], on_line: Callable[[str], None]) -> None:
+    def __init__(self, stream: IO[bytes], on_line: Callable[[str], None],
+                 logger: logging.Logger) -> None:
         super().__init__(name="ocrvl-server-log", daemon=True)
+        self._logger = logger
         self._stream = stream
         self._on_line = on_line
         self._lock = threading.Lock()  # protects _lines (this thread appends, tail() reads)
@@ -114,13 +116,18 @@ class _LogPump(threading.Thread):
         level = _LEVELS[match.group(1)] if match else logging.INFO
         if _ACCESS.search(line):
             level = logging.DEBUG  # one per health probe and per page: noise in the journal
-        server_log.log(level, "%s", line)
+        self._logger.log(level, "%s", line)
         self._on_line(line)
 
     def tail(self, n: int) -> list[str]:
         """The last `n` lines."""
         with self._lock:
             return list(self._lines)[-n:]
+
+
+def pidfile_name(name: str) -> str:
+    """The pidfile of the server called `name`: server.pid, server-gpu0-1.pid, ..."""
+    return PIDFILE_NAME if name == "server" else f"server-{name.replace('/', '-')}.pid"
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -142,11 +149,16 @@ class ManagedServer(ServerSupervisor):
     """Starts the model server and keeps it ready; see the module docstring."""
 
     def __init__(self, config: Config, on_change: Callable[[ServerStatus], None] | None = None,
-                 backoff: BackoffPolicy | None = None) -> None:
-        super().__init__(config, on_change)
+                 backoff: BackoffPolicy | None = None, name: str = "server",
+                 gpu_reading: Callable[[], GpuReading | None] | None = None) -> None:
+        """`gpu_reading` reads the server's GPU for planning `auto` flags (default: the one
+        its environment selects, as it is); replicas sharing a GPU count each other's memory
+        as free (see server_set)."""
+        super().__init__(config, on_change, name)
         self._backoff = backoff or BackoffPolicy(
             initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
-        self._pidfile = config.state_dir / PIDFILE_NAME
+        self._pidfile = config.state_dir / pidfile_name(name)
+        self._gpu_reading = gpu_reading or (lambda: read_gpu(launchers.server_env(config)))
         # _group and _pump are written under _cond (status() reads the pid from another
         # thread); the rest below is the supervisor thread's own.
         self._group: ProcessGroup | None = None
@@ -195,7 +207,8 @@ class ManagedServer(ServerSupervisor):
         except OSError as exc:
             raise ServerConfigError(f"Cannot start the server {spec.argv[0]!r}: {exc}.",
                                     launchers.SETUP_FIX) from exc
-        pump = _LogPump(group.stdout, self._on_line)
+        output_log = server_log if self.name == "server" else server_log.getChild(self.name)
+        pump = _LogPump(group.stdout, self._on_line, output_log)
         with self._cond:
             self._group, self._pump = group, pump
         pump.start()
@@ -214,9 +227,10 @@ class ManagedServer(ServerSupervisor):
     def _plan_args(self) -> None:
         """Choose the `auto` flags for this launch from the GPU as it is now."""
         # The server's environment decides which GPU it sees (CUDA_VISIBLE_DEVICES).
-        self._gpu = read_gpu(launchers.server_env(self.config))
+        self._gpu = self._gpu_reading()
         remembered = self._lowered or autotune.load_remembered(
-            self.config.state_dir, self._gpu, self.config.model.name)
+            self.config.state_dir, self._gpu, self.config.model.name,
+            autotune.replicas_of(self.config))
         tuned = launchers.resolve_vllm_args(self.config, self._gpu, remembered)
         self._args = tuned.values
         log.info("vLLM settings: %s", ", ".join(
@@ -232,7 +246,7 @@ class ManagedServer(ServerSupervisor):
         path = self.config.state_dir / autotune.TUNING_FILE
         try:
             autotune.save_remembered(self.config.state_dir, self._gpu, self.config.model.name,
-                                     self._args)
+                                     self._args, autotune.replicas_of(self.config))
         except OSError as exc:
             log.warning("could not remember the lowered vLLM settings in %s: %s", path, exc)
         else:

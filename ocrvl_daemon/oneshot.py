@@ -26,7 +26,7 @@ from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, enqueue_file
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
-from ocrvl_daemon.server import supervisor_for
+from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.store import JobState, Store
 
@@ -117,22 +117,22 @@ def _check_input(path: Path) -> None:
 def _run(
     config: Config, store: Store, jobs: dict[int, Path], again: str
 ) -> dict[Path, OcrvlError]:
+    servers = ServerSet(config)  # replicas that cannot fit are refused before anything starts
     signals = StopSignals()
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
     signals.install()
-    server = supervisor_for(config)
-    converter = Converter(config, store, server, set(jobs), again,
+    converter = Converter(config, store, servers.endpoints[0], set(jobs), again,
                           EnginePool(config, ENGINE_START_ATTEMPTS))
     try:
-        server.start()
-        if config.server.mode == "external" and not server.wait_ready(EXTERNAL_PROBE_SECONDS):
+        servers.start()
+        if config.server.mode == "external" and not servers.wait_ready(EXTERNAL_PROBE_SECONDS):
             # A server that answers but cannot serve this configuration has its own fix.
             server_port = urlparse(config.server.base_url).port or 80
-            reason = server.error if server.error is not None else (
+            reason = servers.error if servers.error is not None else (
                 ServerError(
                     f"Cannot reach the model server at {config.server.base_url} "
-                    f"({server.status().last_error or 'no answer'}).",
+                    f"({servers.overall().last_error or 'no answer'}).",
                     f"start it (e.g. `{vllm_serve_command(config, port=server_port)}`), or "
                     "run without --server-url so ocrvl starts one itself",
                 )
@@ -141,8 +141,8 @@ def _run(
         while not stop_requested:
             converter.tick()
             view.update(time.monotonic(), converter.running())
-            if server.error is not None:
-                return _unfinished(store, jobs, server.error)
+            if servers.error is not None:
+                return _unfinished(store, jobs, servers.error)
             if converter.engines.gave_up:
                 return _unfinished(store, jobs, OcrvlError(converter.engines.start_error or ""))
             # A job being converted is not settled: ask the store only when none is.
@@ -159,11 +159,11 @@ def _run(
         def stop() -> None:
             converter.stop(INTERRUPT_DRAIN_SECONDS if interrupted else STOP_TIMEOUT,
                            wait_for_hooks=not interrupted)
-            server.stop()
+            servers.stop()
 
         def kill() -> None:  # a second Ctrl-C: now
             converter.kill()
-            server.kill()
+            servers.kill()
 
         signals.stop(stop, kill)
         signals.restore()

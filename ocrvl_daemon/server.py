@@ -108,8 +108,12 @@ class ServerSupervisor:
     """
 
     def __init__(self, config: Config,
-                 on_change: Callable[[ServerStatus], None] | None = None) -> None:
+                 on_change: Callable[[ServerStatus], None] | None = None,
+                 name: str = "server") -> None:
         self.config = config
+        # Short, for logs and status: "server" when it is the only one, else e.g. "gpu0/1"
+        # (GPU 0's first replica) or "host:port" (an external endpoint).
+        self.name = name
         self._server = config.server
         self._on_change = on_change
         self._stopping = threading.Event()
@@ -176,6 +180,11 @@ class ServerSupervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def url(self) -> str:
+        """The server's OpenAI base URL (ending in /v1)."""
+        return self._server.base_url
 
     @property
     def state(self) -> ServerState:

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-start", choices=FAIL_KINDS, default=None)
     p.add_argument("--fake-vram-gib", type=float, default=None)
     p.add_argument("--fake-vram-used-gib", type=float, default=d.fake_vram_used_gib)
+    p.add_argument("--fake-vram-ledger", default=None,
+                   help="a folder shared by fake servers on one fake card: each one that "
+                   "starts holds utilization x total there, and counts the others' as used")
     p.add_argument("--fake-weights-gib", type=float, default=d.fake_weights_gib)
     p.add_argument("--fake-kv-gib-per-token", type=float, default=d.fake_kv_gib_per_token)
     p.add_argument("--spawn-engine-child", action="store_true")
@@ -107,6 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         fail_start=ns.fail_start,
         fake_vram_gib=ns.fake_vram_gib,
         fake_vram_used_gib=ns.fake_vram_used_gib,
+        fake_vram_ledger=ns.fake_vram_ledger,
         fake_weights_gib=ns.fake_weights_gib,
         fake_kv_gib_per_token=ns.fake_kv_gib_per_token,
         spawn_engine_child=ns.spawn_engine_child,

@@ -33,6 +33,7 @@ class FakeServerConfig:
     fail_start: str | None = None
     fake_vram_gib: float | None = None
     fake_vram_used_gib: float = 0.0
+    fake_vram_ledger: str | None = None
     fake_weights_gib: float = 1.9
     fake_kv_gib_per_token: float = 0.0000183
     spawn_engine_child: bool = False

@@ -7,6 +7,8 @@ Fake VRAM model (``--fake-vram-gib G``, ``--fake-vram-used-gib U``), utilization
 else ``max-len`` (naming the length that would fit) if max_model_len *
 ``--fake-kv-gib-per-token`` > kv; else it starts with kv/kv-per-token tokens of KV cache.
 Lowering max-num-seqs, then max-model-len, then utilization eventually lets it start.
+With ``--fake-vram-ledger DIR`` servers share one fake card: what the live ones hold (a file
+per pid in DIR, written once a start passes the free-memory check) counts as used too.
 ``--fail-start KIND`` (``oom-kv``, ``free-memory``, ``max-len``, ``cuda-oom``) prints that
 failure whatever the model says. The start-up lines are spread over ``--startup-delay``.
 """
@@ -14,6 +16,7 @@ failure whatever the model says. The start-up lines are spread over ``--startup-
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -104,6 +107,22 @@ class StartupPlan:
     kv_tokens: int
 
 
+def ledger_used_gib(ledger: str, own_pid: int) -> float:
+    """GiB the other live fake servers on the shared fake card hold."""
+    used = 0.0
+    for entry in Path(ledger).iterdir():
+        pid = int(entry.name)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue  # SIGKILLed: its memory is free again
+        except PermissionError:
+            pass
+        if pid != own_pid:
+            used += float(entry.read_text(encoding="utf-8") or 0)
+    return used
+
+
 def plan_startup(cfg: FakeServerConfig) -> StartupPlan:
     """Apply ``--fail-start`` or the fake VRAM model (see the module docstring)."""
     per_token = cfg.fake_kv_gib_per_token
@@ -113,7 +132,10 @@ def plan_startup(cfg: FakeServerConfig) -> StartupPlan:
         tokens = cfg.kv_capacity_tokens or cfg.max_num_seqs * 2048
         return StartupPlan(None, "", tokens * per_token, tokens)
     total, util = cfg.fake_vram_gib, cfg.gpu_memory_utilization
-    wanted, free = util * total, total - cfg.fake_vram_used_gib
+    used = cfg.fake_vram_used_gib
+    if cfg.fake_vram_ledger:
+        used += ledger_used_gib(cfg.fake_vram_ledger, os.getpid())
+    wanted, free = util * total, total - used
     if wanted > free:
         return StartupPlan("free-memory", free_memory_message(free, total, util, wanted), 0, 0)
     kv = wanted - cfg.fake_weights_gib - (cfg.max_num_seqs * 0.004 + 0.5)
@@ -123,6 +145,8 @@ def plan_startup(cfg: FakeServerConfig) -> StartupPlan:
     needed = cfg.max_model_len * per_token
     if needed > kv:
         return StartupPlan("max-len", max_len_message(cfg.max_model_len, needed, kv, fits), kv, 0)
+    if cfg.fake_vram_ledger:
+        (Path(cfg.fake_vram_ledger) / str(os.getpid())).write_text(str(wanted), encoding="utf-8")
     return StartupPlan(None, "", kv, cfg.kv_capacity_tokens or fits)
 
 
