@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon import __version__
-from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ExitCode, OcrvlError
 
 log = logging.getLogger("ocrvl_daemon")
@@ -254,7 +255,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_install_service(args: argparse.Namespace) -> int:
     """`ocrvl install-service`."""
-    from ocrvl_daemon.config import resolve_config_path
+    from ocrvl_daemon.config_file import resolve_config_path
     from ocrvl_daemon.service import install_service
 
     _setup_fallback_logging()

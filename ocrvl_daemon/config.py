@@ -1,8 +1,7 @@
-"""Configuration: YAML file -> validated model, checked completely before anything starts.
+"""The configuration model: every section and key, validated completely before anything starts.
 
-Lookup order: `--config PATH`, then `$OCRVL_CONFIG`, then `~/.config/ocrvl/config.yaml`, then
-the built-in defaults. `~` and `$VARS` are expanded in paths. Every error names the key, the
-bad value and the fix (worded in `config_errors`).
+`~` and `$VARS` are expanded in paths. Every error names the key, the bad value and the fix
+(worded in `config_errors`); `config_file` finds and reads the YAML file.
 """
 
 from __future__ import annotations
@@ -15,23 +14,18 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from ocrvl_daemon.config_errors import KeyProblem, config_error
-from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.config_errors import KeyProblem
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, MODELS, VLModel
 
-DEFAULT_CONFIG_PATH = Path("~/.config/ocrvl/config.yaml")
-CONFIG_ENV = "OCRVL_CONFIG"
 AUTO = "auto"
 # vLLM flags ocrvl computes from the GPU unless the user gives a number.
 AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
@@ -483,68 +477,3 @@ class Config(_Section):
     def config_for_server(self) -> dict[str, Any]:
         """The settings that need a server restart when they change."""
         return {"model": self.model.model_dump(), "server": self.server.model_dump(mode="json")}
-
-
-def resolve_config_path(explicit: str | Path | None) -> Path | None:
-    """The config file to read, by the lookup order; None means built-in defaults."""
-    if explicit:
-        # The shell already expanded what it meant to; a `$` left is part of the name.
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise ConfigError(
-                f"Config file {path} does not exist.",
-                "pass an existing file to --config, or copy config.example.yaml there",
-            )
-        return path
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        path = expand_path(env)
-        if not path.is_file():
-            raise ConfigError(
-                f"${CONFIG_ENV} names {path}, which does not exist.",
-                f"point ${CONFIG_ENV} at an existing file, or unset it",
-            )
-        return path
-    default = expand_path(DEFAULT_CONFIG_PATH)
-    return default if default.is_file() else None
-
-
-def load_config(
-    explicit: str | Path | None = None, overrides: dict[str, Any] | None = None
-) -> tuple[Config, Path | None]:
-    """Read, merge `overrides` (dotted keys) and validate; returns the config and its file."""
-    path = resolve_config_path(explicit)
-    data: Any = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"Cannot read config file {path}: {exc}.",
-                "check the file's permissions and encoding (UTF-8)",
-            ) from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                f"Config file {path} is not valid YAML: {exc}",
-                "fix the YAML syntax at the line shown",
-            ) from exc
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"Config file {path} must hold a mapping of keys, not {type(data).__name__}.",
-                "start from config.example.yaml",
-            )
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return validate_config(data, path), path
-
-
-def validate_config(data: dict[str, Any], source: Path | None = None) -> Config:
-    """Validate a config mapping, turning the first problem into a ConfigError naming its key."""
-    try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        raise config_error(exc, Config, source) from None

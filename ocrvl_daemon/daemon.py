@@ -24,7 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from ocrvl_daemon.config import Config, load_config, resolve_config_path
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.errors import (
     ConfigError,

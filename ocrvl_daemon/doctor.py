@@ -24,7 +24,8 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon import autotune, gpu, launchers, layout_model
-from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.launchers import server_env
 from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, bearer_header, served_model_fix

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from ocrvl_daemon.concurrency import ConcurrencyController, feed_margin
-from ocrvl_daemon.config import validate_config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.server_metrics import MetricsPoller
 from ocrvl_daemon.server_probe import ServerMetrics, ServerProbe, parse_metrics
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config import load_config, validate_config
+from ocrvl_daemon.config_file import load_config, validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
 from testkit.runner import run_ocrvl, write_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config import load_config
+from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.output import read_header
 from testkit.documents import (

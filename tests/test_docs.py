@@ -13,7 +13,8 @@ import yaml
 
 from ocrvl_daemon import gpu
 from ocrvl_daemon.cli import COMMANDS, build_parser
-from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.process_group import terminate_group
 from testkit.documents import make_pdf

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ocrvl_daemon import doctor, gpu, layout_model
-from ocrvl_daemon.config import load_config
+from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.launchers import vllm_serve_command
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer

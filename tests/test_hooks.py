@@ -16,7 +16,8 @@ from urllib.parse import parse_qs
 import pytest
 import yaml
 
-from ocrvl_daemon.config import HOOK_PLACEHOLDERS, validate_config
+from ocrvl_daemon.config import HOOK_PLACEHOLDERS
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.hooks import HookRunner, HookValues
 from testkit.documents import make_damaged_page_pdf, make_html_as_pdf, make_pdf

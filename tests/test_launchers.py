@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.launchers import (
     BACKEND_CONFIG_NAME,

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.config import validate_config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until

@@ -23,7 +23,8 @@ from ocrvl_daemon.autotune import (
     TUNING_FILE,
     UTILIZATION,
 )
-from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.managed_server import ManagedServer
 from ocrvl_daemon.process_group import group_members

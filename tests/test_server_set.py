@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 from ocrvl_daemon import autotune
-from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading, read_gpus
 from ocrvl_daemon.managed_server import BackoffPolicy

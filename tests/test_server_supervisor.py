@@ -19,7 +19,8 @@ import psutil
 import pytest
 import yaml
 
-from ocrvl_daemon.config import Config, validate_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ServerConfigError
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.managed_server import BackoffPolicy
@@ -341,7 +342,7 @@ def test_stop_leaves_no_process_of_the_group(tmp_path: Path, supervise: Any) -> 
 
 SUPERVISOR_SCRIPT = textwrap.dedent("""
     import sys, time
-    from ocrvl_daemon.config import load_config
+    from ocrvl_daemon.config_file import load_config
     from ocrvl_daemon.server import supervisor_for
     sup = supervisor_for(load_config(sys.argv[1])[0])
     sup.start()

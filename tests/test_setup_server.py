@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon import gpu
-from ocrvl_daemon.config import Config, load_config
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import DependencyError, ExitCode
 from ocrvl_daemon.gpu import GpuReading
 from ocrvl_daemon.launchers import vllm_serve_command
