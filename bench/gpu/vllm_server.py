@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import httpx
 
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.models import DEFAULT_MODEL
+from ocrvl_daemon.process_group import stop_process_group
 from ocrvl_daemon.server_probe import parse_metrics
 from testkit.harness import answers_health, wait_until
 
@@ -84,14 +84,7 @@ def started(options: ServeOptions, log: Path, timeout: float = 900) -> Iterator[
             raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, 60, "vLLM")
 
 
 class Metrics:
