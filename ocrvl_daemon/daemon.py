@@ -105,7 +105,7 @@ class Daemon:
                 self.store.forget(job.id)
         self.server = supervisor_for(config)
         self.watcher = InboxWatcher(config.inbox)
-        self.converter = Converter(config, self.store, self.server, again=self.again)
+        self.converter = Converter(config, self.store, [self.server], again=self.again)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
@@ -257,7 +257,7 @@ class Daemon:
                 "updated": time.time(),
                 "pages_per_s": round(rate, 3),
                 "in_flight": self.converter.in_flight,
-                "concurrency": self.converter.concurrency.limit,
+                "concurrency": sum(e.bound for e in self.converter.endpoint_load()),
                 "engine_error": self.converter.engines.start_error,
                 "server": {
                     "state": server.state.value,
@@ -307,7 +307,7 @@ class Daemon:
                                                      name="ocrvl-server-stop")
             self._old_server_stop.start()
         self.server = supervisor_for(config)
-        self.converter.server = self.server
+        self.converter.set_servers([self.server])
 
     def _start_new_server(self) -> None:
         """Start the server a reload made, once the old one has stopped."""

@@ -122,7 +122,7 @@ def _run(
     view = _progress_view(config, store, jobs)
     signals.install()
     server = supervisor_for(config)
-    converter = Converter(config, store, server, set(jobs), again,
+    converter = Converter(config, store, [server], set(jobs), again,
                           EnginePool(config, ENGINE_START_ATTEMPTS))
     try:
         server.start()

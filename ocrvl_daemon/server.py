@@ -178,6 +178,16 @@ class ServerSupervisor:
         self.stop()
 
     @property
+    def name(self) -> str:
+        """A short name for logs and status ("server" while there is one)."""
+        return "server"
+
+    @property
+    def url(self) -> str:
+        """Its OpenAI base URL (ending in /v1), where pages are sent."""
+        return self._server.base_url
+
+    @property
     def state(self) -> ServerState:
         """The current state."""
         return self._state
