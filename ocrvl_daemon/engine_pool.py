@@ -81,7 +81,7 @@ class EnginePool:
     def _workers(self) -> list[EngineWorker]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
 
-    def _taking(self) -> list[EngineWorker]:
+    def taking(self) -> list[EngineWorker]:
         """The workers that take pages now."""
         return [w for w in self._slots if w is not None and w.ready]
 
@@ -90,7 +90,7 @@ class EnginePool:
     @property
     def ready(self) -> bool:
         """Whether a worker takes pages now."""
-        return bool(self._taking())
+        return bool(self.taking())
 
     @property
     def at_server(self) -> int:
@@ -100,7 +100,7 @@ class EnginePool:
     def set_limit(self, url: str, limit: int) -> None:
         """How many requests the workers may have at the server at `url`, in all: each
         worker's request gate gets an even share."""
-        taking = self._taking()
+        taking = self.taking()
         for n, worker in enumerate(taking):
             share = limit // len(taking) + (n < limit % len(taking))
             worker.set_limit(url, max(1, share))
@@ -108,7 +108,7 @@ class EnginePool:
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker with the fewest in flight for its endpoint (only while
         `ready`)."""
-        taking = self._taking()
+        taking = self.taking()
         assert taking, "submit() before the pool is ready"
         min(taking, key=lambda w: (w.per_url[task.url], len(w.in_flight))).submit(task)
 
