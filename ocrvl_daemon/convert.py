@@ -120,6 +120,11 @@ class Converter:
         """Send pages to these endpoints from now on (a reload replaced the servers)."""
         self.dispatcher.set_servers(servers)
 
+    @property
+    def servers(self) -> list[ServerHandle]:
+        """The endpoints pages go to, in the order given."""
+        return [endpoint.handle for endpoint in self.dispatcher.endpoints]
+
     def endpoint_load(self) -> list[EndpointLoad]:
         """Each endpoint's pages in flight, pages/s and bound."""
         return self.dispatcher.load()
