@@ -131,12 +131,13 @@ class PipelineConfig(_Section):
     # Engine worker processes (rendering, encoding, layout detection): `auto` or a number.
     workers: int | Literal["auto"] = "auto"
 
-    @field_validator("workers")
+    @field_validator("workers", mode="before")
     @classmethod
-    def _workers(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 64:
-            raise ValueError(f"{value} engine workers is out of range; use auto or 1 to 64")
-        return value
+    def _workers(cls, value: Any) -> Any:
+        if value == AUTO or (isinstance(value, int) and not isinstance(value, bool)
+                             and 1 <= value <= 64):
+            return value
+        raise ValueError(f"{value!r} is not a number of engine workers; use auto or 1 to 64")
 
     @property
     def worker_count(self) -> int:
