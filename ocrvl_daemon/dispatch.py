@@ -164,8 +164,8 @@ class Dispatcher:
         endpoint.pages.discard(key)
         if server_down:
             if len(self.endpoints) > 1 and now >= endpoint.suspended_until:
-                log.warning("server %s (%s) did not answer; sending its pages to the others "
-                            "for %.0f s", endpoint.handle.name, endpoint.url, SUSPEND_SECONDS)
+                log.warning("%s at %s did not answer; sending its pages to the others for "
+                            "%.0f s", endpoint.handle.name, endpoint.url, SUSPEND_SECONDS)
                 endpoint.suspended_until = now + SUSPEND_SECONDS
             return
         endpoint.answered += 1
@@ -191,8 +191,8 @@ class Dispatcher:
         taken: list[PageKey] = []
         for endpoint in self.endpoints:
             if endpoint.pages and not endpoint.usable(now):
-                log.info("server %s (%s) is not ready: its %d page(s) in flight go to the "
-                         "others", endpoint.handle.name, endpoint.url, len(endpoint.pages))
+                log.info("%s at %s is not ready: its %d page(s) in flight go to the others",
+                         endpoint.handle.name, endpoint.url, len(endpoint.pages))
                 for key in sorted(endpoint.pages):
                     self.release(key)
                     taken.append(key)

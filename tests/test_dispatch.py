@@ -167,11 +167,15 @@ def test_two_engine_workers_both_convert_pages_and_a_crash_of_one_costs_no_page(
 
 
 class ScriptedServer(ReadyServer):
-    """A ready endpoint whose /metrics sample the test writes."""
+    """An endpoint whose readiness and /metrics sample the test writes."""
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.ready = True
         self.sample: ServerMetrics | None = None
+
+    def is_ready(self) -> bool:
+        return self.ready
 
     def metrics(self, want: bool = True) -> ServerMetrics | None:  # type: ignore[override]
         return self.sample
@@ -208,4 +212,32 @@ def test_a_server_that_preempts_gets_a_lower_bound_and_the_other_keeps_its_own(
     assert after[calm.url] >= bounds[calm.url], "the calm server's bound fell with the other's"
     sent = set(worker.urls.values()) | {r.url for r in worker.results}
     assert {busy.url, calm.url} <= set(worker.per_url), f"pages did not go to both: {sent}"
+    store.close()
+
+
+def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
+    tmp_path: Path,
+) -> None:
+    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
+    store = open_store(config)
+    worker = StandInWorker(config, config.server.base_url)
+    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
+    first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
+    converter = Converter(config, store, [first, second], engines=engines)
+    job = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 1), config.model.name)
+    converter.wake()
+    converter.tick(0.0)
+    assert worker.urls == {(job.id, 0): first.url}, "the page did not go to the first server"
+    first.ready = False  # it goes down with the page
+    converter.tick(1.0)
+    assert worker.order == [(job.id, 0), (job.id, 0)], "the page was not sent again"
+    assert converter.endpoint_load()[1].in_flight == 1, "the other server did not get the page"
+    # The first server's answer comes late, after the page went to the other one.
+    worker.results.append(PageResult(job.id, 0, markdown="late answer", url=first.url))
+    converter.tick(2.0)
+    assert store.count_pages(job.sha256, config.model.name) == 0, "the late answer was kept"
+    worker.results.append(PageResult(job.id, 0, markdown="answer", url=second.url))
+    converter.tick(3.0)
+    pages = list(store.iter_pages(job.sha256, config.model.name))
+    assert [p.markdown for p in pages] == ["answer"], "the page is not the awaited answer, once"
     store.close()
