@@ -209,20 +209,10 @@ class Converter:
             endpoint = self.dispatcher.assign((doc.job_id, page), usable)
             redo = self._ledgers[doc.job_id].redos.get(
                 page, Redo(self.config.model.effective_max_new_tokens))
-            self.engines.submit(
-                PageTask(
-                    job.id,
-                    str(job.path),
-                    page,
-                    redo.max_new_tokens,
-                    job.size,
-                    job.mtime,
-                    # its document's pages in flight before it
-                    len(doc.in_flight) - 1 - later[doc.job_id],
-                    redo.repetition_penalty,
-                    endpoint.url,
-                )
-            )
+            ahead = len(doc.in_flight) - 1 - later[doc.job_id]  # its document's pages before it
+            self.engines.submit(PageTask(job.id, str(job.path), page, redo.max_new_tokens,
+                                         job.size, job.mtime, ahead, redo.repetition_penalty,
+                                         endpoint.url))
 
     def _collect(self) -> None:
         full: StateFullError | None = None
