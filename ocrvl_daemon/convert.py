@@ -92,12 +92,14 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
+        self._now = time.monotonic()
 
     # --- the tick -----------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
+        self._now = now  # the owner's clock, for results taken on this tick
         self._collect()  # first: results already in must not wait for a full disk
         self.hooks.record()
         for lost in self.engines.maintain(now, self.active):
@@ -243,7 +245,7 @@ class Converter:
         key = (result.job_id, result.page)
         if not self.dispatcher.owns(key, result.url):
             return  # a late answer from a server the page was taken from: it went elsewhere
-        self.dispatcher.answered(key, time.monotonic(), result.error is None,
+        self.dispatcher.answered(key, self._now, result.error is None,
                                  result.error_kind == "server")
         fields = _fields(job, result.page)
         if result.error is None:

@@ -241,3 +241,37 @@ def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
     pages = list(store.iter_pages(job.sha256, config.model.name))
     assert [p.markdown for p in pages] == ["answer"], "the page is not the awaited answer, once"
     store.close()
+
+
+def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
+    tmp_path: Path,
+) -> None:
+    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
+    store = open_store(config)
+    worker = StandInWorker(config, config.server.base_url)
+    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
+    first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
+    converter = Converter(config, store, [first, second], engines=engines)
+    job = enqueue_file(store, make_pdf(tmp_path / "book.pdf", 4), config.model.name)
+    converter.wake()
+    converter.tick(0.0)
+    on_first = sorted(k for k, url in worker.urls.items() if url == first.url)
+    assert on_first and len(on_first) < 4, f"pages were not spread: {worker.urls}"
+    failed = on_first[0]
+    worker.results.append(PageResult(*failed, error="APIConnectionError: Connection error.",
+                                     error_kind="server", url=first.url))
+    converter.tick(1.0)
+    converter.tick(1.0)
+    loads = converter.endpoint_load()
+    assert loads[0].in_flight == 0 and loads[1].in_flight == 4, (
+        f"the failed server's pages did not all go to the other: {loads}")
+    for job_id, page in sorted(worker.in_flight):
+        worker.results.append(PageResult(job_id, page, markdown="text", url=second.url))
+    converter.tick(2.0)
+    assert store.count_pages(job.sha256, config.model.name) == 4, "a page was lost"
+    later = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 4), config.model.name)
+    converter.wake()
+    converter.tick(60.0)
+    assert any(url == first.url for (j, _), url in worker.urls.items() if j == later.id), (
+        "the server did not rejoin once its pause was over")
+    store.close()
