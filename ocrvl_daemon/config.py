@@ -122,6 +122,30 @@ class PipelineConfig(_Section):
     fail_on_page_error: bool = False
     worker_max_pages: int = Field(2000, ge=1)
     worker_max_rss_mb: int = Field(6144, ge=256)
+    # Engine worker processes (rendering, encoding, layout detection): `auto` or a number.
+    workers: int | Literal["auto"] = "auto"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value == AUTO or (isinstance(value, int) and not isinstance(value, bool)
+                             and 1 <= value <= 64):
+            return value
+        raise ValueError(f"{value!r} is not a number of engine workers; use auto or 1 to 64")
+
+    @property
+    def worker_count(self) -> int:
+        """How many engine worker processes run: `workers`, or for `auto` one per 4 cores
+        (1 to 4).
+
+        Why a quarter: each worker's pages take a core between them (rendering, encoding,
+        layout detection run on its page threads) and the daemon, the server's own
+        preprocessing and the system need the rest; beyond 4 the server, not the client, is
+        the limit (issue 19: 20 pages/s need ~3 workers). A 2-core machine gets 1, as before.
+        """
+        if isinstance(self.workers, int):
+            return self.workers
+        return max(1, min(4, (os.cpu_count() or 1) // 4))
 
     @model_validator(mode="after")
     def _bounds(self) -> PipelineConfig:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Sequence
 
 from ocrvl_daemon import jobs, output, pdf
-from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle, pages_per_s
 from ocrvl_daemon.engine import PageResult, PageTask
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
@@ -42,7 +41,6 @@ from ocrvl_daemon.page_quality import (
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages
-from ocrvl_daemon.server_probe import ServerMetrics
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
@@ -53,24 +51,9 @@ ACTIVATIONS_PER_TICK = 16
 ACTIVATION_INTERVAL = 1.0
 
 
-class ServerHandle(Protocol):
-    """What the converter needs from the server supervisor."""
-
-    def is_ready(self) -> bool:
-        """Whether requests may be sent now."""
-        ...
-
-    def note_progress(self, in_flight: int, completed_total: int) -> None:
-        """Client-side progress, for hang detection."""
-        ...
-
-    def metrics(self, want: bool = True) -> ServerMetrics | None:
-        """The newest `/metrics` sample, for the concurrency search (`want`: fetch when due)."""
-        ...
-
-
 class Converter:
-    """Drives queued jobs of `store` through `engines`; `only` limits it to some jobs.
+    """Drives queued jobs of `store` through `engines` to `servers` (the endpoints pages are
+    spread over, `dispatch.Dispatcher`); `only` limits it to some jobs.
 
     `engines` defaults to a pool that starts its worker again forever, as the daemon wants.
     `again` is the command that redoes a document of `store`, for the advice in notes (see
@@ -85,7 +68,7 @@ class Converter:
         self,
         config: Config,
         store: Store,
-        server: ServerHandle,
+        servers: Sequence[ServerHandle],
         only: set[int] | None = None,
         again: str = "ocrvl retry",
         engines: EnginePool | None = None,
@@ -94,16 +77,11 @@ class Converter:
         self.again = again
         self.engines = EnginePool(config) if engines is None else engines
         self.store = store
-        self.server = server
+        self.dispatcher = Dispatcher(config, servers)
         self.only = only
         self.model = config.model.name
         self.place = output.output_place(config)
         self.hooks = DocumentHooks(store)
-        self.concurrency = ConcurrencyController(
-            config.pipeline.min_concurrency,
-            config.pipeline.max_concurrency,
-            config.pipeline.adaptive_concurrency,
-        )
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
@@ -114,16 +92,19 @@ class Converter:
         self._recent: deque[float] = deque(maxlen=256)
         self._wake = True
         self._next_activation = 0.0
+        self._now = time.monotonic()
 
     # --- the tick -----------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
         """One step: collect results, keep a worker, activate jobs, dispatch pages."""
         now = time.monotonic() if now is None else now
+        self._now = now  # the owner's clock, for results taken on this tick
         self._collect()  # first: results already in must not wait for a full disk
         self.hooks.record()
         for lost in self.engines.maintain(now, self.active):
             doc = self.active[lost.job_id]
+            self.dispatcher.release((lost.job_id, lost.page))
             if lost.crash is None:
                 doc.give_back(lost.page)
             else:
@@ -132,11 +113,23 @@ class Converter:
             self._wake = False
             self._next_activation = now + ACTIVATION_INTERVAL
             self._activate()
-        self._dispatch()
-        in_flight = self.in_flight
-        self.server.note_progress(in_flight, self.completed_pages)
-        metrics = self.server.metrics(want=self.concurrency.adaptive and in_flight > 0)
-        self.concurrency.observe(now, self.completed_pages, in_flight, self._backlog(), metrics)
+        for job_id, page in self.dispatcher.reclaim(now):
+            self.active[job_id].give_back(page)
+        self._dispatch(now)
+        self.dispatcher.observe(now, self._backlog())
+
+    def set_servers(self, servers: Sequence[ServerHandle]) -> None:
+        """Send pages to these endpoints from now on (a reload replaced the servers)."""
+        self.dispatcher.set_servers(servers)
+
+    @property
+    def servers(self) -> list[ServerHandle]:
+        """The endpoints pages go to, in the order given."""
+        return [endpoint.handle for endpoint in self.dispatcher.endpoints]
+
+    def endpoint_load(self) -> list[EndpointLoad]:
+        """Each endpoint's pages in flight, pages/s and bound."""
+        return self.dispatcher.load()
 
     def wake(self) -> None:
         """A job was queued: look at the queue on the next tick, not the next interval."""
@@ -190,16 +183,21 @@ class Converter:
         if jobs.record_failure(self.store, job, exc, self.again, self.place):
             self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
         self.active.pop(job.id, None)
+        self.dispatcher.release_job(job.id)
         self._jobs.pop(job.id, None)
         self._ledgers.pop(job.id, None)
 
     # --- pages --------------------------------------------------------------------------
 
-    def _dispatch(self) -> None:
-        if not self.engines.ready or not self.server.is_ready():
+    def _dispatch(self, now: float) -> None:
+        usable = self.dispatcher.usable(now)
+        if not self.engines.ready or not usable:
             return
-        limit = self.concurrency.limit
-        self.engines.set_limit(limit)
+        for endpoint in usable:
+            self.engines.set_limit(endpoint.url, endpoint.concurrency.limit)
+        # Fair across documents over all endpoints: pages are picked first, then each goes
+        # to the endpoint with the most room.
+        limit = sum(endpoint.concurrency.limit for endpoint in usable)
         slots, short_room = slots_to_fill(limit, self.in_flight, self.engines.at_server)
         docs = [self.active[j] for j in sorted(self.active)]
         chosen = self.engines.isolating_pages(self.active)
@@ -210,21 +208,13 @@ class Converter:
         for doc, page in chosen:
             later[doc.job_id] -= 1
             job = self._jobs[doc.job_id]
+            endpoint = self.dispatcher.assign((doc.job_id, page), usable)
             redo = self._ledgers[doc.job_id].redos.get(
                 page, Redo(self.config.model.effective_max_new_tokens))
-            self.engines.submit(
-                PageTask(
-                    job.id,
-                    str(job.path),
-                    page,
-                    redo.max_new_tokens,
-                    job.size,
-                    job.mtime,
-                    # its document's pages in flight before it
-                    len(doc.in_flight) - 1 - later[doc.job_id],
-                    redo.repetition_penalty,
-                )
-            )
+            ahead = len(doc.in_flight) - 1 - later[doc.job_id]  # its document's pages before it
+            self.engines.submit(PageTask(job.id, str(job.path), page, redo.max_new_tokens,
+                                         job.size, job.mtime, ahead, redo.repetition_penalty,
+                                         endpoint.url))
 
     def _collect(self) -> None:
         full: StateFullError | None = None
@@ -252,6 +242,11 @@ class Converter:
         job = self._jobs.get(result.job_id)
         if doc is None or job is None or result.page not in doc.in_flight:
             return  # the job failed or was dropped meanwhile
+        key = (result.job_id, result.page)
+        if not self.dispatcher.owns(key, result.url):
+            return  # a late answer from a server the page was taken from: it went elsewhere
+        self.dispatcher.answered(key, self._now, result.error is None,
+                                 result.error_kind == "server")
         fields = _fields(job, result.page)
         if result.error is None:
             ledger = self._ledgers[job.id]
@@ -442,19 +437,13 @@ class Converter:
         self.config = config
         self.engines.reconfigure(config)
         self.place = output.output_place(config)
-        self.concurrency.minimum = config.pipeline.min_concurrency
-        self.concurrency.maximum = config.pipeline.max_concurrency
-        self.concurrency.limit = min(
-            max(self.concurrency.limit, self.concurrency.minimum), self.concurrency.maximum
-        )
+        self.dispatcher.reconfigure(config)
 
     # --- status and stop ----------------------------------------------------------------
 
     def progress(self) -> Progress:
         """Counts and rate for status lines."""
-        now = time.monotonic()
-        recent = [t for t in self._recent if now - t <= 60.0]
-        rate = len(recent) / max(1.0, min(60.0, now - recent[0])) if len(recent) > 1 else 0.0
+        rate = pages_per_s(self._recent, time.monotonic())
         current = None
         done = total = 0
         if self.active:

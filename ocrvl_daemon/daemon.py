@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import load_config, resolve_config_path
@@ -44,7 +45,7 @@ from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.store import JobState
-from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_status
+from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_endpoint, format_status
 from ocrvl_daemon.watcher import InboxWatcher
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class Daemon:
             if not job.path.exists():  # moved or deleted while ocrvl was down
                 self.store.forget(job.id)
         self.watcher = InboxWatcher(config.inbox)
-        self.converter = Converter(config, self.store, self.servers.endpoints[0],
+        self.converter = Converter(config, self.store, self.servers.endpoints,
                                    again=self.again)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
         self.progress_log = ProgressLog(config.progress_seconds)
@@ -221,8 +222,7 @@ class Daemon:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
         progress = self.converter.progress()
-        # A new server set starts once the old one has stopped.
-        replacing = self._old_server is not None
+        endpoints = self._endpoints()
         snap = StatusSnapshot(
             server_state=server.state.value,
             server_phase=server.phase or None,
@@ -236,6 +236,8 @@ class Daemon:
             done=progress.done,
             failed=progress.failed,
             engine_failed_starts=self.converter.engines.start_failures,
+            endpoints=tuple(format_endpoint(e["name"], e["state"], e["in_flight"],
+                                            e["pages_per_s"]) for e in endpoints),
         )
         self.notifier.status(format_status(snap), now)
         self.metrics_snapshot = DaemonMetrics(
@@ -252,16 +254,32 @@ class Daemon:
             },
             engine_failed_starts=self.converter.engines.start_failures,
             hook_failures=dict(self.converter.hooks.failures),
-            servers=[ServerMetrics(s.url, (ServerState.STARTING if replacing and s.state is
-                                           ServerState.STOPPED else s.state).value,
-                                   s.restart_count)
-                     for s in self.servers.status()],
+            servers=[ServerMetrics(e["url"], e["state"], e["restarts"], e["in_flight"],
+                                   e["pages_per_s"]) for e in endpoints],
         )
         if now - self._last_publish >= PUBLISH_SECONDS:
             self._last_publish = now
-            self._publish(server, progress.pages_per_s)
+            self._publish(server, progress.pages_per_s, endpoints)
 
-    def _publish(self, server: ServerStatus, rate: float) -> None:
+    def _endpoints(self) -> list[dict[str, Any]]:
+        """Each server endpoint: its state and its share of the work."""
+        views = []
+        for handle, load in zip(self.converter.servers, self.converter.endpoint_load(),
+                                strict=True):
+            status = handle.status()
+            state = status.state
+            if state is ServerState.STOPPED and self._old_server is not None:
+                state = ServerState.STARTING  # it starts once the old one has stopped
+            views.append({
+                "name": load.name, "url": load.url, "state": state.value,
+                "phase": status.phase, "in_flight": load.in_flight,
+                "pages_per_s": round(load.pages_per_s, 3), "bound": load.bound,
+                "restarts": status.restart_count, "last_error": status.last_error,
+            })
+        return views
+
+    def _publish(self, server: ServerStatus, rate: float,
+                 endpoints: list[dict[str, Any]]) -> None:
         self.store.put_meta(
             "daemon",
             {
@@ -269,7 +287,7 @@ class Daemon:
                 "updated": time.time(),
                 "pages_per_s": round(rate, 3),
                 "in_flight": self.converter.in_flight,
-                "concurrency": self.converter.concurrency.limit,
+                "concurrency": sum(e.bound for e in self.converter.endpoint_load()),
                 "engine_error": self.converter.engines.start_error,
                 "server": {
                     "state": server.state.value,
@@ -281,6 +299,7 @@ class Daemon:
                     "last_error": server.last_error,
                     "diagnosis": str(server.diagnosis) if server.diagnosis else None,
                 },
+                "servers": endpoints,
             },
         )
 
@@ -327,7 +346,7 @@ class Daemon:
                                                      name="ocrvl-server-stop")
             self._old_server_stop.start()
         self.servers = servers
-        self.converter.server = self.servers.endpoints[0]
+        self.converter.set_servers(self.servers.endpoints)
 
     def _start_new_server(self) -> None:
         """Start the server a reload made, once the old one has stopped."""

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -49,6 +50,8 @@ class PageTask:
     priority: int = 0
     # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
     repetition_penalty: float | None = None
+    # The server endpoint (OpenAI base URL) its requests go to; "": the worker's first one.
+    url: str = ""
 
 
 @dataclass
@@ -74,6 +77,7 @@ class PageResult:
     size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
     # The pipeline's blocks: label, bbox [x0, y0, x1, y1] in page pixels, text.
     blocks: list[dict[str, Any]] = field(default_factory=list)
+    url: str = ""  # the endpoint that answered (the task's)
 
 
 class _Channel:
@@ -119,12 +123,17 @@ class EngineWorker:
         self._process: subprocess.Popen[bytes] | None = None
         self._channel: _Channel | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._arrived = threading.Event()
+        # Set when a message arrives; the pool shares one between its workers.
+        self.arrived = threading.Event()
         self._reader: threading.Thread | None = None
         self.in_flight: set[tuple[int, int]] = set()
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
+        # Attempts in flight per page: a page taken from a failed endpoint may be sent again
+        # before the first attempt's answer is back, and stays in flight until both are.
+        self._attempts: Counter[tuple[int, int]] = Counter()
+        self.per_url: Counter[str] = Counter()  # pages in flight per endpoint
+        self.limits: dict[str, int] = {}  # each endpoint's request gate size, once told
         self.pages_done = 0
-        self.limit: int | None = None  # the request gate's size, once told
         self.ready = False
         self.failure: str | None = None
         self.started_at = time.monotonic()
@@ -152,7 +161,7 @@ class EngineWorker:
                     _log_for_worker(*message[1])
                     continue
                 self._inbox.put(message)
-                self._arrived.set()
+                self.arrived.set()
         except (OSError, ValueError, pickle.UnpicklingError) as exc:
             log.warning("engine worker %s: broken result stream: %s", self.pid, exc)
 
@@ -175,24 +184,40 @@ class EngineWorker:
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker."""
         self.in_flight.add((task.job_id, task.page))
+        self._attempts[task.job_id, task.page] += 1
+        self.per_url[task.url] += 1
         assert self._channel is not None
         # A dead worker is noticed by `alive()`; its pages are given back then.
         with contextlib.suppress(OSError, ValueError):
             self._channel.send(task)
 
-    def set_limit(self, limit: int) -> None:
-        """How many requests the worker may have at the server (sent only when it changes)."""
-        if limit != self.limit:
-            self.limit = limit
+    def set_limit(self, url: str, limit: int) -> None:
+        """How many requests the worker may have at the server at `url` (sent only when it
+        changes)."""
+        if limit != self.limits.get(url):
+            self.limits[url] = limit
             assert self._channel is not None
             with contextlib.suppress(OSError, ValueError):
-                self._channel.send(("limit", limit))
+                self._channel.send(("limit", url, limit))
+
+    def pending(self) -> bool:
+        """Whether messages wait to be collected."""
+        return not self._inbox.empty()
 
     def wait(self, timeout: float) -> None:
         """Block until a message arrives (or `timeout`); `collect` then takes it."""
         if self._inbox.empty():
-            self._arrived.wait(timeout)
-        self._arrived.clear()
+            self.arrived.wait(timeout)
+        self.arrived.clear()
+
+    def forget(self) -> list[tuple[int, int]]:
+        """The pages in flight, which the caller takes over; the worker keeps none."""
+        pages = sorted(self.in_flight)
+        self.in_flight.clear()
+        self.sent.clear()
+        self._attempts.clear()
+        self.per_url.clear()
+        return pages
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived; waits up to `timeout` for the first one."""
@@ -215,8 +240,13 @@ class EngineWorker:
                 if payload in self.in_flight:
                     self.sent.add(payload)
             else:
-                self.in_flight.discard((payload.job_id, payload.page))
-                self.sent.discard((payload.job_id, payload.page))
+                key = (payload.job_id, payload.page)
+                self._attempts[key] -= 1
+                if self._attempts[key] <= 0:
+                    del self._attempts[key]
+                    self.in_flight.discard(key)
+                    self.sent.discard(key)
+                self.per_url[payload.url] -= 1
                 self.pages_done += 1
                 out.append(payload)
         return out

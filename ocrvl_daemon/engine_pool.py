@@ -1,9 +1,11 @@
 """The engine workers pages go to: started, restarted with backoff, recycled, and what a
 stopped worker still had handed back as lost pages.
 
-`EnginePool` keeps one worker taking pages (`submit`, `collect`) and the retiring ones that
-finish what they have; the converter asks it at each tick to `maintain` them and gets back
-the pages a stopped worker lost. The API names no worker, so that several can run behind it.
+`EnginePool` keeps `pipeline.workers` workers taking pages (`submit` gives each page to the
+one with the fewest in flight; `collect`) and the retiring ones that finish what they have;
+the converter asks it at each tick to `maintain` them and gets back the pages a stopped
+worker lost. Each worker is started, restarted and recycled on its own: one crashing costs
+only its own pages.
 After a crash with several pages in flight, which page crashed the worker is unknown: the
 pool narrows it down (`isolating_pages`) by sending only those pages, ever fewer at a time.
 """
@@ -11,6 +13,7 @@ pool narrows it down (`isolating_pages`) by sending only those pages, ever fewer
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,7 +49,7 @@ class LostPage:
 
 
 class EnginePool:
-    """The engine workers of a converter; `maintain` at each tick keeps one taking pages.
+    """The engine workers of a converter; `maintain` at each tick keeps them taking pages.
 
     A worker that fails to start is started again, ever less often, until `starts` starts in
     a row have failed (None: forever, as the daemon does). `new_worker` makes a worker from
@@ -62,9 +65,11 @@ class EnginePool:
         self.config = config
         self.starts = starts
         self._new_worker = new_worker
-        self._worker: EngineWorker | None = None
+        # The workers taking pages, one place each (None: to be started at its _retry_at).
+        self._slots: list[EngineWorker | None] = [None] * config.pipeline.worker_count
+        self._retry_at = [0.0] * len(self._slots)
         self._retiring: list[EngineWorker] = []
-        self._retry_at = 0.0
+        self._arrived = threading.Event()  # any worker's message
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
         self.start_error: str | None = None
@@ -74,40 +79,52 @@ class EnginePool:
         self._isolation_bound = 1
 
     def _workers(self) -> list[EngineWorker]:
-        return [w for w in (self._worker, *self._retiring) if w is not None]
+        return [w for w in (*self._slots, *self._retiring) if w is not None]
+
+    def taking(self) -> list[EngineWorker]:
+        """The workers that take pages now."""
+        return [w for w in self._slots if w is not None and w.ready]
 
     # --- pages --------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
         """Whether a worker takes pages now."""
-        return self._worker is not None and self._worker.ready
+        return bool(self.taking())
 
     @property
     def at_server(self) -> int:
         """Pages whose request has left for the server."""
         return sum(len(w.sent) for w in self._workers())
 
-    def set_limit(self, limit: int) -> None:
-        """How many requests the workers may have at the server."""
-        if self._worker is not None:
-            self._worker.set_limit(limit)
+    def set_limit(self, url: str, limit: int) -> None:
+        """How many requests the workers may have at the server at `url`, in all: each
+        worker's request gate gets an even share."""
+        taking = self.taking()
+        for n, worker in enumerate(taking):
+            share = limit // len(taking) + (n < limit % len(taking))
+            worker.set_limit(url, max(1, share))
 
     def submit(self, task: PageTask) -> None:
-        """Hand one page to a worker (only while `ready`)."""
-        assert self._worker is not None, "submit() before the pool is ready"
-        self._worker.submit(task)
+        """Hand one page to the worker with the fewest in flight for its endpoint (only while
+        `ready`)."""
+        taking = self.taking()
+        assert taking, "submit() before the pool is ready"
+        min(taking, key=lambda w: (w.per_url[task.url], len(w.in_flight))).submit(task)
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived from every worker; each waits up to `timeout` for its first."""
         return [result for worker in self._workers() for result in worker.collect(timeout)]
 
     def wait(self, timeout: float) -> None:
-        """Block until the worker has results, or `timeout` passes (the loop's pause)."""
-        if self._worker is not None:
-            self._worker.wait(timeout)
-        else:
+        """Block until a worker has results, or `timeout` passes (the loop's pause)."""
+        workers = self._workers()
+        if not workers:
             time.sleep(timeout)
+            return
+        if not any(w.pending() for w in workers):
+            self._arrived.wait(timeout)
+        self._arrived.clear()
 
     def alive(self) -> bool:
         """Whether any worker process still runs."""
@@ -129,7 +146,15 @@ class EnginePool:
                 lost += self._lost_pages(old, active)
                 old.stop()
                 self._retiring.remove(old)
-        worker = self._worker
+        for slot in range(len(self._slots)):
+            lost += self._keep(slot, now, active)
+        return lost
+
+    def _keep(self, slot: int, now: float, active: Mapping[int, DocumentPages]
+              ) -> list[LostPage]:
+        """Replace the worker of `slot` if it failed or is worn, start one when due."""
+        lost: list[LostPage] = []
+        worker = self._slots[slot]
         if worker is not None and worker.ready and self.start_failures:
             log.info("engine worker %s started after %d failed start(s)", worker.pid,
                      self.start_failures)
@@ -152,41 +177,51 @@ class EnginePool:
                           "giving up" if self.gave_up else f"trying again in {delay:.0f} s")
             lost += self._lost_pages(worker, active, crash=failure)
             worker.stop()
-            self._worker = None
-            self._retry_at = now + delay
-        if self._worker is None and now >= self._retry_at:
-            self._start()
-        elif self._worker is not None and self._worker.ready and self._worn(self._worker):
+            self._slots[slot] = None
+            self._retry_at[slot] = now + delay
+        worker = self._slots[slot]
+        if worker is None:
+            if now >= self._retry_at[slot] and not self.gave_up:
+                self._start(slot)
+        elif worker.ready and self._worn(worker):
             log.info(
                 "replacing engine worker %s after %d pages (%.0f MiB)",
-                self._worker.pid,
-                self._worker.pages_done,
-                self._worker.rss_mb(),
+                worker.pid,
+                worker.pages_done,
+                worker.rss_mb(),
             )
-            self._retire()
-            self._start()
+            self._retire(slot)
+            self._start(slot)
         return lost
 
-    def _start(self) -> None:
-        self._worker = self._new_worker(self.config, self.config.server.base_url)
-        self._worker.start()
+    def _start(self, slot: int) -> None:
+        worker = self._new_worker(self.config, self.config.server.base_url)
+        worker.arrived = self._arrived
+        self._slots[slot] = worker
+        worker.start()
 
-    def _retire(self) -> None:
-        """The worker taking pages finishes those it has; the next one starts when due."""
-        if self._worker is not None:
-            self._retiring.append(self._worker)
-            self._worker = None
+    def _retire(self, slot: int) -> None:
+        """The worker of `slot` finishes the pages it has; the next one starts when due."""
+        worker = self._slots[slot]
+        if worker is not None:
+            self._retiring.append(worker)
+            self._slots[slot] = None
 
     def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded configuration; the worker is replaced if its settings changed."""
+        """Apply a reloaded configuration; the workers are replaced if their settings
+        changed."""
         old, self.config = self.config, config
         if (old.pipeline, old.model, old.server) != (
             config.pipeline,
             config.model,
             config.server,
-        ) and self._worker is not None:
-            log.info("pipeline settings changed; replacing the engine worker")
-            self._retire()
+        ) and any(self._slots):
+            log.info("pipeline settings changed; replacing the engine workers")
+            for slot in range(len(self._slots)):
+                self._retire(slot)
+        count = config.pipeline.worker_count
+        self._slots = (self._slots + [None] * count)[:count]
+        self._retry_at = (self._retry_at + [0.0] * count)[:count]
 
     def _worn(self, worker: EngineWorker) -> bool:
         p = self.config.pipeline
@@ -196,14 +231,14 @@ class EnginePool:
         """Stop every worker (pages still in flight are dropped: the converter redoes them)."""
         for worker in self._workers():
             worker.stop()
-        self._worker = None
+        self._slots = [None] * len(self._slots)
         self._retiring.clear()
 
     def kill(self) -> None:
         """A forced stop: SIGKILL every worker's process group now and reap it."""
         for worker in self._workers():
             worker.kill()
-        self._worker = None
+        self._slots = [None] * len(self._slots)
         self._retiring.clear()
 
     # --- lost pages ---------------------------------------------------------------------
@@ -213,15 +248,13 @@ class EnginePool:
         """Pages a stopped worker still had. After a `crash` with one page in flight that
         page is to blame; with several, none is: they are sent again a few at a time
         (`isolating_pages`) until a crash names the page."""
-        lost = [(j, p) for j, p in sorted(worker.in_flight) if j in active]
+        lost = [(j, p) for j, p in worker.forget() if j in active]
         if crash is not None and len(lost) > 1:
             self._suspects |= set(lost)
             self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
             log.warning("%d pages were in flight when the engine worker crashed; sending them "
                         "again, %d at a time, to find the page that crashes it", len(lost),
                         self._isolation_bound)
-        worker.in_flight.clear()
-        worker.sent.clear()
         blamed = crash if len(lost) == 1 else None
         return [LostPage(job_id, page, blamed) for job_id, page in lost]
 

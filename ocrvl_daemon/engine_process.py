@@ -3,7 +3,8 @@
 `serve` is its main. Each page is rendered here and run through the real
 `paddleocr.PaddleOCRVL` pipeline with `vl_rec_backend="vllm-server"`. Pages run concurrently
 on threads, so the server always has requests to work on: while one page waits for the
-model, the next is rendered and laid out; every chat request passes the `RequestGate`.
+model, the next is rendered and laid out; every chat request passes the `RequestGate` of the
+endpoint its page was sent to (`_Endpoints`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask, _Channel
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
-from ocrvl_daemon.request_gate import SHORT_EXTRA, GatedRequest, RequestGate, ready_margin
+from ocrvl_daemon.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.server_probe import bearer_header
 
 log = logging.getLogger(__name__)
@@ -109,32 +110,71 @@ class _Locked:
 
 
 class _Completions(threading.local):
-    """The chat completions (futures) requested on this thread during one page, and how to
-    tell the converter once the page's first request leaves for the server."""
+    """The chat completions (futures) requested on this thread during one page, how to
+    tell the converter once the page's first request leaves for the server, and the endpoint
+    its requests go to ("": the pipeline's own)."""
 
     started: list[Any] | None = None
     announce: Callable[[], None] | None = None
     priority = 0
+    url = ""
 
 
 _COMPLETIONS = _Completions()
 
 
-def _track_completions(pipeline: Any, gate: RequestGate) -> None:
-    """Pass every chat completion through `gate` and record it on the thread that asked.
+class _Endpoints:
+    """One OpenAI client and one `RequestGate` per server endpoint, made on first use.
+
+    The pipeline is built with one server URL; a page's requests go to the endpoint the
+    converter chose for it (`PageTask.url`) through a client of the same kind for that URL.
+    """
+
+    def __init__(self, config: Config, server_url: str, client: Any) -> None:
+        self._config = config
+        self._first = server_url
+        self._kind = type(client)
+        self._lock = threading.Lock()  # guards both dicts
+        # Each endpoint's (untracked) chat call; the pipeline's own client is the first's.
+        self._create: dict[str, Callable[..., Any]] = {server_url: client.create_chat_completion}
+        self._gates: dict[str, RequestGate] = {}
+
+    def gate(self, url: str) -> RequestGate:
+        """The request gate of `url` ("": the first endpoint)."""
+        url = url or self._first
+        with self._lock:
+            if url not in self._gates:
+                self._gates[url] = RequestGate(self._config.pipeline.max_concurrency)
+            return self._gates[url]
+
+    def create(self, url: str) -> Callable[..., Any]:
+        """The chat completion call of `url`'s client ("": the pipeline's own)."""
+        url = url or self._first
+        with self._lock:
+            if url not in self._create:
+                self._create[url] = self._kind(
+                    backend="vllm-server", base_url=url,
+                    max_concurrency=self._config.pipeline.max_concurrency,
+                    model_name=self._config.model.served,
+                    api_key=self._config.server.api_key or "null").create_chat_completion
+            return self._create[url]
+
+
+def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
+    """Send every chat completion to its page's endpoint through that endpoint's gate, and
+    record it on the thread that asked.
 
     PaddleX keeps only `choices[0].message.content`, so whether an answer was cut off at
     the token limit is lost. The request runs on PaddleX's event-loop thread, where the page
     is unknown; the call that starts it runs on the page's thread, so that is where the
     future is noted, and read again once `predict` returned.
     """
-    client = pipeline.paddlex_pipeline.vl_rec_model.genai_client
-    create = client.create_chat_completion
-
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
+        url = _COMPLETIONS.url
+        send = endpoints.create(url)
         request = GatedRequest(
-            gate,
-            lambda: create(messages, return_future=True, **kwargs),
+            endpoints.gate(url),
+            lambda: send(messages, return_future=True, **kwargs),
             _COMPLETIONS.priority,
         )
         request.send()
@@ -145,7 +185,7 @@ def _track_completions(pipeline: Any, gate: RequestGate) -> None:
             _COMPLETIONS.started.append(request.future)
         return request.future if return_future else request.future.result()
 
-    client.create_chat_completion = tracked
+    pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
 
 
 @dataclass(frozen=True)
@@ -262,7 +302,8 @@ def serve() -> None:
     """The worker process's main (`EngineWorker.start` runs it with `python -c`).
 
     Messages are length-prefixed pickles: the first one from the parent is the configuration,
-    then `PageTask`s and ("limit", n) (the requests allowed at the server) until end of input;
+    then `PageTask`s and ("limit", url, n) (the requests allowed at the server at `url`) until
+    end of input;
     this side answers "ready"/"failed", "sent" (a page's first request left for the server),
     "page" results and "log" records.
     """
@@ -300,21 +341,26 @@ def serve() -> None:
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
             setattr(inner, name, _Locked(getattr(inner, name), lock))
-    gate = RequestGate(config.pipeline.max_concurrency)
-    _track_completions(pipeline, gate)
+    endpoints = _Endpoints(config, server_url,
+                           pipeline.paddlex_pipeline.vl_rec_model.genai_client)
+    _track_completions(pipeline, endpoints)
     _start_request_loop()
     channel.send(("ready", os.getpid()))
-    # Enough threads for every page the converter may send: up to `max_concurrency` waiting on
-    # the server, the ready margin being rendered meanwhile, and the pages of documents short
-    # of pages. A smaller pool would queue pages unseen, behind the gate's back.
-    most = config.pipeline.max_concurrency
-    threads = most + ready_margin(most) + SHORT_EXTRA
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="page") as pool:
-        while (message := channel.receive()) is not None:
-            if isinstance(message, PageTask):
-                pool.submit(_run_page, pipeline, config, server_url, message, channel)
-            else:
-                gate.resize(message[1])
+    # A thread for every page the converter sends (it bounds them: each endpoint's limit, the
+    # ready margin and the pages of documents short of pages): a fixed pool would queue pages
+    # unseen, behind the gates' back.
+    pages: list[threading.Thread] = []
+    while (message := channel.receive()) is not None:
+        if isinstance(message, PageTask):
+            page = threading.Thread(target=_run_page, name="page", daemon=True,
+                                    args=(pipeline, config, server_url, message, channel))
+            page.start()
+            pages = [p for p in pages if p.is_alive()] + [page]
+        else:
+            _, url, limit = message
+            endpoints.gate(url).resize(limit)
+    for page in pages:
+        page.join()
     # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
@@ -341,8 +387,9 @@ def _run_page(
     from ocrvl_daemon.pdf import check_unchanged, render_page
 
     started = time.monotonic()
-    result = PageResult(task.job_id, task.page)
+    result = PageResult(task.job_id, task.page, url=task.url)
     path = Path(task.pdf)
+    _COMPLETIONS.url = task.url
     _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
     _COMPLETIONS.priority = task.priority
     try:
@@ -395,7 +442,7 @@ def _recognise(
         result.truncated_at = task.max_new_tokens
         result.looping = any(looks_like_a_loop(a.text) for a in cut)
         if not result.looping:
-            result.token_ceiling = _token_ceiling(config, server_url)
+            result.token_ceiling = _token_ceiling(config, task.url or server_url)
     return res
 
 

@@ -31,6 +31,8 @@ class ServerMetrics:
     endpoint: str
     state: str
     restarts: int
+    in_flight: int = 0  # pages ocrvl has at it
+    pages_per_s: float = 0.0  # its pages recognised per second over the last minute
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,22 @@ class _SnapshotCollector(Collector):
                                   labels=["endpoint", "state"])
         restarts = CounterMetricFamily("ocrvl_server_restarts",
                                        "Restarts of the model server.", labels=["endpoint"])
+        in_flight = GaugeMetricFamily("ocrvl_server_pages_in_flight",
+                                      "Pages ocrvl has at the model server now.",
+                                      labels=["endpoint"])
+        rate = GaugeMetricFamily("ocrvl_server_pages_per_second",
+                                 "Pages the model server recognised per second over the last "
+                                 "minute.", labels=["endpoint"])
         for server in snap.servers:
             for name in SERVER_STATES:
                 states.add_metric([server.endpoint, name], float(server.state == name))
             restarts.add_metric([server.endpoint], server.restarts)
+            in_flight.add_metric([server.endpoint], server.in_flight)
+            rate.add_metric([server.endpoint], server.pages_per_s)
         yield states
         yield restarts
+        yield in_flight
+        yield rate
 
 
 class MetricsEndpoint:

@@ -122,7 +122,7 @@ def _run(
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
     signals.install()
-    converter = Converter(config, store, servers.endpoints[0], set(jobs), again,
+    converter = Converter(config, store, servers.endpoints, set(jobs), again,
                           EnginePool(config, ENGINE_START_ATTEMPTS))
     try:
         servers.start()

@@ -154,8 +154,10 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
         alive = True
         daemon = {**daemon, "pid": paused[0], "paused": paused[1]}
     return {
-        "daemon": {"running": alive, **daemon},
+        "daemon": {"running": alive, **{k: v for k, v in daemon.items() if k != "servers"}},
         "server": _server_view(daemon, alive),
+        # Each endpoint pages go to: name, url, state, in_flight, pages_per_s, bound...
+        "servers": (daemon.get("servers") or []) if alive else [],
         "documents": [views[j.id] for j in listed],
         "documents_not_shown": len(jobs) - len(listed),
     }, [j.path for j in listed]
@@ -176,8 +178,11 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         phase = f", {server['phase']}" if server.get("phase") else ""
         if daemon.get("paused"):
             lines.append(daemon["paused"])
-        lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
-        if server.get("last_error"):
+        if len(status["servers"]) > 1:
+            lines += _endpoint_lines(status["servers"])
+        else:
+            lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
+        if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
         if server.get("diagnosis"):
@@ -229,6 +234,18 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         lines.append("ETA: when each document should be done at the current rate, sharing the "
                      "server with those converting and queued ahead of it")
     return shown("\n".join(lines))  # a daemon error may quote a name, too
+
+
+def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:
+    """One line per server endpoint (and its last error)."""
+    lines = []
+    for e in servers:
+        phase = f", {e['phase']}" if e.get("phase") and e["state"] != "ready" else ""
+        lines.append(f"server {e['name']}: {e['state']}{phase} at {e['url']}, "
+                     f"{e['in_flight']} in flight, {e['pages_per_s']:.2f} pages/s")
+        if e.get("last_error"):
+            lines.append(f"  last error: {e['last_error']}")
+    return lines
 
 
 def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,

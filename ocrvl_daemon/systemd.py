@@ -166,10 +166,27 @@ class StatusSnapshot:
     done: int = 0
     failed: int = 0
     engine_failed_starts: int = 0  # recognition workers that failed to start, in a row
+    # Each server endpoint in a few words (`format_endpoint`), shown when there are several.
+    endpoints: tuple[str, ...] = ()
+
+
+def format_endpoint(name: str, state: str, in_flight: int, pages_per_s: float) -> str:
+    """One endpoint for status lines: "gpu0/1 ready, 12 in flight, 1.6 p/s"."""
+    if state != "ready":
+        return f"{name} {state}"
+    return f"{name} ready, {in_flight} in flight, {format_rate(pages_per_s)}"
 
 
 def format_status(snap: StatusSnapshot) -> str:
-    """The STATUS= line: what blocks work if anything, else progress, else idle counts."""
+    """The STATUS= line: what blocks work if anything, else progress, else idle counts; with
+    several server endpoints, each of them after it."""
+    line = _format_work(snap)
+    if len(snap.endpoints) > 1:
+        line += " | " + "; ".join(snap.endpoints)
+    return line
+
+
+def _format_work(snap: StatusSnapshot) -> str:
     queue = f"{snap.queued} queued" if snap.queued else ""
     failed = f"{snap.failed} failed" if snap.failed else ""
     if snap.server_state == "starting":

@@ -3,6 +3,9 @@ give back results (or crash it) by hand, through the converter's public `tick()`
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask
 
@@ -15,7 +18,10 @@ class StandInWorker:
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
         self.order: list[tuple[int, int]] = []  # every page submitted, in order
         self.priorities: dict[int, int] = {}  # job -> the priority of its last page submitted
-        self.limit: int | None = None
+        self.limits: dict[str, int] = {}
+        self.per_url: Counter[str] = Counter()
+        self.urls: dict[tuple[int, int], str] = {}  # the endpoint of each page in flight
+        self.arrived = threading.Event()
         self.results: list[PageResult] = []  # what `collect` hands over next
         self.pages_done = 0
         self.ready = True
@@ -41,11 +47,23 @@ class StandInWorker:
 
     def submit(self, task: PageTask) -> None:
         self.in_flight.add((task.job_id, task.page))
+        self.per_url[task.url] += 1
+        self.urls[task.job_id, task.page] = task.url
         self.order.append((task.job_id, task.page))
         self.priorities[task.job_id] = task.priority
 
-    def set_limit(self, limit: int) -> None:
-        self.limit = limit
+    def set_limit(self, url: str, limit: int) -> None:
+        self.limits[url] = limit
+
+    def pending(self) -> bool:
+        return bool(self.results)
+
+    def forget(self) -> list[tuple[int, int]]:
+        pages = sorted(self.in_flight)
+        self.in_flight.clear()
+        self.sent.clear()
+        self.per_url.clear()
+        return pages
 
     def reach_server(self) -> None:
         """Every page in flight has been sent to the server."""
@@ -57,6 +75,8 @@ class StandInWorker:
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         out, self.results = self.results, []
         for result in out:
+            result.url = result.url or self.urls.pop((result.job_id, result.page), "")
+            self.per_url[result.url] -= 1
             self.in_flight.discard((result.job_id, result.page))
             self.sent.discard((result.job_id, result.page))
             self.pages_done += 1

@@ -64,6 +64,10 @@ BAD_CONFIGS = [
         ["pipeline.max_concurrency", "0"],
         id="zero concurrency",
     ),
+    pytest.param({"pipeline": {"workers": 0}}, ["pipeline.workers", "0", "auto or 1 to 64"],
+                 id="no engine worker"),
+    pytest.param({"pipeline": {"workers": "many"}}, ["pipeline.workers", "'many'", "auto"],
+                 id="engine workers neither auto nor a number"),
 ]
 
 
@@ -90,6 +94,14 @@ def test_defaults_are_the_documented_contract():
         "max-num-seqs": "auto",
     }
     assert config.state_dir == Path("~/.local/state/ocrvl").expanduser()
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (8, 2), (16, 4), (64, 4)])
+def test_auto_engine_workers_take_a_quarter_of_the_cores_from_1_to_4(
+    monkeypatch, cores, workers):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert validate_config({}).pipeline.worker_count == workers
+    assert validate_config({"pipeline": {"workers": 3}}).pipeline.worker_count == 3
 
 
 def test_model_name_decides_the_pipeline_version():

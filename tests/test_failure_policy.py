@@ -36,6 +36,12 @@ from testkit.harness import wait_until
 class ReadyServer:
     """A server handle that is always ready (the converter never talks to it itself)."""
 
+    name = "server"
+    url = "http://127.0.0.1:8118/v1"
+
+    def status(self) -> None:
+        return None
+
     def is_ready(self) -> bool:
         return True
 
@@ -58,7 +64,7 @@ class Policy:
         self.store = open_store(self.config)
         self.workers: list[StandInWorker] = []
         engines = EnginePool(self.config, new_worker=self._new_worker)  # type: ignore[arg-type]
-        self.converter = Converter(self.config, self.store, ReadyServer(), engines=engines)
+        self.converter = Converter(self.config, self.store, [ReadyServer()], engines=engines)
         self.now = 0.0
         self._handed = 0  # pages of the worker's `order` that `send()` returned already
 

@@ -229,7 +229,7 @@ def test_the_server_never_holds_more_requests_than_the_limit_below_the_maximum(
                           "--request-log", str(log)) as srv,
         running_worker(config, srv.api_url) as worker,
     ):
-        worker.set_limit(3)
+        worker.set_limit(srv.api_url, 3)
         submit_pages(worker, 1, pdf, 12)
         results_of(worker, 12)
     records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]

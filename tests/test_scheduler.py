@@ -124,8 +124,8 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
     store = open_store(config)
     worker = StandInWorker(config, config.server.base_url)
     engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
-    converter = Converter(config, store, ReadyServer(), engines=engines)
-    limit = converter.concurrency.limit
+    converter = Converter(config, store, [ReadyServer()], engines=engines)
+    limit = converter.endpoint_load()[0].bound
     margin = ready_margin(limit)
     enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
 
@@ -135,7 +135,8 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
 
     converter.wake()
     dispatch()
-    assert worker.limit == limit, "the worker's request gate was not told the limit"
+    assert worker.limits == {ReadyServer.url: limit}, (
+        "the worker's request gate was not told the limit")
     assert len(worker.in_flight) == margin, "pages not yet at the server are capped at the margin"
     while len(worker.in_flight) < limit + margin:
         worker.reach_server()

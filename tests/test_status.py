@@ -94,6 +94,37 @@ def test_text_status_shows_the_servers_last_error(state):
         f"the text view hides why the server is restarting:\n{text}")
 
 
+def test_status_shows_each_server_endpoint_with_its_pages_in_flight_and_rate(state):
+    config, store = state
+    servers = [
+        {"name": "gpu0/0", "url": "http://127.0.0.1:8118/v1", "state": "ready", "phase": "",
+         "in_flight": 12, "pages_per_s": 1.6, "bound": 16, "restarts": 0, "last_error": None},
+        {"name": "gpu0/1", "url": "http://127.0.0.1:8119/v1", "state": "restarting",
+         "phase": "loading weights", "in_flight": 0, "pages_per_s": 0.0, "bound": 8,
+         "restarts": 1, "last_error": "the server exited with status 1"},
+    ]
+    daemon_said(store, os.getpid(), {"state": "ready"}, rate=1.6)
+    store.put_meta("daemon", {**store.get_meta("daemon"), "servers": servers})
+    shown = json.loads(status_of(config, "--json").stdout)
+    assert shown["servers"] == servers, "`status --json` does not list each endpoint"
+    text = status_of(config).stdout
+    assert ("server gpu0/0: ready at http://127.0.0.1:8118/v1, 12 in flight, 1.60 pages/s"
+            in text), text
+    assert ("server gpu0/1: restarting, loading weights at http://127.0.0.1:8119/v1, 0 in "
+            "flight, 0.00 pages/s" in text), text
+    assert "last error: the server exited with status 1" in text, text
+
+
+def test_with_one_server_the_status_line_stays_as_it_was(state):
+    config, store = state
+    daemon_said(store, os.getpid(), {"state": "ready"})
+    store.put_meta("daemon", {**store.get_meta("daemon"), "servers": [
+        {"name": "server", "url": "http://127.0.0.1:8118/v1", "state": "ready", "phase": "ready",
+         "in_flight": 3, "pages_per_s": 1.0, "bound": 16, "restarts": 0, "last_error": None}]})
+    text = status_of(config).stdout
+    assert "server: ready at http://127.0.0.1:8118/v1" in text.splitlines(), text
+
+
 def test_status_lists_recent_documents_unless_all(state):
     config, store = state
     for n in range(30):

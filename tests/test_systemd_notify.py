@@ -19,6 +19,7 @@ from ocrvl_daemon.systemd import (
     StatusSnapshot,
     child_env,
     format_duration,
+    format_endpoint,
     format_status,
     monotonic_usec,
 )
@@ -255,6 +256,14 @@ def test_child_env_drops_notify_variables() -> None:
     (StatusSnapshot(engine_failed_starts=2, current_doc="book.pdf", queued=3),
      "recognition pipeline cannot start (2 failed starts; see journalctl --user -u ocrvl) · "
      "3 queued"),
+    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24,
+                    endpoints=("server ready, 4 in flight, 0.24 p/s",)),
+     "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
+    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=2.4,
+                    endpoints=(format_endpoint("gpu0/0", "ready", 12, 1.6),
+                               format_endpoint("gpu0/1", "restarting", 0, 0.0))),
+     "book.pdf p.3/10 · 2.4 p/s · ETA 3s | gpu0/0 ready, 12 in flight, 1.6 p/s; "
+     "gpu0/1 restarting"),
 ])
 def test_format_status(snap: StatusSnapshot, line: str) -> None:
     assert format_status(snap) == line

@@ -1,0 +1,219 @@
+"""Which server endpoint each page goes to, and the pages of an endpoint that failed taken back.
+
+The converter picks pages fairly across documents first (`scheduler.pick_pages`); the
+`Dispatcher` then gives each to the usable endpoint with the most room: the fewest pages in
+flight relative to its own adaptive bound (each endpoint has its `ConcurrencyController`, fed
+by its own `/metrics`). An endpoint that is not ready, or whose page came back "server down",
+is left out; the pages it had go back to their documents for the others (`reclaim`), and an
+answer it still sends for one of them is ignored (`owns`): each page is checkpointed once.
+It rejoins once ready again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ocrvl_daemon.concurrency import ConcurrencyController
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.server import ServerStatus
+from ocrvl_daemon.server_probe import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+# An endpoint whose request failed as "server down" takes no pages for this long (when there
+# are others to take them): its own probe may take longer to notice it is gone.
+SUSPEND_SECONDS = 5.0
+RATE_WINDOW = 60.0  # seconds of answers a pages/s figure is taken over
+
+PageKey = tuple[int, int]  # (job id, 0-based page)
+
+
+class ServerHandle(Protocol):
+    """What the converter needs from a server supervisor (one per endpoint)."""
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and status."""
+        ...
+
+    @property
+    def url(self) -> str:
+        """Its OpenAI base URL, where pages are sent."""
+        ...
+
+    def status(self) -> ServerStatus:
+        """A snapshot for status lines."""
+        ...
+
+    def is_ready(self) -> bool:
+        """Whether requests may be sent now."""
+        ...
+
+    def note_progress(self, in_flight: int, completed_total: int) -> None:
+        """Client-side progress, for hang detection."""
+        ...
+
+    def metrics(self, want: bool = True) -> ServerMetrics | None:
+        """The newest `/metrics` sample, for the concurrency search (`want`: fetch when due)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EndpointLoad:
+    """One endpoint's share of the work, for status lines and /metrics."""
+
+    url: str
+    name: str
+    in_flight: int
+    pages_per_s: float
+    bound: int
+
+
+def pages_per_s(times: deque[float], now: float) -> float:
+    """The rate of the events at `times` (monotonic) over the last minute."""
+    recent = [t for t in times if now - t <= RATE_WINDOW]
+    return len(recent) / max(1.0, min(RATE_WINDOW, now - recent[0])) if len(recent) > 1 else 0.0
+
+
+class Endpoint:
+    """One server's bookkeeping: its pages in flight, answers, bound and suspension."""
+
+    def __init__(self, handle: ServerHandle, config: Config) -> None:
+        self.handle = handle
+        self.concurrency = ConcurrencyController(
+            config.pipeline.min_concurrency,
+            config.pipeline.max_concurrency,
+            config.pipeline.adaptive_concurrency,
+        )
+        self.pages: set[PageKey] = set()
+        self.answered = 0  # requests that came back (for hang detection)
+        self.answers: deque[float] = deque(maxlen=256)  # when pages were recognised
+        self.suspended_until = 0.0
+
+    @property
+    def url(self) -> str:
+        """Where its pages are sent."""
+        return self.handle.url
+
+    def usable(self, now: float) -> bool:
+        """Whether pages may go to it now."""
+        return now >= self.suspended_until and self.handle.is_ready()
+
+    def fill(self) -> float:
+        """Pages in flight relative to its bound."""
+        return len(self.pages) / max(1, self.concurrency.limit)
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply new concurrency bounds."""
+        c = self.concurrency
+        c.minimum = config.pipeline.min_concurrency
+        c.maximum = config.pipeline.max_concurrency
+        c.limit = min(max(c.limit, c.minimum), c.maximum)
+
+
+class Dispatcher:
+    """The endpoints pages go to, and which endpoint has each page in flight."""
+
+    def __init__(self, config: Config, servers: Sequence[ServerHandle]) -> None:
+        if not servers:
+            raise ValueError("a converter needs at least one server endpoint")
+        self.config = config
+        self.endpoints = [Endpoint(server, config) for server in servers]
+        self._owner: dict[PageKey, Endpoint] = {}
+
+    def set_servers(self, servers: Sequence[ServerHandle]) -> None:
+        """New handles (a reload); an endpoint at the same URL keeps its pages and bound."""
+        old = {e.url: e for e in self.endpoints}
+        endpoints = []
+        for server in servers:
+            endpoint = old.pop(server.url, None) or Endpoint(server, self.config)
+            endpoint.handle = server
+            endpoints.append(endpoint)
+        self.endpoints = endpoints
+        for gone in old.values():
+            for key in gone.pages:
+                del self._owner[key]
+
+    def usable(self, now: float) -> list[Endpoint]:
+        """The endpoints that take pages now."""
+        return [e for e in self.endpoints if e.usable(now)]
+
+    def assign(self, key: PageKey, usable: list[Endpoint]) -> Endpoint:
+        """Give page `key` to the endpoint of `usable` with the most room."""
+        endpoint = min(usable, key=Endpoint.fill)
+        endpoint.pages.add(key)
+        self._owner[key] = endpoint
+        return endpoint
+
+    def owns(self, key: PageKey, url: str) -> bool:
+        """Whether an answer from `url` is the one awaited for page `key` (not a late one from
+        an endpoint the page was taken from)."""
+        owner = self._owner.get(key)
+        return owner is None or not url or owner.url == url
+
+    def answered(self, key: PageKey, now: float, recognised: bool, server_down: bool) -> None:
+        """The awaited answer for `key` came back; `server_down`: its endpoint is gone."""
+        endpoint = self._owner.pop(key, None)
+        if endpoint is None:
+            return
+        endpoint.pages.discard(key)
+        if server_down:
+            if len(self.endpoints) > 1 and now >= endpoint.suspended_until:
+                log.warning("%s at %s did not answer; sending its pages to the others for "
+                            "%.0f s", endpoint.handle.name, endpoint.url, SUSPEND_SECONDS)
+                endpoint.suspended_until = now + SUSPEND_SECONDS
+            return
+        endpoint.answered += 1
+        if recognised:
+            endpoint.answers.append(time.monotonic())
+
+    def release(self, key: PageKey) -> None:
+        """Page `key` is no longer in flight anywhere (its worker stopped, its job ended)."""
+        endpoint = self._owner.pop(key, None)
+        if endpoint is not None:
+            endpoint.pages.discard(key)
+
+    def release_job(self, job_id: int) -> None:
+        """Forget the pages in flight of a job that ended."""
+        for key in [k for k in self._owner if k[0] == job_id]:
+            self.release(key)
+
+    def reclaim(self, now: float) -> list[PageKey]:
+        """The pages of endpoints that are not usable now, taken from them when another one
+        is usable (with none usable they wait where they are, as with one server)."""
+        if not self.usable(now):
+            return []
+        taken: list[PageKey] = []
+        for endpoint in self.endpoints:
+            if endpoint.pages and not endpoint.usable(now):
+                log.info("%s at %s is not ready: its %d page(s) in flight go to the others",
+                         endpoint.handle.name, endpoint.url, len(endpoint.pages))
+                for key in sorted(endpoint.pages):
+                    self.release(key)
+                    taken.append(key)
+        return taken
+
+    def observe(self, now: float, backlog: int) -> None:
+        """Each endpoint's progress for its hang detection and its concurrency search."""
+        for e in self.endpoints:
+            in_flight = len(e.pages)
+            e.handle.note_progress(in_flight, e.answered)
+            metrics = e.handle.metrics(want=e.concurrency.adaptive and in_flight > 0)
+            e.concurrency.observe(now, e.answered, in_flight, backlog, metrics)
+
+    def load(self) -> list[EndpointLoad]:
+        """Each endpoint's pages in flight, rate and bound."""
+        now = time.monotonic()
+        return [EndpointLoad(e.url, e.handle.name, len(e.pages), pages_per_s(e.answers, now),
+                             e.concurrency.limit) for e in self.endpoints]
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply a reloaded configuration's bounds."""
+        self.config = config
+        for endpoint in self.endpoints:
+            endpoint.reconfigure(config)
