@@ -21,6 +21,7 @@ from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter
+from ocrvl_daemon.dispatch import SUSPEND_SECONDS
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.external_server import ExternalServer
@@ -139,6 +140,12 @@ def test_a_server_killed_mid_book_loses_no_page_and_rejoins_once_restarted(
         assert numbers == list(range(1, 41)), "pages out of order"
 
         with start_fake_server(port, *SLOW) as again:
+            # Once it answers again and its time out is over, it is one of two ready servers:
+            # a letter bigger than one server's bound must reach it.
+            back = time.monotonic()
+            setup.run_until(lambda: setup.handles[1].is_ready()
+                            and time.monotonic() - back > SUSPEND_SECONDS, 60,
+                            "the restarted server to be seen ready")
             letter = make_pdf(tmp_path / "letter.pdf", 12)
             later = setup.queue(letter)
             setup.run_until(lambda: setup.finished(later) and completed(again) > 0, 120,
