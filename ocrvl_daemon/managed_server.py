@@ -17,6 +17,7 @@ process group is gone by then, so its memory does not count as other programs').
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -24,7 +25,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -150,11 +151,16 @@ class ManagedServer(ServerSupervisor):
 
     def __init__(self, config: Config, on_change: Callable[[ServerStatus], None] | None = None,
                  backoff: BackoffPolicy | None = None, name: str = "server",
-                 gpu_reading: Callable[[], GpuReading | None] | None = None) -> None:
+                 gpu_reading: Callable[[], GpuReading | None] | None = None,
+                 launch_turn: threading.Lock | None = None) -> None:
         """`gpu_reading` reads the server's GPU for planning `auto` flags (default: the one
         its environment selects, as it is); replicas sharing a GPU count each other's memory
-        as free (see server_set)."""
+        as free (see server_set). `launch_turn`, shared by the replicas of one GPU, is held
+        from planning a launch until its start is over: vLLM's start-up memory profiling
+        counts whatever another start on the GPU takes meanwhile, so two starts (a restart
+        beside another) must never overlap."""
         super().__init__(config, on_change, name)
+        self._launch_turn = launch_turn
         self._backoff = backoff or BackoffPolicy(
             initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
         self._pidfile = config.state_dir / pidfile_name(name)
@@ -198,6 +204,37 @@ class ManagedServer(ServerSupervisor):
             self._pump = None  # a tail from the previous process would mislead the diagnosis
             self._metrics_stall = StallDetector(self._server.stall_timeout)
             self._client_stall = StallDetector(self._server.stall_timeout)
+        with self._turn():
+            failure = self._launch(probe, host, port)
+        if failure is not None:
+            return failure
+        group = self._group
+        assert group is not None
+        with self._cond:
+            self._ready_at, self._ready_since = time.monotonic(), time.time()
+        log.info("server ready at %s (pid %d)", self._server.base_url, group.pid)
+        self._set(ServerState.READY, "ready")
+        if self._lowered is not None:
+            self._remember_lowered()
+        return self._watch(probe, group)
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This GPU's launch turn (see __init__), held while the block runs."""
+        turn = self._launch_turn
+        if turn is None:
+            yield
+            return
+        while not turn.acquire(timeout=0.5):
+            self._set(phase="waiting for another server on this GPU to start")
+            self._wait(0)  # raises _Stopping once stop() was called
+        try:
+            yield
+        finally:
+            turn.release()
+
+    def _launch(self, probe: ServerProbe, host: str, port: int) -> str | None:
+        """Plan, spawn and wait until the server is ready; why it failed, or None."""
         if port_in_use(host, port):
             return f"port {port} on {host} is taken by another program: address already in use"
         self._plan_args()
@@ -213,16 +250,7 @@ class ManagedServer(ServerSupervisor):
             self._group, self._pump = group, pump
         pump.start()
         self._set(ServerState.STARTING, "launching")
-        failure = self._wait_started(probe, group)
-        if failure is not None:
-            return failure
-        with self._cond:
-            self._ready_at, self._ready_since = time.monotonic(), time.time()
-        log.info("server ready at %s (pid %d)", self._server.base_url, group.pid)
-        self._set(ServerState.READY, "ready")
-        if self._lowered is not None:
-            self._remember_lowered()
-        return self._watch(probe, group)
+        return self._wait_started(probe, group)
 
     def _plan_args(self) -> None:
         """Choose the `auto` flags for this launch from the GPU as it is now."""

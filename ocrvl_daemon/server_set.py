@@ -92,6 +92,7 @@ class ServerSet:
         port = server.port
         for slot, replicas in plan:
             group: list[ManagedServer] = []
+            turn = threading.Lock()  # one start at a time on this GPU, restarts included
             for replica in range(1, replicas + 1):
                 name = ONE_SERVER if total == 1 else f"gpu{slot.index}/{replica}"
                 env = dict(server.env)
@@ -101,7 +102,7 @@ class ServerSet:
                     update={"port": port, "replicas": replicas, "gpus": AUTO, "env": env})})
                 managed = ManagedServer(copied, self._changed,
                                         backoff() if backoff is not None else None, name,
-                                        self._reading_for(copied, group))
+                                        self._reading_for(copied, group), turn)
                 group.append(managed)
                 port += 1
             groups.append(group)

@@ -295,6 +295,36 @@ def test_a_killed_replica_restarts_alone(tmp_path: Path, running: Any) -> None:
 
 
 @pytest.mark.slow
+def test_replicas_killed_together_restart_one_at_a_time(tmp_path: Path, running: Any) -> None:
+    config = managed(tmp_path, H200, fake_args=("--startup-delay", "1.0"), replicas=2,
+                     gpus=[0])
+    servers, changes = running(config)
+    wait_until(lambda: all(e.is_ready() for e in servers.endpoints), 30,
+               what="both replicas ready")
+    pids = [e.status().pid for e in servers.endpoints]
+    since = time.monotonic()
+    for pid in pids:
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+    wait_until(lambda: all(e.is_ready() and e.status().pid not in pids
+                           for e in servers.endpoints), 40, what="both replicas restarted")
+
+    def launch_to_ready(name: str) -> tuple[float, float]:
+        mine = [(t, s) for t, n, s in changes if n == name and t >= since]
+        launched = next(t for t, s in mine if s.phase == "launching")
+        return launched, next(t for t, s in mine if t >= launched
+                              and s.state is ServerState.READY)
+
+    spans = sorted(launch_to_ready(e.name) for e in servers.endpoints)
+    (_, first_ready), (second_launch, _) = spans
+    assert second_launch >= first_ready, (
+        "two replicas of one GPU started at the same time after a crash: vLLM's memory "
+        "profiling would count each other's memory")
+    assert any(s.phase.startswith("waiting for another server") for t, _, s in changes
+               if t >= since), "the second restart did not wait for the first"
+
+
+@pytest.mark.slow
 def test_two_external_urls_are_two_endpoints(tmp_path: Path, running: Any) -> None:
     with start_fake_server(free_port()) as a, start_fake_server(free_port()) as b:
         config = validate_config({"state_dir": str(tmp_path / "state"), "server": {
