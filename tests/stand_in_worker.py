@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.convert import Converter, ServerHandle
 from ocrvl_daemon.engine import PageResult, PageTask
+from ocrvl_daemon.engine_pool import EnginePool
+from ocrvl_daemon.jobs import open_store
+from ocrvl_daemon.store import Store
 
 
 class StandInWorker:
@@ -81,3 +88,13 @@ class StandInWorker:
             self.sent.discard((result.job_id, result.page))
             self.pages_done += 1
         return out
+
+
+def converter_with_stand_in(tmp_path: Path, servers: Sequence[ServerHandle],
+                            **pipeline: Any) -> tuple[Converter, StandInWorker, Store, Config]:
+    """A real converter and store whose one engine worker is a StandInWorker."""
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"), "pipeline": pipeline})
+    store = open_store(config)
+    worker = StandInWorker(config, config.server.base_url)
+    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
+    return Converter(config, store, servers, engines=engines), worker, store, config

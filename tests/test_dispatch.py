@@ -16,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from stand_in_worker import StandInWorker
+from stand_in_worker import converter_with_stand_in
 from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.config import Config
@@ -196,13 +196,9 @@ def sample(now: float, preemptions: float) -> ServerMetrics:
 def test_a_server_that_preempts_gets_a_lower_bound_and_the_other_keeps_its_own(
     tmp_path: Path,
 ) -> None:
-    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
-                                    "pipeline": {"max_concurrency": 32, "min_concurrency": 2}})
-    store = open_store(config)
-    worker = StandInWorker(config, config.server.base_url)
-    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
     busy, calm = ScriptedServer("http://busy:8118/v1"), ScriptedServer("http://calm:8118/v1")
-    converter = Converter(config, store, [busy, calm], engines=engines)
+    converter, worker, store, config = converter_with_stand_in(
+        tmp_path, [busy, calm], max_concurrency=32, min_concurrency=2)
     enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
     converter.wake()
     bounds = {e.url: e.bound for e in converter.endpoint_load()}
@@ -225,12 +221,8 @@ def test_a_server_that_preempts_gets_a_lower_bound_and_the_other_keeps_its_own(
 def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
     tmp_path: Path,
 ) -> None:
-    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
-    store = open_store(config)
-    worker = StandInWorker(config, config.server.base_url)
-    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
     first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
-    converter = Converter(config, store, [first, second], engines=engines)
+    converter, worker, store, config = converter_with_stand_in(tmp_path, [first, second])
     job = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 1), config.model.name)
     converter.wake()
     converter.tick(0.0)
@@ -253,12 +245,8 @@ def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
 def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
     tmp_path: Path,
 ) -> None:
-    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
-    store = open_store(config)
-    worker = StandInWorker(config, config.server.base_url)
-    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
     first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
-    converter = Converter(config, store, [first, second], engines=engines)
+    converter, worker, store, config = converter_with_stand_in(tmp_path, [first, second])
     job = enqueue_file(store, make_pdf(tmp_path / "book.pdf", 4), config.model.name)
     converter.wake()
     converter.tick(0.0)

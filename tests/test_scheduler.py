@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from stand_in_worker import StandInWorker
+from stand_in_worker import converter_with_stand_in
 from test_failure_policy import ReadyServer
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.engine import PageResult
-from ocrvl_daemon.engine_pool import EnginePool
-from ocrvl_daemon.jobs import enqueue_file, open_store
+from ocrvl_daemon.jobs import enqueue_file
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
 from ocrvl_daemon.scheduler import DocumentPages, pick_pages
 from testkit.documents import make_pdf
@@ -120,11 +117,7 @@ def test_fairness_over_a_whole_run() -> None:
 def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_at_once(
     tmp_path: Path,
 ) -> None:
-    config = Config.model_validate({"state_dir": str(tmp_path / "state")})
-    store = open_store(config)
-    worker = StandInWorker(config, config.server.base_url)
-    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
-    converter = Converter(config, store, [ReadyServer()], engines=engines)
+    converter, worker, store, config = converter_with_stand_in(tmp_path, [ReadyServer()])
     limit = converter.endpoint_load()[0].bound
     margin = ready_margin(limit)
     enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
