@@ -40,7 +40,7 @@ from ocrvl_daemon.page_quality import (
 )
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
-from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages
+from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages, pick_yielding
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class Converter:
         docs = [self.active[j] for j in sorted(self.active)]
         chosen = self.engines.isolating_pages(self.active)
         if chosen is None:
-            chosen = pick_pages(docs, slots)
+            chosen = pick_yielding(docs, slots, limit)
             chosen += pick_pages(docs, short_room - len(chosen), short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:

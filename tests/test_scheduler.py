@@ -12,7 +12,13 @@ from test_failure_policy import ReadyServer
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.jobs import enqueue_file
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
-from ocrvl_daemon.scheduler import DocumentPages, pick_pages
+from ocrvl_daemon.scheduler import (
+    SMALL_DOCUMENT_PAGES,
+    YIELD_SHARE,
+    DocumentPages,
+    pick_pages,
+    pick_yielding,
+)
 from testkit.documents import make_pdf
 
 
@@ -96,6 +102,48 @@ def test_give_back_requeues_in_order_once() -> None:
     assert d.finished and d.done == 5
 
 
+def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
+    limit = 64
+    book, letter = doc(1, 600), doc(2, 2)
+    pick_pages([book], limit)
+    docs = [book, letter]
+    chosen = pick_yielding(docs, 6, limit)
+    assert [(d.job_id, p) for d, p in chosen] == [(2, 0), (2, 1)], (
+        "the letter's pages must go first, and no book page beside them while the book has "
+        "more than its yielded share in flight")
+    for page in range(limit - limit // YIELD_SHARE):  # the book's pages finish one by one
+        finish(book, page)
+        assert pick_yielding(docs, 1, limit) == [], (
+            f"a book page was sent while the letter runs and the book still has "
+            f"{len(book.in_flight)} pages in flight (its share: {limit // YIELD_SHARE})")
+    finish(book, limit - limit // YIELD_SHARE)
+    assert [d.job_id for d, _ in pick_yielding(docs, 4, limit)] == [1], (
+        "below its yielded share the book must go on, one page per free place")
+    finish(letter, 0)
+    finish(letter, 1)
+    assert len(pick_yielding([book], 40, limit)) == 40, (
+        "once the letter is done the book must get the whole bound back")
+
+
+def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
+    limit = 64
+    a, b = doc(1, 300), doc(2, 300)
+    assert len(pick_yielding([a, b], 64, limit)) == 64, "two books beside each other yielded"
+    a, b, article = doc(1, 300), doc(2, 300), doc(3, SMALL_DOCUMENT_PAGES + 1)
+    pick_pages([a, b, article], 30)  # ten pages each in flight: more than the books' share
+    chosen = pick_yielding([a, b, article], 6, limit)
+    assert Counter(d.job_id for d, _ in chosen) == {1: 2, 2: 2, 3: 2}, (
+        f"a document of {SMALL_DOCUMENT_PAGES + 1} pages left counted as small: the books "
+        "yielded to it")
+    other, tail = doc(4, 300), doc(5, 300)
+    tail.pending = tail.pending[-SMALL_DOCUMENT_PAGES:]  # a book at its last pages
+    pick_pages([other], 20)
+    pick_pages([tail], 10)
+    chosen = pick_yielding([other, tail], 8, limit)
+    assert {d.job_id for d, _ in chosen} == {5}, (
+        "a book at its last pages must finish first: the other book yields to it")
+
+
 def test_fairness_over_a_whole_run() -> None:
     """Simulate a server with 16 slots: the letter dropped mid-book finishes within ~1 round."""
     book = doc(1, 600)
@@ -164,4 +212,44 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
     assert [job for job, _ in worker.order[-2:]] == [memo.id, memo.id], (
         "the memo's pages must take the next free slots, ahead of the book's"
     )
+    store.close()
+
+
+def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_after(
+    tmp_path: Path,
+) -> None:
+    converter, worker, store, config = converter_with_stand_in(tmp_path, [ReadyServer()])
+    limit = converter.endpoint_load()[0].bound
+    share = limit // YIELD_SHARE
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    converter.wake()
+    while len(worker.in_flight) < limit:  # the book ramps up to the bound
+        worker.reach_server()
+        converter.tick(0.0)
+    book = worker.order[0][0]
+    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
+    converter.wake()
+    converter.tick(0.0)
+    assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], "the letter did not go at once"
+
+    def book_in_flight() -> int:
+        return sum(job == book for job, _ in worker.in_flight)
+
+    while book_in_flight() > share:  # book pages finish; the letter is still running
+        worker.results.append(PageResult(*min(k for k in worker.in_flight if k[0] == book)))
+        worker.reach_server()
+        converter.tick(0.0)
+    before = len(worker.order)
+    worker.results.append(PageResult(*min(k for k in worker.in_flight if k[0] == book)))
+    worker.reach_server()
+    converter.tick(0.0)
+    assert book_in_flight() == share and len(worker.order) == before + 1, (
+        f"while the letter runs the book must keep {share} pages in flight (a quarter of the "
+        f"bound {limit}), no more and no fewer; it has {book_in_flight()}")
+    worker.results += [PageResult(letter.id, 0), PageResult(letter.id, 1)]
+    for _ in range(limit):
+        worker.reach_server()
+        converter.tick(0.0)
+    assert book_in_flight() >= limit, (
+        f"once the letter is done the book must fill the bound again; it has {book_in_flight()}")
     store.close()
