@@ -106,20 +106,27 @@ class ReplicaDaemon:
         """Start; wait until N endpoints and every engine worker are ready; returns seconds."""
         t0 = time.monotonic()
         self.proc = Ocrvl("run", "--config", self.config)
-        wait_until(self._ready, START_TIMEOUT_S, interval=1,
-                   ignore=(ValueError, subprocess.TimeoutExpired),
-                   what=f"{self.n} replicas and the engine workers ready")  # fmt: skip
+        try:
+            wait_until(self._ready, START_TIMEOUT_S, interval=1,
+                       ignore=(ValueError, subprocess.TimeoutExpired),
+                       what=f"{self.n} replicas and the engine workers ready")  # fmt: skip
+        except AssertionError as exc:  # the work dir goes: what ocrvl said must come along
+            raise RuntimeError(f"{exc}; ocrvl run's log ends:\n{self.tail()}") from exc
         return time.monotonic() - t0
+
+    def tail(self) -> str:
+        assert self.proc is not None
+        return "\n".join(self.proc.grep("")[-60:])
 
     def _ready(self) -> bool:
         assert self.proc is not None
         if self.proc.proc.poll() is not None:
-            raise RuntimeError("ocrvl run exited:\n" + "\n".join(self.proc.grep("")[-40:]))
+            raise RuntimeError(f"ocrvl run exited; its log ends:\n{self.tail()}")
         workers = sum(bool(WORKER_READY.search(line)) for line in self.proc.grep("ready in"))
         if workers < PIPELINE.worker_count:
             return False
         out = run_ocrvl("status", "--config", self.config, "--json", timeout=60)
-        servers = json.loads(out.stdout).get("servers") or [] if out.returncode == 0 else []
+        servers = (json.loads(out.stdout).get("servers") or []) if out.returncode == 0 else []
         if len(servers) != self.n or any(s["state"] != "ready" for s in servers):
             return False
         self.urls = [s["url"].rstrip("/").removesuffix("/v1") for s in servers]
@@ -213,7 +220,7 @@ def report(res: dict[str, Any]) -> str:
         f"- date: {res['date']}", f"- GPU: {res['gpu']}", f"- vLLM: {res.get('vllm', '?')}",
         f"- server: {res['server']}", f"- pages: {res['pages']} (one book); {res['cores']} "
         f"cores, pipeline.workers {res['workers']}",
-        f"- B2 (one server): {res['b2_pages_per_s'] or 0:.2f} pages/s"
+        f"- B2 (one server): {res['b2_pages_per_s']:.2f} pages/s"
         if res.get("b2_pages_per_s") else "- B2: not run", "",
         "| replicas | start s | convert pages/s | from start | run pages/s | vs 1 | vs B2 "
         "| preemptions | vLLM settings per replica | requests running (convert) |",
