@@ -81,3 +81,27 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
     assert data["capacity_pages_per_s"] > 0 and data["ocrvl_convert_pages_per_s"] > 0
     assert data["b2_pages_per_s"] is None, "contenders left out are written as null"
     assert "| capacity" in proc.stdout and "| ocrvl convert" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replicas_bench_dry_run_measures_each_count_against_the_fake_server(
+        tmp_path: Path) -> None:  # fmt: skip
+    results = tmp_path / "replicas.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.replicas", "--fake", "--replicas", "1,2",
+         "--pages", "8", "--results", str(results)],
+        cwd=ROOT, capture_output=True, text=True, timeout=560, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"bench.gpu.replicas failed:\n{proc.stderr[-3000:]}"
+    data = json.loads(results.read_text())
+    assert sorted(data["replicas"]) == ["1", "2"], "each replica count gets its entry"
+    for n, entry in data["replicas"].items():
+        assert len(entry["urls"]) == int(n), f"{n} replicas should be {n} endpoints: {entry}"
+        for key in ("start_s", "convert_pages_per_s", "convert_from_start_pages_per_s",
+                    "run_pages_per_s"):  # fmt: skip
+            assert entry[key] > 0, f"{n} replicas: {key} is {entry[key]}"
+        assert len(entry["vllm_settings"]) >= int(n), "each replica's planned settings"
+    assert data["b2_pages_per_s"] > 0, "B2 runs on the one-server daemon"
+    assert data["ratios"]["2"]["vs_one"] > 0 and data["ratios"]["2"]["vs_b2"] > 0
+    assert "| 2 |" in proc.stdout and "Targets:" in proc.stdout, proc.stdout

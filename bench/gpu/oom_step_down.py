@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
-from bench.gpu.lengths import ENV as LENGTHS_ENV
 from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
-from bench.gpu.vllm_server import LOGITS_PROCESSOR, ROOT, model_dir_parser
+from bench.gpu.vllm_server import managed_vllm, model_dir_parser
 from ocrvl_daemon import autotune
 from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
 from testkit.documents import make_pdf
@@ -68,18 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ocrvl-oom-"))
     smi = stale_nvidia_smi(work)
     book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=5)
-    pythonpath = os.pathsep.join(p for p in (args.vllm_pythonpath, str(ROOT)) if p)
-    cfg = write_config(
-        work / "config.yaml", state_dir=str(work / "state"),
-        model={"weights": args.model_dir},
-        server={"mode": "managed", "launcher": "vllm", "python": args.vllm_python,
-                "port": free_port(), "startup_timeout": 600,
-                "env": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
-                        "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
-                        LENGTHS_ENV: DEFAULT_LENGTHS},
-                "vllm_args": {"load-format": "dummy", "logits-processors": LOGITS_PROCESSOR,
-                              "enable-prefix-caching": False, "mm-processor-cache-gb": 0}},
-    )  # fmt: skip
+    cfg = write_config(work / "config.yaml", state_dir=str(work / "state"),
+                       **managed_vllm(args.model_dir, args.vllm_python, args.vllm_pythonpath,
+                                      free_port()))  # fmt: skip
     hog = subprocess.Popen([args.vllm_python, "-c", HOG, str(args.hog_share)],
                            env=dict(os.environ, PYTHONPATH=args.vllm_pythonpath),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip

@@ -94,10 +94,11 @@ class Result:
 class Bench:
     """The contenders against one server, its /metrics sampled throughout."""
 
-    def __init__(self, url: str, work: Path, book: Path, pages: int, concurrency: int) -> None:
+    def __init__(self, url: str, work: Path, book: Path, pages: int, concurrency: int,
+                 metrics: Metrics | None = None) -> None:  # fmt: skip
         self.url, self.work, self.book, self.pages = url, work, book, pages
         self.concurrency = concurrency
-        self.metrics = Metrics(url)
+        self.metrics = metrics or Metrics(url)  # several servers' summed: bench.gpu.replicas
         self.results: dict[str, Result] = {}
 
     # `solo_times` in bench/run.py waits for an idle server through this
@@ -143,7 +144,8 @@ class Bench:
         return self.measure("B2", "predict() only", run)
 
     def convert(self, name: str = "ocrvl convert", **settings: Any) -> Result:
-        """`ocrvl convert` of a fresh copy of the book; `settings` go into its config."""
+        """`ocrvl convert` of a fresh copy of the book; `settings` go into its config (with a
+        `server` section, that names the servers instead of `--server-url`)."""
         where = self.work / re.sub(r"\W+", "-", name)
         where.mkdir(parents=True)
         book = Path(shutil.copy(self.book, where / self.book.name))
@@ -152,7 +154,8 @@ class Bench:
 
         def run() -> tuple[float, float, int]:
             t0 = time.monotonic()
-            proc = Ocrvl("convert", "--config", cfg, "--server-url", self.url, book)
+            server = [] if "server" in settings else ["--server-url", self.url]
+            proc = Ocrvl("convert", "--config", cfg, *server, book)
             code = proc.wait(3600)
             t1 = time.monotonic()
             if code != 0:

@@ -14,9 +14,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.models import DEFAULT_MODEL
 from ocrvl_daemon.process_group import stop_process_group
@@ -87,11 +89,30 @@ def started(options: ServeOptions, log: Path, timeout: float = 900) -> Iterator[
         stop_process_group(proc, 60, "vLLM")
 
 
-class Metrics:
-    """`/metrics` sampled every `interval` s in a thread: (time, running, waiting, preemptions)."""
+def managed_vllm(model_dir: str, python: str, pythonpath: str, port: int,
+                 **server: Any) -> dict[str, Any]:  # fmt: skip
+    """The `model:` and `server:` config sections of an ocrvl that starts real vLLM itself
+    on a random-weight model dir (answer lengths forced) with its own `auto` settings;
+    `server` adds keys (e.g. replicas). For `write_config(path, **managed_vllm(...))`."""
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, str(ROOT)) if p),
+           "HF_HUB_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "VLLM_NO_USAGE_STATS": "1", LENGTHS_ENV: DEFAULT_LENGTHS}  # fmt: skip
+    return {
+        "model": {"weights": model_dir},
+        "server": {"mode": "managed", "launcher": "vllm", "python": python, "port": port,
+                   "startup_timeout": 600, "env": env,
+                   "vllm_args": {"load-format": "dummy", "logits-processors": LOGITS_PROCESSOR,
+                                 "enable-prefix-caching": False, "mm-processor-cache-gb": 0},
+                   **server},
+    }  # fmt: skip
 
-    def __init__(self, url: str, interval: float = 0.25) -> None:
-        self.url, self.interval = url, interval
+
+class Metrics:
+    """`/metrics` of one server, or of several summed (replicas), sampled every `interval` s
+    in a thread: (time, running, waiting, preemptions)."""
+
+    def __init__(self, *urls: str, interval: float = 0.25) -> None:
+        self.urls, self.interval = urls, interval
         self.samples: list[tuple[float, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -100,10 +121,13 @@ class Metrics:
     def _run(self) -> None:
         with httpx.Client(timeout=5) as client:
             while not self._stop.wait(self.interval):
+                # a sample only when every server answered: a partial sum would read as idle
                 with contextlib.suppress(httpx.HTTPError, ValueError):
-                    m = parse_metrics(client.get(self.url + "/metrics").text, time.monotonic())
-                    self.samples.append((m.taken_at, m.running or 0.0, m.waiting or 0.0,
-                                         m.preemptions_total or 0.0))  # fmt: skip
+                    ms = [parse_metrics(client.get(url + "/metrics").text, time.monotonic())
+                          for url in self.urls]  # fmt: skip
+                    self.samples.append((ms[-1].taken_at, sum(m.running or 0.0 for m in ms),
+                                         sum(m.waiting or 0.0 for m in ms),
+                                         sum(m.preemptions_total or 0.0 for m in ms)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -147,11 +171,13 @@ def version(url: str) -> str:
     return "?"
 
 
-def model_dir_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    """A benchmark's parser with what starting vLLM on a random-weight model dir needs."""
+def model_dir_parser(prog: str, doc: str | None, required: bool = True
+                     ) -> argparse.ArgumentParser:  # fmt: skip
+    """A benchmark's parser with what starting vLLM on a random-weight model dir needs
+    (`required=False`: the benchmark has a dry run without vLLM)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--model-dir", required=True,
+    ap.add_argument("--model-dir", required=required,
                     help="random-weight model dir (bench.gpu.dummy_model)")
     ap.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
     ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
