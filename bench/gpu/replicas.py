@@ -7,7 +7,9 @@ For each N in `--replicas`, one after another, on the same `--pages`-page book:
   1. `ocrvl run` (a daemon with an inbox) whose managed server has `server.replicas: N` and
      ocrvl's own `auto` plan (the product divides the card between the replicas: that is
      what is measured); waited for until `ocrvl status --json` shows N ready endpoints and
-     the log every engine worker ready (start_s: daemon start -> all ready)
+     the log every engine worker ready (start_s: daemon start -> all ready); then each
+     replica gets 32 warm-up pages (a fresh vLLM's first requests wait for its lazy
+     start-up work: in the 2026-12-02 run, without this, the first contender lost ~4 s)
   2. N = 1 only: B2, one warm `PaddleOCRVL(...).predict([book])`, on that one server
   3. `ocrvl convert` with `server: {mode: external, urls: [the N replicas]}`: ocrvl's
      dispatcher over the replicas (timed from the worker's ready line and from the start)
@@ -35,7 +37,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.run import PAGE_HEIGHT, PIPELINE, WORKER_READY, Bench, Result, gpu_name, log
+from bench.gpu.run import (
+    PAGE_HEIGHT,
+    PIPELINE,
+    WORKER_READY,
+    Bench,
+    Result,
+    gpu_name,
+    log,
+    warm_up,
+)
 from bench.gpu.vllm_server import Metrics, managed_vllm, model_dir_parser, version
 from bench.run import Ocrvl, drop, md_done
 from testkit.documents import make_pdf
@@ -179,6 +190,7 @@ def one_count(n: int, args: argparse.Namespace, work: Path, book: Path, res: dic
         start_s = daemon.start()
         log(f"{n} replica(s) ready in {start_s:.1f} s at {', '.join(daemon.urls)}")
         res.setdefault("vllm", version(daemon.urls[0]))
+        warm_up(daemon.urls, daemon.work)
         metrics = Metrics(*daemon.urls)
         bench = Bench(daemon.urls[0], daemon.work, book, args.pages, PIPELINE.max_concurrency,
                       metrics)  # fmt: skip

@@ -67,6 +67,7 @@ from testkit.runner import write_config  # noqa: E402
 
 PAGE_HEIGHT = 792  # points: 400..1380 x 792 pt pages, as bench/run.py's
 PIPELINE = PipelineConfig()
+WARM_UP_PAGES = 32
 WORKER_READY = re.compile(r"engine worker \S+ ready in ([0-9.]+) s")
 
 
@@ -232,6 +233,18 @@ def worker_ready_s(proc: Ocrvl) -> float | None:
         if m := WORKER_READY.search(line):
             return float(m.group(1))
     return None
+
+
+def warm_up(urls: list[str], work: Path) -> None:
+    """Send each fresh server WARM_UP_PAGES pages (not the book's) before anything is measured:
+    a fresh vLLM's first requests wait seconds for its lazy start-up work, with no request
+    running, and the first contender would pay for it."""
+    pdf = make_pdf(work / "warm-up" / "warm.pdf", WARM_UP_PAGES, height=PAGE_HEIGHT, seed=2)
+    bodies = [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=DEFAULT_MAX_NEW_TOKENS)
+              for j in page_jpegs(pdf, WARM_UP_PAGES)]  # fmt: skip
+    for url in urls:
+        seconds = asyncio.run(send_all(url, bodies, WARM_UP_PAGES))
+        log(f"warmed up {url}: {WARM_UP_PAGES} pages in {seconds:.1f} s")
 
 
 def page_jpegs(pdf: Path, pages: int) -> list[bytes]:
@@ -424,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         with server(args, work) as url:
             res["vllm"] = version(url)
             res["server"] = args.server_url or (args.model_dir or args.model)
+            warm_up([url], work)
             bench = Bench(url, work, book, args.pages, concurrency)
             try:
                 if "capacity" in parts:

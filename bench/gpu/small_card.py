@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
-from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log
+from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon import autotune
 from ocrvl_daemon.config import Config
@@ -35,7 +35,6 @@ from testkit.documents import make_pdf
 from testkit.harness import free_port
 
 HERE = Path(__file__).resolve().parent
-WARM_UP_PAGES = 32
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|No available memory")
 RTX_4060_MIB = 8188  # what nvidia-smi reports for an 8 GB RTX 4060
 DESKTOP_MIB = 700  # a Windows desktop under WSL2 holds about this much of it
@@ -99,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             res["vllm_memory"] = [ln.split("] ", 1)[-1] for ln in
                                   vllm_log.read_text(errors="replace").splitlines()
                                   if KV_LINES.search(ln)]  # fmt: skip
-            # the first requests of a fresh server are slow (lazy start-up work): not measured
-            warm = make_pdf(work / "warm" / "warm.pdf", WARM_UP_PAGES, height=PAGE_HEIGHT, seed=2)
-            warming = Bench(url, work / "warm", warm, WARM_UP_PAGES, seqs)
-            warming.convert("warm-up")
-            warming.metrics.stop()
+            warm_up([url], work)
             bench = Bench(url, work, book, args.pages, config.pipeline.max_concurrency)
             try:
                 bench.convert("adaptive")
