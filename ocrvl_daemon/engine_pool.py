@@ -134,8 +134,9 @@ class EnginePool:
 
     @property
     def gave_up(self) -> bool:
-        """Whether `starts` starts in a row failed: no worker will be started again."""
-        return self.starts is not None and self.start_failures >= self.starts
+        """Whether every worker failed `starts` starts in a row, none ready in between: no
+        worker will be started again."""
+        return self.starts is not None and self.start_failures >= self.starts * len(self._slots)
 
     def maintain(self, now: float, active: Mapping[int, DocumentPages]) -> list[LostPage]:
         """Stop retired workers that are done, replace a failed or worn one, start one when
@@ -167,8 +168,9 @@ class EnginePool:
                           failure.rstrip("."), delay)
             else:
                 self.start_failures += 1
-                delay = min(WORKER_RESTART_MAX_SECONDS,
-                            delay * 2 ** (self.start_failures - 1))
+                # Workers started together fail together: the wait doubles once per round.
+                rounds = (self.start_failures - 1) // len(self._slots)
+                delay = min(WORKER_RESTART_MAX_SECONDS, delay * 2**rounds)
                 self.start_error = (f"The recognition pipeline could not start: "
                                     f"{failure.rstrip('.')}{_worker_fix(failure)}")
                 if self.gave_up:

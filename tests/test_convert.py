@@ -181,11 +181,13 @@ def test_unreachable_server_names_the_url_and_how_to_start_it(tmp_path):
     assert not (tmp_path / "book.md").exists()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_pipeline_that_cannot_start_ends_the_run_with_the_fix_instead_of_waiting(
-    tmp_path, fake_server
+    tmp_path, fake_server, workers
 ):
     pdf = make_pdf(tmp_path / "book.pdf", 1)
-    config = write_config(tmp_path / "config.yaml")
+    config = write_config(tmp_path / "config.yaml", pipeline={"use_layout_detection": False,
+                                                              "workers": workers})
     env = broken_paddleocr(tmp_path / "shadow")
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
                        timeout=120, **env)
@@ -193,8 +195,9 @@ def test_a_pipeline_that_cannot_start_ends_the_run_with_the_fix_instead_of_waiti
     reason = ("The recognition pipeline could not start: ModuleNotFoundError: No module named "
               "'paddlex'. Fix: reinstall ocrvl with its extras")
     assert reason in result.stderr, f"the reason or its fix is missing:\n{result.stderr}"
-    assert "failed start 2; giving up" in result.stderr, (
-        f"`ocrvl convert` should give up after one retry:\n{result.stderr}"
+    assert f"failed start {2 * workers}; giving up" in result.stderr, (
+        f"`ocrvl convert` with {workers} engine worker(s) should give up after one retry of "
+        f"each:\n{result.stderr}"
     )
     assert pdf.exists() and not (tmp_path / "book.md").exists()
 
