@@ -56,6 +56,7 @@ def spawn(groups: list[int], mode: str = "normal", pidfile: Path | None = None
     group = ProcessGroup.spawn(leader_argv(mode), dict(os.environ), pidfile, what="test server")
     groups.append(group.pid)
     grandchild = int(group.stdout.readline())
+    group.stdout.close()  # the leader prints nothing more
     return group, grandchild
 
 
@@ -152,6 +153,8 @@ def test_group_ends_when_the_spawning_process_is_sigkilled(groups: list[int]) ->
     finally:
         parent.kill()
         parent.wait()
+        assert parent.stdout is not None
+        parent.stdout.close()
 
 
 def test_the_engine_worker_leads_its_own_group_and_a_stuck_one_is_killed(

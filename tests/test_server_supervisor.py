@@ -374,6 +374,8 @@ def supervisor_process(tmp_path: Path) -> Iterator[Callable[[Config], tuple[Any,
         proc.send_signal(signal.SIGCONT)  # no-op once reaped
         proc.kill()
         proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def test_status_piped_into_head_stops_quietly(tmp_path: Path):
     assert proc.stdout.readline().startswith(b"daemon: not running")
     proc.stdout.close()  # what `| head -1` does once it has its line
     stderr = proc.stderr.read().decode()
+    proc.stderr.close()
     assert proc.wait(60) == 141, stderr
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, (
         f"`ocrvl status | head` printed a traceback:\n{stderr}"
