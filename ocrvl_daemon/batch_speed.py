@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from ocrvl_daemon.scheduler import YIELD_SHARE
 from ocrvl_daemon.server_probe import ServerMetrics
 
-SPEEDUP_WORTH_YIELDING = 1.5  # the simulator's 4060 shape: 1.3; the H200: ~3 (estimated)
+SPEEDUP_WORTH_YIELDING = 1.8
 SAMPLES = 64  # the newest (running, step seconds) pairs the fit uses
 SPREAD = 0.25  # running counts must span this share of the bound for a fit
 
@@ -28,10 +27,9 @@ class BatchSpeed:
     def __init__(self) -> None:
         self._last: ServerMetrics | None = None
         self._samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
-        self._verdict: bool | None = None  # the last fit's, kept while a book runs full
 
-    def observe(self, sample: ServerMetrics | None, limit: int) -> None:
-        """Feed a `/metrics` scrape (the same one may come many times) and the bound."""
+    def observe(self, sample: ServerMetrics | None) -> None:
+        """Feed a `/metrics` scrape (the same one may come many times)."""
         if sample is None or sample.generation_tokens_total is None or sample.running is None:
             return
         last = self._last
@@ -50,9 +48,6 @@ class BatchSpeed:
             return
         running = (sample.running + last.running) / 2
         self._samples.append((running, running * (sample.taken_at - last.taken_at) / tokens))
-        speedup = self.speedup(limit, YIELD_SHARE)
-        if speedup is not None:
-            self._verdict = speedup >= SPEEDUP_WORTH_YIELDING
 
     def speedup(self, limit: int, share: int) -> float | None:
         """How many times faster a request decodes with `limit // share` running than with
@@ -68,7 +63,7 @@ class BatchSpeed:
         small = t0 + t1 * max(1, limit // share)
         return (t0 + t1 * limit) / small if small > 0 else None
 
-    def yielding_helps(self) -> bool | None:
-        """Whether a yield to `limit // YIELD_SHARE` pays, as the last fit said (kept while
-        the newest samples are all of one batch size); None: not measured yet."""
-        return self._verdict
+    def yielding_helps(self, limit: int, share: int) -> bool | None:
+        """Whether the speed-up pays for a yield; None: not measured yet."""
+        speedup = self.speedup(limit, share)
+        return None if speedup is None else speedup >= SPEEDUP_WORTH_YIELDING
