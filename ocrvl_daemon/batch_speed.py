@@ -5,31 +5,31 @@ Where the card's memory bandwidth is the limit (an 8 GB RTX 4060 with a 0.9B mod
 decoding step reads every weight once, whatever the batch), a request in a batch of 16
 decodes hardly faster than in one of 64, and yielding would only slow the book. Where compute
 is (a large card), a letter's page among 64 others got a third of its speed alone. So each
-endpoint fits, from its `/metrics`, the time of one decoding step against the number of
-requests running (step = t0 + t1 * running), and yielding pays where the step at the bound
-takes SPEEDUP_WORTH_YIELDING times as long as at the yielded share.
+endpoint keeps what its `/metrics` showed: generated tokens per second per running request,
+in small batches and in full ones.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from ocrvl_daemon.server_probe import ServerMetrics
 
-SPEEDUP_WORTH_YIELDING = 1.8
-SAMPLES = 64  # the newest (running, step seconds) pairs the fit uses
-SPREAD = 0.25  # running counts must span this share of the bound for a fit
+SMALL_BATCH = 0.4  # running requests, as a share of the bound, that count as a small batch
+FULL_BATCH = 0.8  # ... and as a full one
+SPEEDUP_WORTH_YIELDING = 1.8  # per-request speed, small batch over full, that pays a yield
+FULL_WEIGHT = 0.3  # of each new sample in the full batches' moving average
 
 
 class BatchSpeed:
-    """Step time against batch size, fitted from `/metrics` scrapes."""
+    """Generated tokens per second per running request, in small and in full batches."""
 
     def __init__(self) -> None:
         self._last: ServerMetrics | None = None
-        self._samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
+        self.small: float | None = None  # the fastest seen: prefill in a sample only ever
+        # makes a batch look slower
+        self.full: float | None = None
 
-    def observe(self, sample: ServerMetrics | None) -> None:
-        """Feed a `/metrics` scrape (the same one may come many times)."""
+    def observe(self, sample: ServerMetrics | None, limit: int) -> None:
+        """Feed a `/metrics` sample (the same one may come many times) and the bound."""
         if sample is None or sample.generation_tokens_total is None or sample.running is None:
             return
         last = self._last
@@ -39,31 +39,22 @@ class BatchSpeed:
         if (last is None or last.generation_tokens_total is None or last.running is None
                 or sample.taken_at < last.taken_at or (sample.waiting or 0) > 0):
             return
-        # A batch growing is new pages being prefilled, which slows every step; one that
-        # holds or shrinks (a book running on or yielding, the end of a run) shows decoding.
-        if sample.running > last.running or min(sample.running, last.running) < 1:
+        running = min(last.running, sample.running)
+        if running < 1:
             return
+        seconds = sample.taken_at - last.taken_at
         tokens = sample.generation_tokens_total - last.generation_tokens_total
-        if tokens <= 0:
-            return
-        running = (sample.running + last.running) / 2
-        self._samples.append((running, running * (sample.taken_at - last.taken_at) / tokens))
+        speed = tokens / seconds / ((last.running + sample.running) / 2)
+        # A batch growing is new pages being prefilled, which slows every step: a small
+        # batch counts while it holds or shrinks (a book yielding, the end of a run).
+        if sample.running <= last.running <= SMALL_BATCH * limit:
+            self.small = max(self.small or 0.0, speed)
+        elif running >= FULL_BATCH * limit:
+            self.full = speed if self.full is None else (
+                FULL_WEIGHT * speed + (1 - FULL_WEIGHT) * self.full)
 
-    def speedup(self, limit: int, share: int) -> float | None:
-        """How many times faster a request decodes with `limit // share` running than with
-        `limit` (None until the samples span enough batch sizes)."""
-        xs = [x for x, _ in self._samples]
-        if len(xs) < 3 or max(xs) - min(xs) < SPREAD * limit:
+    def yielding_helps(self) -> bool | None:
+        """Whether a request decodes enough faster in a small batch; None: not seen yet."""
+        if self.small is None or self.full is None:
             return None
-        mean_x = sum(xs) / len(xs)
-        mean_y = sum(y for _, y in self._samples) / len(xs)
-        t1 = (sum((x - mean_x) * (y - mean_y) for x, y in self._samples)
-              / sum((x - mean_x) ** 2 for x in xs))
-        t0 = mean_y - t1 * mean_x
-        small = t0 + t1 * max(1, limit // share)
-        return (t0 + t1 * limit) / small if small > 0 else None
-
-    def yielding_helps(self, limit: int, share: int) -> bool | None:
-        """Whether the speed-up pays for a yield; None: not measured yet."""
-        speedup = self.speedup(limit, share)
-        return None if speedup is None else speedup >= SPEEDUP_WORTH_YIELDING
+        return self.small >= SPEEDUP_WORTH_YIELDING * self.full

@@ -266,7 +266,7 @@ def speeds(per_request: Callable[[float], float], batches: list[float]) -> Batch
     for second, running in enumerate(batches):
         tokens += per_request(running) * running
         speed.observe(ServerMetrics(float(second), running=running, waiting=0,
-                                    generation_tokens_total=tokens))
+                                    generation_tokens_total=tokens), 64)
     return speed
 
 
@@ -278,7 +278,7 @@ def test_a_server_whose_steps_cost_the_same_at_any_batch_is_not_yielded_to() -> 
     def memory_bound(batch: float) -> float:
         return 1000 / (7.92 + 0.0554 * batch)
 
-    assert speeds(memory_bound, FULL_THEN_YIELDING).yielding_helps(64, YIELD_SHARE) is False, (
+    assert speeds(memory_bound, FULL_THEN_YIELDING).yielding_helps() is False, (
         "on a card where a request decodes hardly faster in a small batch, books must not "
         "yield to small documents: it would only slow the book")
 
@@ -287,19 +287,18 @@ def test_a_server_that_is_much_faster_per_request_in_small_batches_is_yielded_to
     def compute_bound(batch: float) -> float:
         return 5000 / (batch + 4)
 
-    assert speeds(compute_bound, FULL_THEN_YIELDING).yielding_helps(64, YIELD_SHARE) is True, (
+    assert speeds(compute_bound, FULL_THEN_YIELDING).yielding_helps() is True, (
         "on a card where a letter's page decodes several times faster in a small batch, "
         "books must yield to small documents")
 
 
-def test_until_batches_of_several_sizes_were_seen_yielding_is_undecided() -> None:
+def test_until_a_small_batch_was_seen_yielding_is_undecided_and_a_ramp_does_not_count() -> None:
     def compute_bound(batch: float) -> float:
         return 5000 / (batch + 4)
 
     ramp_then_full = [2, 8, 20, 40, 64, 64, 64]
-    assert speeds(compute_bound, ramp_then_full).yielding_helps(64, YIELD_SHARE) is None, (
-        "only a full batch and a growing one (pages being prefilled at the start) were seen: "
-        "that must not decide whether to yield")
+    assert speeds(compute_bound, ramp_then_full).yielding_helps() is None, (
+        "a batch growing at the start (pages being prefilled) must not decide whether to yield")
 
 
 def test_the_converter_does_not_hold_the_book_back_on_a_server_that_gains_nothing(
