@@ -202,8 +202,7 @@ class Converter:
         docs = [self.active[j] for j in sorted(self.active)]
         chosen = self.engines.isolating_pages(self.active)
         if chosen is None:
-            chosen = pick_yielding(docs, slots, limit,
-                                   yielding=self.dispatcher.yielding_helps(usable))
+            chosen = pick_yielding(docs, slots, limit)
             chosen += pick_pages(docs, short_room - len(chosen), short_of=SHORT_OF_PAGES)
         later = Counter(doc.job_id for doc, _ in chosen)
         for doc, page in chosen:

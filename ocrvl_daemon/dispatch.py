@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ocrvl_daemon.batch_speed import BatchSpeed
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.server import ServerStatus
@@ -95,7 +94,6 @@ class Endpoint:
         self.answered = 0  # requests that came back (for hang detection)
         self.answers: deque[float] = deque(maxlen=256)  # when pages were recognised
         self.suspended_until = 0.0
-        self.batch_speed = BatchSpeed()
 
     @property
     def url(self) -> str:
@@ -207,13 +205,6 @@ class Dispatcher:
             e.handle.note_progress(in_flight, e.answered)
             metrics = e.handle.metrics(want=e.concurrency.adaptive and in_flight > 0)
             e.concurrency.observe(now, e.answered, in_flight, backlog, metrics)
-            e.batch_speed.observe(metrics, e.concurrency.limit)
-
-    def yielding_helps(self, usable: list[Endpoint]) -> bool:
-        """Whether bigger documents should yield to small ones: unless an endpoint's
-        `/metrics` showed that its requests decode hardly faster in a small batch (until
-        they show anything, yes: a small document must not wait to be measured)."""
-        return not any(e.batch_speed.yielding_helps() is False for e in usable)
 
     def load(self) -> list[EndpointLoad]:
         """Each endpoint's pages in flight, rate and bound."""

@@ -10,8 +10,7 @@ While a small document runs beside a big one, the big ones yield: their pages go
 they have fewer than a `YIELD_SHARE`th of the bound in flight (`pick_yielding`). Why: a page
 decodes in a batch with every other request at the server, and on a real GPU a letter's page
 in a book's batch of 64 got a third of the speed it gets alone (3.7x its time alone). The book
-slows for as long as the letter runs; its pages already at the server finish. Where the
-server decodes a small batch hardly faster (a small card: `batch_speed`), nothing yields.
+slows for as long as the letter runs; its pages already at the server finish.
 """
 
 from __future__ import annotations
@@ -82,14 +81,13 @@ def pick_pages(
 
 
 def pick_yielding(
-    documents: list[DocumentPages], slots: int, limit: int, *, yielding: bool = True
+    documents: list[DocumentPages], slots: int, limit: int
 ) -> list[tuple[DocumentPages, int]]:
     """`pick_pages`, except that while a small document runs beside a big one, the big ones
-    take pages only while they have fewer than `limit // YIELD_SHARE` in flight (`yielding`:
-    whether the server decodes a small batch fast enough for that to pay, `batch_speed`)."""
+    take pages only while they have fewer than `limit // YIELD_SHARE` in flight."""
     small = [d for d in documents if d.pages_left <= SMALL_DOCUMENT_PAGES]
     big = [d for d in documents if d.pages_left > SMALL_DOCUMENT_PAGES]
-    if not yielding or not small or not big:
+    if not small or not big:
         return pick_pages(documents, slots)
     chosen = pick_pages(small, slots)
     big_room = limit // YIELD_SHARE - sum(len(d.in_flight) for d in big)

@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 from stand_in_worker import converter_with_stand_in
-from test_dispatch import ScriptedServer
 from test_failure_policy import ReadyServer
 
-from ocrvl_daemon.batch_speed import BatchSpeed
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.jobs import enqueue_file
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
@@ -22,7 +19,6 @@ from ocrvl_daemon.scheduler import (
     pick_pages,
     pick_yielding,
 )
-from ocrvl_daemon.server_probe import ServerMetrics
 from testkit.documents import make_pdf
 
 
@@ -256,81 +252,4 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
         converter.tick(0.0)
     assert book_in_flight() >= limit, (
         f"once the letter is done the book must fill the bound again; it has {book_in_flight()}")
-    store.close()
-
-
-def speeds(per_request: Callable[[float], float], batches: list[float]) -> BatchSpeed:
-    """A BatchSpeed fed one `/metrics` scrape a second while the server runs `batches`
-    requests in turn, each decoding `per_request(batch)` tokens a second."""
-    speed, tokens = BatchSpeed(), 0.0
-    for second, running in enumerate(batches):
-        tokens += per_request(running) * running
-        speed.observe(ServerMetrics(float(second), running=running, waiting=0,
-                                    generation_tokens_total=tokens), 64)
-    return speed
-
-
-FULL_THEN_YIELDING = [64, 64, 64, 60, 40, 22, 20, 20, 64, 64]
-
-
-def test_a_server_whose_steps_cost_the_same_at_any_batch_is_not_yielded_to() -> None:
-    # an 8 GB card decoding a 0.9B model: each step reads every weight, whatever the batch
-    def memory_bound(batch: float) -> float:
-        return 1000 / (7.92 + 0.0554 * batch)
-
-    assert speeds(memory_bound, FULL_THEN_YIELDING).yielding_helps() is False, (
-        "on a card where a request decodes hardly faster in a small batch, books must not "
-        "yield to small documents: it would only slow the book")
-
-
-def test_a_server_that_is_much_faster_per_request_in_small_batches_is_yielded_to() -> None:
-    def compute_bound(batch: float) -> float:
-        return 5000 / (batch + 4)
-
-    assert speeds(compute_bound, FULL_THEN_YIELDING).yielding_helps() is True, (
-        "on a card where a letter's page decodes several times faster in a small batch, "
-        "books must yield to small documents")
-
-
-def test_until_a_small_batch_was_seen_yielding_is_undecided_and_a_ramp_does_not_count() -> None:
-    def compute_bound(batch: float) -> float:
-        return 5000 / (batch + 4)
-
-    ramp_then_full = [2, 8, 20, 40, 64, 64, 64]
-    assert speeds(compute_bound, ramp_then_full).yielding_helps() is None, (
-        "a batch growing at the start (pages being prefilled) must not decide whether to yield")
-
-
-def test_the_converter_does_not_hold_the_book_back_on_a_server_that_gains_nothing(
-    tmp_path: Path,
-) -> None:
-    server = ScriptedServer(ReadyServer.url)
-    converter, worker, store, config = converter_with_stand_in(tmp_path, [server])
-    limit = converter.endpoint_load()[0].bound
-    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
-    converter.wake()
-    tokens = 0.0
-    for second, running in enumerate(FULL_THEN_YIELDING):  # what its /metrics showed so far
-        tokens += running * 1000 / (7.92 + 0.0554 * running)  # steps cost the same at any batch
-        server.sample = ServerMetrics(float(second), running=running, waiting=0,
-                                      generation_tokens_total=tokens)
-        worker.reach_server()
-        converter.tick(float(second))
-    while len(worker.in_flight) < limit:  # the book ramps up to the bound
-        worker.reach_server()
-        converter.tick(9.0)
-    book = worker.order[0][0]
-    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
-    converter.wake()
-    converter.tick(10.0)
-    finished = sorted(k for k in worker.in_flight if k[0] == book)[:8]
-    worker.results += [PageResult(*key) for key in finished]
-    worker.reach_server()
-    before = len(worker.order)
-    converter.tick(10.0)
-    assert (letter.id, 0) in worker.in_flight and (letter.id, 1) in worker.in_flight
-    assert [job for job, _ in worker.order[before:]] and all(
-        job == book for job, _ in worker.order[before:]), (
-        "on a server whose requests decode hardly faster in a small batch, the book must "
-        "go on filling the places its finished pages freed while a letter runs")
     store.close()
