@@ -120,9 +120,7 @@ class Bench:
         return r
 
     def capacity(self) -> Result:
-        jpegs = page_jpegs(self.book, self.pages)
-        tokens = DEFAULT_MAX_NEW_TOKENS  # what ocrvl and PaddleX ask for per page
-        bodies = [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=tokens) for j in jpegs]
+        bodies = page_requests(self.book, self.pages)
 
         def run() -> tuple[float, float, int]:
             t0 = time.monotonic()
@@ -240,11 +238,17 @@ def warm_up(urls: list[str], work: Path) -> None:
     a fresh vLLM's first requests wait seconds for its lazy start-up work, with no request
     running, and the first contender would pay for it."""
     pdf = make_pdf(work / "warm-up" / "warm.pdf", WARM_UP_PAGES, height=PAGE_HEIGHT, seed=2)
-    bodies = [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=DEFAULT_MAX_NEW_TOKENS)
-              for j in page_jpegs(pdf, WARM_UP_PAGES)]  # fmt: skip
+    bodies = page_requests(pdf, WARM_UP_PAGES)
     for url in urls:
         seconds = asyncio.run(send_all(url, bodies, WARM_UP_PAGES))
         log(f"warmed up {url}: {WARM_UP_PAGES} pages in {seconds:.1f} s")
+
+
+def page_requests(pdf: Path, pages: int) -> list[dict[str, Any]]:
+    """The chat requests of `pdf`'s first `pages` pages, as ocrvl and PaddleX send them (the
+    same image and token limit per page)."""
+    return [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=DEFAULT_MAX_NEW_TOKENS)
+            for j in page_jpegs(pdf, pages)]  # fmt: skip
 
 
 def page_jpegs(pdf: Path, pages: int) -> list[bytes]:
