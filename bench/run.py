@@ -337,6 +337,12 @@ class Ocrvl:
         self._reader.join(5)
         return code
 
+    def save(self, path: Path) -> None:
+        """Write what it said to `path`, each line with its seconds since the start."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"+{t - self.t0:8.3f} {line}\n" for t, line in list(self.lines)),
+                        encoding="utf-8")  # fmt: skip
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

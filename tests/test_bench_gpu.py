@@ -90,7 +90,7 @@ def test_replicas_bench_dry_run_measures_each_count_against_the_fake_server(
     results = tmp_path / "replicas.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu.replicas", "--fake", "--replicas", "1,2",
-         "--pages", "8", "--results", str(results)],
+         "--pages", "8", "--results", str(results), "--log-dir", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=560, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, f"bench.gpu.replicas failed:\n{proc.stderr[-3000:]}"
@@ -105,3 +105,8 @@ def test_replicas_bench_dry_run_measures_each_count_against_the_fake_server(
     assert data["b2_pages_per_s"] > 0, "B2 runs on the one-server daemon"
     assert data["ratios"]["2"]["vs_one"] > 0 and data["ratios"]["2"]["vs_b2"] > 0
     assert "| 2 |" in proc.stdout and "Targets:" in proc.stdout, proc.stdout
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    for n in ("1", "2"):
+        assert f"ocrvl-convert-{n}-replicas.log" in logs, f"convert's log is kept: {logs}"
+        run_log = (tmp_path / "logs" / f"ocrvl-run-{n}-replicas.log").read_text()
+        assert "ready in" in run_log, f"the daemon's log is kept, timed:\n{run_log[:2000]}"

@@ -185,6 +185,7 @@ def one_count(n: int, args: argparse.Namespace, work: Path, book: Path, res: dic
               gpu_baseline: int | None) -> dict[str, Any]:  # fmt: skip
     """Steps 1-5 for `server.replicas: n`; returns its entry (B2 goes into `res`)."""
     daemon = ReplicaDaemon(n, work / f"replicas-{n}", args)
+    log_dir = args.log_dir or daemon.work
     log(f"{n} replica(s): starting ocrvl run (ports from {daemon.port})")
     try:
         start_s = daemon.start()
@@ -193,7 +194,7 @@ def one_count(n: int, args: argparse.Namespace, work: Path, book: Path, res: dic
         warm_up(daemon.urls, daemon.work)
         metrics = Metrics(*daemon.urls)
         bench = Bench(daemon.urls[0], daemon.work, book, args.pages, PIPELINE.max_concurrency,
-                      metrics)  # fmt: skip
+                      metrics, log_dir)  # fmt: skip
         try:
             if n == 1:
                 res["b2_pages_per_s"] = bench.b2().pages_per_s
@@ -215,6 +216,8 @@ def one_count(n: int, args: argparse.Namespace, work: Path, book: Path, res: dic
         }  # fmt: skip
     finally:
         daemon.stop(gpu_baseline)
+        if daemon.proc is not None:
+            daemon.proc.save(log_dir / f"ocrvl-run-{n}-replicas.log")
 
 
 def ratios(res: dict[str, Any]) -> dict[str, dict[str, float | None]]:
@@ -275,6 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="results file (default bench/gpu/replicas_gpu.json)")  # fmt: skip
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's entries of the counts not run now")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="each ocrvl process's log (default: the work directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
     if not args.fake and not args.model_dir:

@@ -96,8 +96,9 @@ class Bench:
     """The contenders against one server, its /metrics sampled throughout."""
 
     def __init__(self, url: str, work: Path, book: Path, pages: int, concurrency: int,
-                 metrics: Metrics | None = None) -> None:  # fmt: skip
+                 metrics: Metrics | None = None, log_dir: Path | None = None) -> None:  # fmt: skip
         self.url, self.work, self.book, self.pages = url, work, book, pages
+        self.log_dir = log_dir or work  # each ocrvl process's log, named for its contender
         self.concurrency = concurrency
         self.metrics = metrics or Metrics(url)  # several servers' summed: bench.gpu.replicas
         self.results: dict[str, Result] = {}
@@ -118,6 +119,9 @@ class Bench:
             f"running {r.timeline}; preemptions {r.preemptions}")  # fmt: skip
         self.results[name] = r
         return r
+
+    def log_path(self, contender: str) -> Path:
+        return self.log_dir / (re.sub(r"\W+", "-", contender).strip("-") + ".log")
 
     def capacity(self) -> Result:
         bodies = page_requests(self.book, self.pages)
@@ -157,6 +161,7 @@ class Bench:
             proc = Ocrvl("convert", "--config", cfg, *server, book)
             code = proc.wait(3600)
             t1 = time.monotonic()
+            proc.save(self.log_path(name))
             if code != 0:
                 raise RuntimeError("ocrvl convert failed:\n" + "\n".join(proc.grep("")[-30:]))
             ready = proc.first("ready in")
@@ -188,6 +193,7 @@ class Bench:
                 return t0, t1, self.pages
             finally:
                 daemon.stop()
+                daemon.save(self.log_path("ocrvl run"))
 
         r = self.measure("ocrvl run", "first drop -> last .md, worker warm", run)
         r.extra.update(info)
@@ -214,6 +220,7 @@ class Bench:
                 return t0, time.monotonic(), self.pages + 2 * len(smalls)
             finally:
                 daemon.stop()
+                daemon.save(self.log_path("book + small documents"))
 
         r = self.measure("book + small documents", "book's drop -> last .md", run)
         ratios = sorted((done[n] - dropped[n]) / alone[n] for n in dropped)
@@ -405,7 +412,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="one more `vllm serve` argument (repeat)")  # fmt: skip
     ap.add_argument("--results", type=Path, default=HERE / "results.json",
                     help="where results.json goes (default bench/gpu/results.json)")  # fmt: skip
-    ap.add_argument("--log-dir", type=Path, default=None, help="vllm.log etc. (default: work)")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="vllm.log and each ocrvl process's log (default: the work directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
     if args.answer_lengths is None:  # with --server-url: what that server was started with
@@ -442,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             res["vllm"] = version(url)
             res["server"] = args.server_url or (args.model_dir or args.model)
             warm_up([url], work)
-            bench = Bench(url, work, book, args.pages, concurrency)
+            bench = Bench(url, work, book, args.pages, concurrency, log_dir=args.log_dir)
             try:
                 if "capacity" in parts:
                     bench.capacity()
