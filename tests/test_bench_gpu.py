@@ -3,19 +3,25 @@ fake server, and the pieces it hands to vLLM (answer lengths, dummy model dir)."
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
+from bench.gpu.run import page_requests
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
+from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server
+from testkit.plain_server import _Handler, serving
+from testkit.runner import run_ocrvl, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +75,8 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
                            "--disable-uvicorn-access-log") as srv:  # fmt: skip
         proc = subprocess.run(
             [sys.executable, "-m", "bench.gpu", "--server-url", srv.url + "/v1",
-             "--pages", "6", "--only", "capacity,convert", "--results", str(results)],
+             "--pages", "6", "--only", "capacity,convert", "--results", str(results),
+             "--log-dir", str(tmp_path / "logs")],
             cwd=ROOT, capture_output=True, text=True, timeout=560, check=False,
         )  # fmt: skip
     assert proc.returncode == 0, f"bench.gpu failed:\n{proc.stderr[-3000:]}"
@@ -81,6 +88,13 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
     assert data["capacity_pages_per_s"] > 0 and data["ocrvl_convert_pages_per_s"] > 0
     assert data["b2_pages_per_s"] is None, "contenders left out are written as null"
     assert "| capacity" in proc.stdout and "| ocrvl convert" in proc.stdout, proc.stdout
+    convert = data["detail"]["results"]["ocrvl convert"]
+    assert len(convert["rounds_pages_per_s"]) == 2, "convert should run once per round (2)"
+    assert convert["pages_per_s"] == min(convert["rounds_pages_per_s"]), (
+        "of two rounds, the figure of record is the slower one")
+    for k in (1, 2):
+        assert "ready in" in (tmp_path / "logs" / f"ocrvl-convert.{k}.log").read_text(), (
+            f"round {k}'s ocrvl convert log is kept")
 
 
 @pytest.mark.slow
@@ -107,6 +121,41 @@ def test_replicas_bench_dry_run_measures_each_count_against_the_fake_server(
     assert "| 2 |" in proc.stdout and "Targets:" in proc.stdout, proc.stdout
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     for n in ("1", "2"):
-        assert f"ocrvl-convert-{n}-replicas.log" in logs, f"convert's log is kept: {logs}"
+        assert f"ocrvl-convert-{n}-replicas.1.log" in logs, f"convert's log is kept: {logs}"
         run_log = (tmp_path / "logs" / f"ocrvl-run-{n}-replicas.log").read_text()
         assert "ready in" in run_log, f"the daemon's log is kept, timed:\n{run_log[:2000]}"
+
+
+def _without_image(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The request without its image, and the image's size in bytes."""
+    body = json.loads(json.dumps(body))
+    part = body["messages"][0]["content"][0]
+    size = len(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))
+    part["image_url"]["url"] = "<image>"
+    return body, size
+
+
+def test_the_feeder_and_warm_up_send_exactly_what_ocrvl_sends(tmp_path: Path) -> None:
+    """capacity and the warm-up stand for ocrvl's requests: the same fields (vLLM builds
+    another image processor for other `mm_processor_kwargs`), and an image of about the
+    same size."""
+    seen: list[dict[str, Any]] = []
+
+    class Capture(_Handler):
+        def do_POST(self) -> None:
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._send(200, {"id": "1", "object": "chat.completion", "created": 0,
+                             "model": seen[-1]["model"], "choices": [{
+                                 "index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": "text"}}]})
+
+    pdf = make_pdf(tmp_path / "one.pdf", 1, height=792, seed=1)
+    with serving(Capture) as url:
+        out = run_ocrvl("convert", "--config", write_config(tmp_path / "c.yaml"),
+                        "--server-url", url, pdf)  # fmt: skip
+    assert out.returncode == 0 and seen, f"ocrvl convert failed:\n{out.stderr[-3000:]}"
+    ocrvl, ocrvl_bytes = _without_image(seen[0])
+    feeder, feeder_bytes = _without_image(page_requests(pdf, 1)[0])
+    assert feeder == ocrvl, "the benchmark's requests differ from ocrvl's"
+    assert 0.8 < feeder_bytes / ocrvl_bytes < 1.25, (
+        f"the benchmark's page image is {feeder_bytes} bytes, ocrvl's {ocrvl_bytes}")
