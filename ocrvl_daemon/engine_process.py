@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask, _Channel
@@ -58,9 +59,12 @@ INK_SHARE = 0.0005
 INK_LEVEL = 128
 
 
-def has_ink(image: Any) -> bool:
+def has_ink(image: np.ndarray) -> bool:
     """Whether a rendered page (an H x W x 3 array) has anything dark on it."""
-    return bool((image.min(axis=2) < INK_LEVEL).mean() > INK_SHARE)
+    # The darkest channel of each pixel, channel by channel: numpy's min over the last axis
+    # of 3 takes ~10x as long (68 ms for a 2x-rendered A4 page, on every page's way out).
+    darkest = np.minimum(np.minimum(image[..., 0], image[..., 1]), image[..., 2])
+    return bool(np.count_nonzero(darkest < INK_LEVEL) > INK_SHARE * darkest.size)
 
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:

@@ -16,12 +16,14 @@ from importlib import resources
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import yaml
 from test_daemon import Setup, wait_for_markdown
 from test_failure_policy import Policy
 
 from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.engine_process import has_ink
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output import Page, write_document
 from ocrvl_daemon.page_quality import (
@@ -56,6 +58,22 @@ def test_each_failure_gets_its_verdict_and_reason():
     assert (garbage.verdict, garbage.reason) == (Verdict.BAD, "garbage")
     assert assess(text + "\ufffd", "stop", 41, False, True).reason == "garbage"
     assert assess(LOOPED, "length", 256, True, True).repetition >= 8
+
+
+def test_ink_on_a_page_is_any_dark_line_in_any_colour_and_not_scanner_noise():
+    """An empty answer counts as a failure only on a page with ink: what has ink is decided
+    on the rendered image, from its darkest channel."""
+    page = np.full((1584, 1120, 3), 255, np.uint8)  # A4 rendered at 2x
+    assert not has_ink(page), "a white page has no ink"
+    noise = page.copy()
+    noise.reshape(-1, 3)[::4000] = 0  # 1 dark pixel in 4000: dust
+    assert not has_ink(noise), "scanner dust is not ink"
+    line = page.copy()
+    line[800:803, 100:1000] = 40  # one line of small text's worth of dark pixels
+    assert has_ink(line), "a line of text is ink"
+    blue = page.copy()
+    blue[800:803, 100:1000, 2] = 0  # dark in one channel only (BGR red)
+    assert has_ink(blue), "a coloured line is ink too"
 
 
 def test_a_loop_is_sent_again_twice_with_a_penalty_then_kept():
