@@ -88,7 +88,7 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
     }
     if not p.use_layout_detection:
         # The page is the one block, which merging leaves as it is, after copying the whole
-        # page image twice to measure it (~10% of the client's CPU per page).
+        # page image twice to measure it (~6.5 ms of CPU a page).
         kwargs["merge_layout_blocks"] = False
     if config.server.api_key:
         kwargs["vl_rec_api_key"] = config.server.api_key
