@@ -113,7 +113,7 @@ class Bench:
         self.concurrency = concurrency
         self.metrics = metrics or Metrics(url)  # several servers' summed: bench.gpu.replicas
         self.rounds: dict[str, list[Result]] = {}  # each contender's runs, in order
-        self.results: dict[str, Result] = {}  # each contender's median run (the lower one)
+        self.results: dict[str, Result] = {}  # each contender's median run (the slower middle)
 
     # `solo_times` in bench/run.py waits for an idle server through this
     def idle(self) -> bool:
@@ -354,8 +354,8 @@ def report(res: dict[str, Any]) -> str:
         f"- date: {s['date']}", f"- GPU: {s['gpu']}", f"- vLLM: {s['vllm']}",
         f"- server: {res['server']}", f"- answers: {res['answer_lengths_note']}",
         f"- pages: {s['pages']} (one book), bound {s['concurrency']} in flight",
-        f"- rounds: {res.get('rounds', 1)}; each figure is a contender's median run (the lower "
-        "of two), whose time and timeline are shown", "",
+        f"- rounds: {res.get('rounds', 1)}; each figure is a contender's median run (of an even "
+        "count, the slower middle one), whose time and timeline are shown", "",
         "| contender | pages/s | each round | s | vs capacity | vs B2 | preemptions "
         "| requests running (mean per 1/24 of the run) |",
         "|---|---:|---|---:|---:|---:|---:|---|",
@@ -424,7 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between small documents")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs of capacity, B2, convert and run, in turn; each figure is its "
-                    "median (the lower of two) (default 2)")  # fmt: skip
+                    "median run (of an even count, the slower middle one) (default 2)")  # fmt: skip
     ap.add_argument("--only", default="capacity,b2,convert,run,small",
                     help="comma-separated contenders (default: all)")  # fmt: skip
     ap.add_argument("--answer-lengths", default=None,
