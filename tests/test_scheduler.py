@@ -111,18 +111,37 @@ def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
     assert [(d.job_id, p) for d, p in chosen] == [(2, 0), (2, 1)], (
         "the letter's pages must go first, and no book page beside them while the book has "
         "more than its yielded share in flight")
-    for page in range(limit - limit // YIELD_SHARE):  # the book's pages finish one by one
+    share = limit // YIELD_SHARE
+    book_share = share - len(letter.in_flight)  # the letter's pages count against the share
+    for page in range(limit - book_share):  # the book's pages finish one by one
         finish(book, page)
         assert pick_yielding(docs, 1, limit) == [], (
-            f"a book page was sent while the letter runs and the book still has "
-            f"{len(book.in_flight)} pages in flight (its share: {limit // YIELD_SHARE})")
-    finish(book, limit - limit // YIELD_SHARE)
+            f"a book page was sent while the letter runs with {len(book.in_flight)} book and "
+            f"{len(letter.in_flight)} letter pages in flight (the share of all: {share})")
+    finish(book, limit - book_share)
     assert [d.job_id for d, _ in pick_yielding(docs, 4, limit)] == [1], (
-        "below its yielded share the book must go on, one page per free place")
+        "below the yielded share the book must go on, one page per free place")
     finish(letter, 0)
     finish(letter, 1)
     assert len(pick_yielding([book], 40, limit)) == 40, (
         "once the letter is done the book must get the whole bound back")
+
+
+def test_letters_that_fill_the_yielded_share_hold_the_book_back_entirely() -> None:
+    limit = 64
+    share = limit // YIELD_SHARE
+    book = doc(1, 600)
+    letters = [doc(2 + n, 2) for n in range(share // 2)]
+    pick_pages([book], limit)
+    for page in range(limit):  # the whole first batch of the book finishes
+        finish(book, page)
+    chosen = pick_yielding([book, *letters], limit, limit)
+    assert {d.job_id for d, _ in chosen} == {d.job_id for d in letters}, (
+        f"with {len(letters)} letters running ({share} pages, the whole yielded share) a book "
+        "page was sent beside them: each one adds to the batch the letters decode in")
+    finish(letters[0], 0)
+    assert [d.job_id for d, _ in pick_yielding([book, *letters], limit, limit)] == [1], (
+        "a place freed under the yielded share must go to the book")
 
 
 def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
@@ -235,7 +254,8 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
     def book_in_flight() -> int:
         return sum(job == book for job, _ in worker.in_flight)
 
-    while book_in_flight() > share:  # book pages finish; the letter is still running
+    book_share = share - 2  # the letter's two pages count against the share
+    while book_in_flight() > book_share:  # book pages finish; the letter is still running
         worker.results.append(PageResult(*min(k for k in worker.in_flight if k[0] == book)))
         worker.reach_server()
         converter.tick(0.0)
@@ -243,9 +263,10 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
     worker.results.append(PageResult(*min(k for k in worker.in_flight if k[0] == book)))
     worker.reach_server()
     converter.tick(0.0)
-    assert book_in_flight() == share and len(worker.order) == before + 1, (
-        f"while the letter runs the book must keep {share} pages in flight (a quarter of the "
-        f"bound {limit}), no more and no fewer; it has {book_in_flight()}")
+    assert book_in_flight() == book_share and len(worker.order) == before + 1, (
+        f"while the letter runs the server must carry {share} pages in all (a quarter of the "
+        f"bound {limit}), the letter's 2 and {book_share} of the book, no more and no fewer; "
+        f"the book has {book_in_flight()}")
     worker.results += [PageResult(letter.id, 0), PageResult(letter.id, 1)]
     for _ in range(limit):
         worker.reach_server()
