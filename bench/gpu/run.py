@@ -231,8 +231,14 @@ class Bench:
             daemon, inbox, _ = start_daemon(self.url, self.work, "busy")
             try:
                 t0 = drop(self.book, inbox)
-                wait_until(lambda: (self.metrics.last() or (0, 0))[1] >= min(16, self.pages),
-                           300, what="the book under way")  # fmt: skip
+                under_way = min(16, self.pages)
+                wait_until(lambda: (self.metrics.last() or (0, 0))[1] >= under_way
+                           or md_done(inbox, self.book.name), 300,
+                           what="the book under way")  # fmt: skip
+                if md_done(inbox, self.book.name):
+                    raise SystemExit(f"the book finished before {under_way} of its pages ran at "
+                                     "once, so there is no book to drop small documents under: "
+                                     "give --pages more pages")  # fmt: skip
                 times = drop_under_book(self.book, smalls, inbox, gap=gap, t0=t0)
                 dropped.update(times[0])
                 done.update(times[1])
