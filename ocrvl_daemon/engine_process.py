@@ -10,7 +10,6 @@ endpoint its page was sent to (`_Endpoints`).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import logging
 import os
@@ -18,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-import types
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,6 +29,7 @@ import numpy as np
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import PageResult, PageTask, _Channel
+from ocrvl_daemon.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
 from ocrvl_daemon.request_gate import GatedRequest, RequestGate
@@ -270,42 +269,6 @@ def _library_logs_to_daemon() -> None:
     logging.getLogger("paddlex").setLevel(logging.WARNING)
 
 
-def _lean_paddlex_import() -> None:
-    """Keep paddlex's import from loading torch, transformers and peft, which the worker never
-    uses: ~10 s of a worker's start where they are installed (a GPU machine's Python).
-
-    modelscope, which paddlex imports, replaces itself with a lazy module after importing
-    `modelscope.hub`, so the lazy module lacks the `hub` attribute; paddlex's `import
-    modelscope.hub.errors as ...` then asks for it, and modelscope looks for a `hub` in
-    transformers and peft in turn, importing them (and torch). Giving it its `hub` first
-    avoids that. Its logger also imports `modelscope.utils.torch_utils` (and torch) only to
-    ask whether torch.distributed runs: a stand-in answers that; anything else asked of the
-    module loads the real one.
-    """
-    name = "modelscope.utils.torch_utils"
-    if name not in sys.modules:
-        stand_in = types.ModuleType(name)
-
-        def real(attr: str) -> Any:
-            if attr.startswith("__"):  # the import system's own questions (__path__...)
-                raise AttributeError(attr)
-            if sys.modules.get(name) is stand_in:
-                del sys.modules[name]
-            return getattr(importlib.import_module(name), attr)
-
-        stand_in.is_dist = lambda: False  # type: ignore[attr-defined]
-        stand_in.is_master = lambda group=None: True  # type: ignore[attr-defined]
-        stand_in.__getattr__ = real  # type: ignore[method-assign]
-        sys.modules[name] = stand_in
-    try:
-        import modelscope
-        import modelscope.hub.errors  # binds `modelscope` only: no lookup on the lazy module
-    except ImportError:
-        return
-    if "hub" not in vars(modelscope):
-        modelscope.hub = sys.modules["modelscope.hub"]  # type: ignore[attr-defined]
-
-
 def serve() -> None:
     """The worker process's main (`EngineWorker.start` runs it with `python -c`).
 
@@ -332,9 +295,7 @@ def serve() -> None:
     config_json, server_url = channel.receive()
     config = Config.model_validate_json(config_json)
     try:
-        _lean_paddlex_import()
-        from paddleocr import PaddleOCRVL
-
+        PaddleOCRVL = import_paddleocr_vl()
         _library_logs_to_daemon()
         pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
