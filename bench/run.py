@@ -450,7 +450,10 @@ def daemon_cpu(proc: psutil.Process) -> tuple[float, float]:
     return mine.user + mine.system, kids
 
 
-def start_daemon(server_url: str, work: Path, name: str) -> tuple[Ocrvl, Path, psutil.Process]:
+def start_daemon(server_url: str, work: Path, name: str, *,
+                 pipeline: dict[str, Any] | None = None) -> tuple[Ocrvl, Path, psutil.Process]:
+    """`ocrvl run` with an inbox of its own against `server_url`; `pipeline` settings go
+    into its config."""
     inbox = work / f"inbox-{name}"
     inbox.mkdir()
     cfg = write_config(
@@ -458,6 +461,7 @@ def start_daemon(server_url: str, work: Path, name: str) -> tuple[Ocrvl, Path, p
         state_dir=str(work / f"state-{name}"),
         inbox={"paths": [str(inbox)], "stable_seconds": 0.5, "polling": False},
         server={"mode": "external", "url": server_url},
+        pipeline=pipeline or {},
     )
     daemon = Ocrvl("run", "--config", cfg)
     wait_until(lambda: daemon.first("ready") is not None, 120, what="the daemon's ready line")
@@ -466,10 +470,11 @@ def start_daemon(server_url: str, work: Path, name: str) -> tuple[Ocrvl, Path, p
     return daemon, inbox, psutil.Process(daemon.proc.pid)
 
 
-def solo_times(server: Server, docs: list[Path], work: Path) -> dict[str, float]:
+def solo_times(server: Server, docs: list[Path], work: Path, *,
+               pipeline: dict[str, Any] | None = None) -> dict[str, float]:
     """Each document converted alone (drop -> `.md`) in an idle daemon of its own."""
     wait_until(server.idle, 300, what="an idle server")
-    daemon, inbox, _ = start_daemon(server.url, work, "c-solo")
+    daemon, inbox, _ = start_daemon(server.url, work, "c-solo", pipeline=pipeline)
     try:
         times = {}
         for doc in docs:

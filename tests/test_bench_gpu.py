@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
@@ -76,7 +79,7 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "bench.gpu", "--server-url", srv.url + "/v1",
              "--pages", "6", "--only", "capacity,convert", "--results", str(results),
-             "--log-dir", str(tmp_path / "logs")],
+             "--log-dir", str(tmp_path / "logs"), "--concurrency", "3", "--keep"],
             cwd=ROOT, capture_output=True, text=True, timeout=560, check=False,
         )  # fmt: skip
     assert proc.returncode == 0, f"bench.gpu failed:\n{proc.stderr[-3000:]}"
@@ -95,6 +98,15 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
     for k in (1, 2):
         assert "ready in" in (tmp_path / "logs" / f"ocrvl-convert.{k}.log").read_text(), (
             f"round {k}'s ocrvl convert log is kept")
+    assert data["concurrency"] == 3 and "3 always in flight" in proc.stderr, proc.stderr[-2000:]
+    work = Path(re.search(r"work directory (\S+)", proc.stderr).group(1))  # type: ignore[union-attr]
+    try:
+        config = yaml.safe_load((work / "ocrvl-convert.1" / "convert.yaml").read_text())
+        assert config["pipeline"].get("max_concurrency") == 3, (
+            "ocrvl convert did not get --concurrency as its bound, so it was not measured at "
+            f"the feeder's bound: {config['pipeline']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.slow

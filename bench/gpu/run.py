@@ -6,7 +6,8 @@
 
 Contenders, one after another on an idle server, each on the same `--pages`-page book:
   capacity  the direct feeder: the book's pages pre-rendered as clients render them,
-            exactly `--concurrency` (ocrvl's default bound, 64) requests always in flight
+            exactly `--concurrency` requests always in flight (default: ocrvl's default
+            bound, 64; every ocrvl contender gets it as `pipeline.max_concurrency`)
   B2        one warm `PaddleOCRVL(...).predict([book])` (bench/run.py's; predict timed)
   convert   `ocrvl convert BOOK --server-url URL` (timed from the worker's ready line,
             like B2, and from the command's start)
@@ -110,7 +111,7 @@ class Bench:
                  metrics: Metrics | None = None, log_dir: Path | None = None) -> None:  # fmt: skip
         self.url, self.work, self.book, self.pages = url, work, book, pages
         self.log_dir = log_dir or work  # each ocrvl process's log, named for its contender
-        self.concurrency = concurrency
+        self.concurrency = concurrency  # the feeder's, and ocrvl's pipeline.max_concurrency
         self.metrics = metrics or Metrics(url)  # several servers' summed: bench.gpu.replicas
         self.rounds: dict[str, list[Result]] = {}  # each contender's runs, in order
         self.results: dict[str, Result] = {}  # each contender's median run (the slower middle)
@@ -138,6 +139,11 @@ class Bench:
         """`contender`'s name and its run now, for file names (NAME.ROUND)."""
         name = re.sub(r"\W+", "-", contender).strip("-")
         return f"{name}.{len(self.rounds.get(contender, [])) + 1}"
+
+    def pipeline(self) -> dict[str, Any]:
+        """The `pipeline` settings of every ocrvl contender: the same bound as the feeder."""
+        return {"max_concurrency": self.concurrency,
+                "min_concurrency": min(PIPELINE.min_concurrency, self.concurrency)}
 
     def log_path(self, contender: str) -> Path:
         return self.log_dir / f"{self.slug(contender)}.log"
@@ -171,6 +177,7 @@ class Bench:
         where = self.work / self.slug(name)
         where.mkdir(parents=True)
         book = Path(shutil.copy(self.book, where / self.book.name))
+        settings["pipeline"] = {**self.pipeline(), **settings.get("pipeline", {})}
         cfg = write_config(where / "convert.yaml", state_dir=str(where / "state"), **settings)
         info: dict[str, Any] = {}
 
@@ -198,7 +205,8 @@ class Bench:
         info: dict[str, Any] = {}
 
         def run() -> tuple[float, float, int]:
-            daemon, inbox, _ = start_daemon(self.url, self.work, self.slug("ocrvl run"))
+            daemon, inbox, _ = start_daemon(self.url, self.work, self.slug("ocrvl run"),
+                                         pipeline=self.pipeline())  # fmt: skip
             try:
                 t_ready = daemon.first("ready in") or time.monotonic()
                 info["worker_ready_s"] = worker_ready_s(daemon)
@@ -223,12 +231,13 @@ class Bench:
                            seed=300 + i) for i in range(count)]  # fmt: skip
         self.metrics.wait_idle()
         log(f"small documents: {count} alone")
-        alone = solo_times(self, smalls, self.work)  # type: ignore[arg-type]
+        alone = solo_times(self, smalls, self.work,  # type: ignore[arg-type]
+                           pipeline=self.pipeline())  # fmt: skip
         dropped: dict[str, float] = {}
         done: dict[str, float] = {}
 
         def run() -> tuple[float, float, int]:
-            daemon, inbox, _ = start_daemon(self.url, self.work, "busy")
+            daemon, inbox, _ = start_daemon(self.url, self.work, "busy", pipeline=self.pipeline())
             try:
                 t0 = drop(self.book, inbox)
                 under_way = min(16, self.pages)
@@ -426,6 +435,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--model", help="a model with real weights, e.g. PaddlePaddle/PaddleOCR-VL")
     src.add_argument("--server-url", help="use this running server (http://HOST:PORT[/v1])")
     ap.add_argument("--pages", type=int, default=256, help="pages of the book (default 256)")
+    ap.add_argument("--concurrency", type=int, default=PIPELINE.max_concurrency,
+                    help="pages in flight: the feeder's bound and every ocrvl contender's "
+                    f"pipeline.max_concurrency (default {PIPELINE.max_concurrency}, ocrvl's)")
     ap.add_argument("--small", type=int, default=10, help="small documents (default 10)")
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between small documents")
     ap.add_argument("--rounds", type=int, default=2,
@@ -450,6 +462,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
+    if args.concurrency < 1:
+        ap.error(f"--concurrency {args.concurrency}: at least 1")
     if args.answer_lengths is None:  # with --server-url: what that server was started with
         args.answer_lengths = DEFAULT_LENGTHS if args.model_dir else "model"
     if args.answer_lengths != "model":
@@ -465,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log(f"work directory {work}")
     book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=1)
-    concurrency = PIPELINE.max_concurrency
+    concurrency = args.concurrency
     if args.server_url and args.answer_lengths == "model":
         lengths_note = "the server's own"
     elif args.answer_lengths == "model":
