@@ -98,6 +98,9 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
     for k in (1, 2):
         assert "ready in" in (tmp_path / "logs" / f"ocrvl-convert.{k}.log").read_text(), (
             f"round {k}'s ocrvl convert log is kept")
+    by_round = data["detail"]["round_ratios"]["ocrvl convert / capacity"]
+    assert len(by_round) == 2 and "ocrvl convert / capacity, round by round" in proc.stdout, (
+        "the report should show each round's convert-to-capacity ratio")
     assert data["concurrency"] == 3 and "3 always in flight" in proc.stderr, proc.stderr[-2000:]
     work = Path(re.search(r"work directory (\S+)", proc.stderr).group(1))  # type: ignore[union-attr]
     try:

@@ -361,6 +361,18 @@ def targets(s: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     ]  # fmt: skip
 
 
+ROUND_RATIOS = (("ocrvl convert", "B2"), ("ocrvl convert", "capacity"), ("ocrvl run", "capacity"))
+
+
+def round_ratios(res: dict[str, Any]) -> dict[str, list[float]]:
+    """Each ratio the targets name, round by round: a round runs its contenders back to back,
+    so its ratios are less moved by the machine drifting between rounds."""
+    r = res["results"]
+    return {f"{a} / {b}": [x / y for x, y in zip(r[a]["rounds_pages_per_s"],
+                                                 r[b]["rounds_pages_per_s"], strict=False)]
+            for a, b in ROUND_RATIOS if a in r and b in r}  # fmt: skip
+
+
 def report(res: dict[str, Any]) -> str:
     s = res["summary"]
     cap = s.get("capacity_pages_per_s")
@@ -383,10 +395,15 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} ({r['what']}) | {r['pages_per_s']:.2f} | {each} "
                      f"| {r['seconds']:.1f} | {vs_cap} | {vs_b2} | {r['preemptions']} "
                      f"| {running} |")  # fmt: skip
+    lines.append("")
+    for name, ratios in round_ratios(res).items():
+        if len(ratios) > 1:
+            lines.append(f"- {name}, round by round: {' '.join(f'{x:.2f}' for x in ratios)} "
+                         f"(median {statistics.median(ratios):.2f})")  # fmt: skip
     conv = res["results"].get("ocrvl convert")
     if conv:
-        lines += ["", f"- ocrvl convert from the command's start: "
-                  f"{conv['extra']['pages_per_s_from_start']:.2f} pages/s"]  # fmt: skip
+        lines.append(f"- ocrvl convert from the command's start: "
+                     f"{conv['extra']['pages_per_s_from_start']:.2f} pages/s")  # fmt: skip
     if res.get("worker_ready_s") is not None:
         lines.append(f"- engine worker ready in {res['worker_ready_s']:.1f} s "
                      "(the worker's own log line, largest seen)")  # fmt: skip
@@ -522,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                            for r in runs]  # fmt: skip
                 seen = [x for x in readies if x is not None]
                 res["worker_ready_s"] = max(seen) if seen else None
+                res["round_ratios"] = round_ratios(res)
                 res["summary"] = summary(res)
                 args.results.parent.mkdir(parents=True, exist_ok=True)
                 args.results.write_text(json.dumps({**res["summary"], "detail": res}, indent=1)
