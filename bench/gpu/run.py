@@ -366,7 +366,7 @@ ROUND_RATIOS = (("ocrvl convert", "B2"), ("ocrvl convert", "capacity"), ("ocrvl 
 
 def round_ratios(res: dict[str, Any]) -> dict[str, list[float]]:
     """Each ratio the targets name, round by round: a round runs its contenders back to back,
-    so its ratios are less moved by the machine drifting between rounds."""
+    so each of its ratios compares runs minutes apart, not a whole run apart."""
     r = res["results"]
     return {f"{a} / {b}": [x / y for x, y in zip(r[a]["rounds_pages_per_s"],
                                                  r[b]["rounds_pages_per_s"], strict=False)]
