@@ -35,10 +35,13 @@ class ExternalServer(ServerSupervisor):
         """No process: readiness and health by probing `server.url`."""
         failed_probes = 0
         stall_reported = False
+        first = True  # a server that is already up is seen at once, not a poll later
         while True:
             ready = self._state is ServerState.READY
-            self._wait(self._server.health_interval if ready or self._error else
-                       min(STARTUP_POLL, self._server.health_interval))
+            if not first:
+                self._wait(self._server.health_interval if ready or self._error else
+                           min(STARTUP_POLL, self._server.health_interval))
+            first = False
             status = probe.health()
             try:
                 # Not every OpenAI-compatible server has vLLM's /health: /v1/models decides.

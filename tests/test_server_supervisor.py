@@ -450,3 +450,19 @@ def test_external_server_readiness_follows_the_server(tmp_path: Path, supervise:
         assert sup.wait_ready(10)
         assert sup.status().pid is None
     wait_until(lambda: sup.state is ServerState.STARTING, 10, what="the supervisor to notice")
+
+
+def test_an_external_server_already_up_is_ready_at_the_first_probe(
+        tmp_path: Path, supervise: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A start-up poll this long would leave `ocrvl convert --server-url` waiting for it.
+    monkeypatch.setattr("ocrvl_daemon.external_server.STARTUP_POLL", 600.0)
+    port = free_port()
+    with start_fake_server(port):
+        config = validate_config({
+            "state_dir": str(tmp_path / "state"),
+            "server": {"mode": "external", "url": f"http://127.0.0.1:{port}/v1",
+                       "health_interval": 600}})
+        sup = supervise(config)
+        assert sup.wait_ready(60), (
+            "a server that was already running was not taken up at once: the supervisor "
+            "waited a poll interval before its first look")
