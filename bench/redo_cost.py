@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from testkit.documents import make_pdf, page_width
+from testkit.documents import make_pdf, sent_width
 from testkit.fake_server import InProcessFakeServer, parse_args
 
 PAGES = 40
@@ -50,7 +50,7 @@ def main() -> int:
             "model": {"max_new_tokens": MAX_NEW_TOKENS},
             "pipeline": {"use_layout_detection": False},
         }))
-        widths = ",".join(str(2 * page_width(p)) for p in LOOPING)
+        widths = ",".join(str(sent_width(p)) for p in LOOPING)
         cfg = parse_args(["--host", "127.0.0.1", "--port", "0", "--max-model-len", "16384",
                           "--output-tokens", "lognormal:500:0.9", "--request-log", str(log),
                           "--loop-widths", widths, "--disable-uvicorn-access-log"])
@@ -85,7 +85,7 @@ def report(log: Path, markdown: str, seconds: float) -> None:
         redo_asked += sum(r["max_tokens"] for r in redos)
         redo_made += sum(r.get("tokens", 0) for r in redos)
         cut_pages += first.get("tokens", 0) >= first["max_tokens"]
-    looping = {2 * page_width(p) for p in LOOPING}
+    looping = {sent_width(p) for p in LOOPING}
     loop_redo = sum(r.get("tokens", 0) for w in looping for r in by_page[w][1:])
     # A flagged page's comment (this version), or a cut-off note (versions before it).
     flagged = {int(m) for m in re.findall(r"<!-- ocrvl: page (\d+) (?:suspect|bad|was cut)",

@@ -24,7 +24,13 @@ from pydantic import (
 )
 
 from ocrvl_daemon.config_errors import KeyProblem
-from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, MODELS, VLModel
+from ocrvl_daemon.models import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODEL,
+    MAX_IMAGE_PIXELS,
+    MODELS,
+    VLModel,
+)
 
 AUTO = "auto"
 # vLLM flags ocrvl computes from the GPU unless the user gives a number.
@@ -146,6 +152,21 @@ class PipelineConfig(_Section):
         if isinstance(self.workers, int):
             return self.workers
         return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+    @property
+    def page_pixel_limit(self) -> int:
+        """The most pixels a page is rendered with.
+
+        With layout detection off the whole page is the one image sent, and the server
+        shrinks anything larger to the model's input size (`MAX_IMAGE_PIXELS`), so the page
+        is rendered at that size: the same input for the model, a half to a quarter of the
+        pixels for ocrvl to render and encode and for the server's single API process to
+        decode and resize. With layout detection on, blocks are cut from the page at full
+        scale and stay that sharp.
+        """
+        if self.use_layout_detection:
+            return self.max_page_pixels
+        return min(self.max_page_pixels, MAX_IMAGE_PIXELS)
 
     @model_validator(mode="after")
     def _bounds(self) -> PipelineConfig:

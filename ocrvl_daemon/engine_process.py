@@ -364,7 +364,7 @@ def _run_page(
     try:
         check_unchanged(path, task.size, task.mtime)
         image = render_page(
-            path, task.page, config.pipeline.render_scale, config.pipeline.max_page_pixels
+            path, task.page, config.pipeline.render_scale, config.pipeline.page_pixel_limit
         )
         # Checked again: the file may have been replaced while the page was being rendered.
         check_unchanged(path, task.size, task.mtime)

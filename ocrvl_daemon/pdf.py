@@ -175,15 +175,15 @@ def page_count(path: Path) -> int:
 
 
 def render_scale(width_pt: float, height_pt: float, scale: float, max_pixels: int) -> float:
-    """The render scale, lowered so the page stays within `max_pixels`.
+    """The render scale, lowered so the page stays within `max_pixels` as PDFium rounds (up).
 
-    Scale 2.0 gives ~4 MP for an A4 page; a poster-sized page must not take gigabytes of RAM,
+    Scale 2.0 gives ~2 MP for an A4 page; a poster-sized page must not take gigabytes of RAM,
     so anything above the budget is rendered smaller instead.
     """
-    pixels = width_pt * scale * height_pt * scale
-    if pixels <= max_pixels:
-        return scale
-    return scale * math.sqrt(max_pixels / pixels) * 0.999
+    s = min(scale, scale * math.sqrt(max_pixels / (width_pt * scale * height_pt * scale)))
+    while math.ceil(width_pt * s) * math.ceil(height_pt * s) > max_pixels:
+        s *= 0.999
+    return s
 
 
 def render_page(path: Path, index: int, scale: float, max_pixels: int) -> np.ndarray:

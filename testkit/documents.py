@@ -1,12 +1,13 @@
 """PDFs for tests and benchmarks, made with Pillow (scanned-book-like: one image per page).
 
 Page `i` is `400 + 20*i` points wide, so the fake server's reply (which names the image size
-it received) tells which page's text landed where.
+it received) tells which page's text landed where: `sent_width` is that size.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -15,10 +16,21 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from ocrvl_daemon.config import PipelineConfig
+from ocrvl_daemon.pdf import render_scale
+
 
 def page_width(index: int) -> int:
     """Width in points of page `index` (0-based) of a `make_pdf` document."""
     return 400 + 20 * (index % 50)
+
+
+def sent_width(index: int, height: int = 600) -> int:
+    """Width in pixels of page `index` of a `make_pdf` document (of page `height`) as ocrvl
+    sends it with layout detection off, the tests' setting: scale 2, within the model's input
+    size (as PDFium rounds)."""
+    limit = PipelineConfig(use_layout_detection=False).page_pixel_limit
+    return math.ceil(page_width(index) * render_scale(page_width(index), height, 2.0, limit))
 
 
 def make_pdf(path: Path, pages: int, *, height: int = 600, seed: int = 0) -> Path:

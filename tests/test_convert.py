@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from ocrvl_daemon.config import PipelineConfig
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.models import MAX_IMAGE_PIXELS
 from ocrvl_daemon.output import read_header
 from testkit.documents import (
     make_damaged_page_pdf,
@@ -19,6 +21,7 @@ from testkit.documents import (
     make_encrypted_pdf,
     make_pdf,
     page_width,
+    sent_width,
 )
 from testkit.harness import FakeServerProcess, free_port, start_fake_server
 from testkit.plain_server import plain_openai_server
@@ -28,8 +31,6 @@ from testkit.runner import (
     run_ocrvl,
     write_config,
 )
-
-SCALE = 2  # ocrvl renders PDF pages at scale 2.0, like PaddleOCR
 
 
 def page_widths(markdown: str) -> list[int]:
@@ -47,7 +48,7 @@ def test_multi_page_book_comes_out_with_every_page_in_order(tmp_path, fake_serve
     result = convert(tmp_path, fake_server, book)
     assert result.returncode == 0, result.stderr
     markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
-    assert page_widths(markdown) == [page_width(i) * SCALE for i in range(7)], (
+    assert page_widths(markdown) == [sent_width(i) for i in range(7)], (
         "pages are missing or out of order"
     )
     assert [int(n) for n in re.findall(r"<!-- page (\d+) -->", markdown)] == list(range(1, 8))
@@ -59,6 +60,31 @@ def test_multi_page_book_comes_out_with_every_page_in_order(tmp_path, fake_serve
     assert "ccache" not in result.stderr and "Creating model" not in result.stderr, (
         "library noise from the engine worker reaches the log"
     )
+
+
+def test_whole_pages_reach_the_server_at_the_models_input_size(tmp_path, fake_server):
+    """With layout detection off the server would shrink a scale-2 page to the model's input
+    size anyway; ocrvl renders it at that size (a fraction of the pixels to render, encode and
+    decode), the page's shape kept."""
+    book = make_pdf(tmp_path / "book.pdf", 3, height=792)  # 1.3-1.4 MP at scale 2
+    result = convert(tmp_path, fake_server, book)
+    assert result.returncode == 0, result.stderr
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    sizes = [(int(w), int(h)) for w, h in re.findall(r"fake-ocr OCR (\d+)x(\d+)", markdown)]
+    assert len(sizes) == 3, markdown
+    for page, (w, h) in enumerate(sizes):
+        assert 0.98 * MAX_IMAGE_PIXELS <= w * h <= MAX_IMAGE_PIXELS, (
+            f"page {page + 1} was sent at {w}x{h}, not at the model's input size "
+            f"({MAX_IMAGE_PIXELS} pixels)"
+        )
+        assert abs(w / h - page_width(page) / 792) < 0.01, f"page {page + 1} lost its shape"
+
+
+def test_with_layout_detection_on_pages_keep_their_full_scale_for_the_blocks():
+    assert PipelineConfig(use_layout_detection=True).page_pixel_limit == 25_000_000
+    assert PipelineConfig(use_layout_detection=False).page_pixel_limit == MAX_IMAGE_PIXELS
+    smaller = PipelineConfig(use_layout_detection=False, max_page_pixels=500_000)
+    assert smaller.page_pixel_limit == 500_000, "max_page_pixels stopped being a limit"
 
 
 NAMES = ["my book.pdf", "Ünïcödé ßuch – 日本語.pdf", 'it\'s "quoted".pdf']
@@ -116,7 +142,7 @@ def test_convert_pages_redoes_only_those_pages(tmp_path):
         assert result.returncode == 0, result.stderr
     assert len(requests.read_text().splitlines()) == 4, "--pages 2 did not redo exactly page 2"
     markdown = pdf.with_suffix(".md").read_text(encoding="utf-8")
-    assert page_widths(markdown) == [page_width(i) * SCALE for i in range(3)]
+    assert page_widths(markdown) == [sent_width(i) for i in range(3)]
 
 
 def test_our_own_markdown_is_replaced_when_the_pdf_changes(tmp_path, fake_server):
@@ -160,7 +186,7 @@ def test_a_damaged_page_becomes_a_placeholder_at_once_and_the_rest_still_convert
     result = convert(tmp_path, fake_server, book)
     assert result.returncode == 0, result.stderr
     markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
-    assert page_widths(markdown) == [page_width(0) * SCALE, page_width(2) * SCALE], (
+    assert page_widths(markdown) == [sent_width(0), sent_width(2)], (
         "the pages around the damaged one are missing"
     )
     assert "*[ocrvl: page 2 is damaged in the PDF and cannot be rendered" in markdown

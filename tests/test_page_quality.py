@@ -4,7 +4,7 @@ Markdown, `ocrvl status`, the journal fields and the JSON output.
 
 The end-to-end test runs the daemon against the fake server, which loops on chosen pages
 unless the request carries a loop-breaking parameter, cuts others off and answers some with
-nothing (pages are chosen by image width: page i of `make_pdf` is 2 * page_width(i) pixels).
+nothing (pages are chosen by image width: page i of `make_pdf` is sent_width(i) pixels).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
-from testkit.documents import make_pdf, page_width
+from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
 from testkit.runner import run_ocrvl
 
@@ -158,7 +158,7 @@ def test_loops_cut_offs_and_empty_pages_are_retried_to_fit_and_flagged_everywher
         tmp_path: Path):
     pages = 24
     loop, cut, empty = pages - 3, pages - 2, pages - 1  # the last pages: the cap is known
-    width = {p: 2 * page_width(p) for p in range(pages)}
+    width = {p: sent_width(p) for p in range(pages)}
     setup = Setup(tmp_path, "--output-tokens", "fixed:200",
                   "--loop-widths", str(width[loop]), "--cut-widths", str(width[cut]),
                   "--empty-widths", str(width[empty]),

@@ -16,7 +16,7 @@ import pytest
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate
-from testkit.documents import make_pdf, page_width
+from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
 
 
@@ -270,6 +270,6 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
     assert [r["status"] for r in records].count(499) == 1, "no book request was bumped"
     for res in results:
         pdf = book if res.job_id == 1 else letter
-        assert f"fake-ocr OCR {page_width(res.page) * 2}x" in res.markdown, (
+        assert f"fake-ocr OCR {sent_width(res.page)}x" in res.markdown, (
             f"{pdf.name} p.{res.page + 1} came back with another page's text"
         )

@@ -71,7 +71,7 @@ from testkit.harness import chat_payload, free_port, wait_until  # noqa: E402
 from testkit.runner import write_config  # noqa: E402
 
 PAGE_HEIGHT = 792  # points: 400..1380 x 792 pt pages, as bench/run.py's
-PIPELINE = PipelineConfig()
+PIPELINE = PipelineConfig(use_layout_detection=False)  # as every contender runs: whole pages
 WARM_UP_PAGES = 32
 # What PaddleX adds to every page's request. vLLM builds an image processor for each set of
 # `mm_processor_kwargs` on its first request (seconds, nothing running): a feeder and warm-up
@@ -293,10 +293,11 @@ def page_requests(pdf: Path, pages: int) -> list[dict[str, Any]]:
 
 
 def page_jpegs(pdf: Path, pages: int) -> list[bytes]:
-    """The book's pages rendered as the clients render them (scale 2, JPEG)."""
+    """The book's pages rendered as ocrvl renders them (scale 2 within the model's input size,
+    layout detection being off; JPEG)."""
     out = []
     for i in range(pages):
-        bgr = render_page(pdf, i, PIPELINE.render_scale, PIPELINE.max_page_pixels)
+        bgr = render_page(pdf, i, PIPELINE.render_scale, PIPELINE.page_pixel_limit)
         buf = io.BytesIO()
         Image.fromarray(bgr[:, :, ::-1]).save(buf, format="JPEG", quality=95)
         out.append(buf.getvalue())
