@@ -7,8 +7,8 @@ a phrase to the limit unless the request carries a loop-breaking parameter), con
 were cut off: tokens asked and produced on the first pass and on redos, and how many pages
 end flagged.
 
-    python bench/redo_cost.py                      # this checkout
-    python bench/redo_cost.py --code OLD/          # another ocrvl source tree, e.g. main
+    python -m bench.redo_cost                      # this checkout
+    python -m bench.redo_cost --code OLD/          # another ocrvl source tree, e.g. main
                                                    # before dfce062 (the doubling chain):
     mkdir /tmp/old && git archive 2da3f65 ocrvl_daemon | tar -x -C /tmp/old
 """

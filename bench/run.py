@@ -439,8 +439,9 @@ def md_done(inbox: Path, name: str) -> bool:
     return (inbox / (Path(name).stem + ".md")).exists()
 
 
-def daemon_cpu(proc: psutil.Process) -> tuple[float, float]:
-    """(daemon's own CPU seconds, its children's CPU seconds: the engine worker)."""
+def process_cpu(proc: psutil.Process) -> tuple[float, float]:
+    """(a process's own CPU seconds, its children's: the daemon and its engine worker, a vLLM
+    API server and its engine core)."""
     mine = proc.cpu_times()
     kids = 0.0
     for child in proc.children(recursive=True):
@@ -497,7 +498,7 @@ def run_scenario_c(server: Server, book: Path, smalls: list[Path],
     wait_until(server.idle, 300, what="an idle server")
     daemon, inbox, proc = start_daemon(server.url, work, "c")
     try:
-        cpu0, _ = daemon_cpu(proc)
+        cpu0, _ = process_cpu(proc)
         before = server.reset()
         timeline = Timeline(server, before["requests_received"])
         t0 = drop(book, inbox)
@@ -505,7 +506,7 @@ def run_scenario_c(server: Server, book: Path, smalls: list[Path],
         dropped, done = drop_under_book(book, smalls, inbox, gap=1.5, t0=t0)
         seconds = time.monotonic() - t0
         pages = _pages(book) + sum(_pages(s) for s in smalls)
-        cpu1, _ = daemon_cpu(proc)
+        cpu1, _ = process_cpu(proc)
         run = Run("ocrvl run (daemon)", "c", pages, seconds)
         measured(server, run, before, t0, timeline)
         busy = {n: done[n] - dropped[n] for n in dropped}
@@ -540,7 +541,7 @@ def run_memory_idle(pages: int, work: Path, idle_seconds: float) -> dict[str, An
         daemon, inbox, proc = start_daemon(f"http://127.0.0.1:{port}", work, "mem")
         try:
             samples: list[tuple[float, float, float]] = []
-            cpu0, _ = daemon_cpu(proc)
+            cpu0, _ = process_cpu(proc)
             t0 = drop(pdf, inbox)
             while not md_done(inbox, pdf.name):
                 kids = proc.children(recursive=True)
@@ -550,14 +551,14 @@ def run_memory_idle(pages: int, work: Path, idle_seconds: float) -> dict[str, An
                     raise RuntimeError("memory scenario did not finish")
                 time.sleep(1.0)
             seconds = time.monotonic() - t0
-            cpu1, _ = daemon_cpu(proc)
+            cpu1, _ = process_cpu(proc)
             time.sleep(3)  # let the last page settle
             rss_d = proc.memory_info().rss
             rss_w = max((k.memory_info().rss for k in proc.children(recursive=True)), default=0)
-            c0 = daemon_cpu(proc)
+            c0 = process_cpu(proc)
             i0 = time.monotonic()
             time.sleep(idle_seconds)
-            c1 = daemon_cpu(proc)
+            c1 = process_cpu(proc)
             idle_wall = time.monotonic() - i0
             third = max(1, len(samples) // 3)
             return {

@@ -102,6 +102,11 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
     assert len(by_round) == 2 and "ocrvl convert / capacity, round by round" in proc.stdout, (
         "the report should show each round's convert-to-capacity ratio")
     assert data["concurrency"] == 3 and "3 always in flight" in proc.stderr, proc.stderr[-2000:]
+    for name in ("capacity", "ocrvl convert"):
+        extra = data["detail"]["results"][name]["extra"]
+        assert extra.get("server_api_cpu_s_per_page", 0) > 0, (
+            f"the server's CPU per page was not measured for {name}: {extra}")
+    assert "server CPU s per page, API process + engine core: capacity" in proc.stdout
     work = Path(re.search(r"work directory (\S+)", proc.stderr).group(1))  # type: ignore[union-attr]
     try:
         config = yaml.safe_load((work / "ocrvl-convert.1" / "convert.yaml").read_text())

@@ -38,12 +38,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS  # noqa: E402
@@ -56,6 +58,7 @@ from bench.run import (  # noqa: E402
     drop,
     drop_under_book,
     md_done,
+    process_cpu,
     solo_times,
     start_daemon,
 )
@@ -113,6 +116,7 @@ class Bench:
         self.log_dir = log_dir or work  # each ocrvl process's log, named for its contender
         self.concurrency = concurrency  # the feeder's, and ocrvl's pipeline.max_concurrency
         self.metrics = metrics or Metrics(url)  # several servers' summed: bench.gpu.replicas
+        self.servers = [server_process(u) for u in self.metrics.urls]
         self.rounds: dict[str, list[Result]] = {}  # each contender's runs, in order
         self.results: dict[str, Result] = {}  # each contender's median run (the slower middle)
 
@@ -125,7 +129,12 @@ class Bench:
         """`run` returns (start, end, pages) in time.monotonic(); the timeline spans them."""
         self.metrics.wait_idle()
         log(f"{name} ...")
+        cpu0 = self.server_cpu()
         t0, t1, pages = run()
+        cpu1 = self.server_cpu()
+        if cpu0 is not None and cpu1 is not None:
+            extra = {**extra, "server_api_cpu_s_per_page": (cpu1[0] - cpu0[0]) / pages,
+                     "server_engine_cpu_s_per_page": (cpu1[1] - cpu0[1]) / pages}  # fmt: skip
         r = Result(name, pages, t1 - t0, what, self.metrics.timeline(t0, t1),
                    self.metrics.preemptions(t0, t1), extra)  # fmt: skip
         log(f"{name}: {r.pages_per_s:.2f} pages/s ({r.seconds:.1f} s, {what}); "
@@ -134,6 +143,17 @@ class Bench:
         runs.append(r)
         self.results[name] = sorted(runs, key=lambda x: x.pages_per_s)[(len(runs) - 1) // 2]
         return r
+
+    def server_cpu(self) -> tuple[float, float] | None:
+        """CPU seconds so far of the servers' API processes and of their children (the engine
+        cores), summed; None unless every server is a process on this machine."""
+        procs = [p for p in self.servers if p is not None]
+        if not procs or len(procs) < len(self.servers):
+            return None
+        with contextlib.suppress(psutil.Error):
+            each = [process_cpu(p) for p in procs]
+            return sum(api for api, _ in each), sum(core for _, core in each)
+        return None
 
     def slug(self, contender: str) -> str:
         """`contender`'s name and its run now, for file names (NAME.ROUND)."""
@@ -265,6 +285,18 @@ class Bench:
             "median_x": statistics.median(ratios), "worst_x": ratios[-1],
             "ratios": [round(x, 2) for x in ratios], "book_timeline": r.timeline,
         }  # fmt: skip
+
+
+def server_process(url: str) -> psutil.Process | None:
+    """The process on this machine listening on `url`'s port (a vLLM API server; its children
+    are the engine core), or None for a server elsewhere or out of sight."""
+    port = urlsplit(url).port
+    with contextlib.suppress(psutil.Error):
+        for conn in psutil.net_connections(kind="tcp"):
+            port_of = getattr(conn.laddr, "port", None)
+            if conn.status == psutil.CONN_LISTEN and port_of == port and conn.pid:
+                return psutil.Process(conn.pid)
+    return None
 
 
 def worker_ready_s(proc: Ocrvl) -> float | None:
@@ -401,6 +433,11 @@ def report(res: dict[str, Any]) -> str:
         if len(ratios) > 1:
             lines.append(f"- {name}, round by round: {' '.join(f'{x:.2f}' for x in ratios)} "
                          f"(median {statistics.median(ratios):.2f})")  # fmt: skip
+    cpu = [f"{r['name']} {r['extra']['server_api_cpu_s_per_page']:.3f} + "
+           f"{r['extra']['server_engine_cpu_s_per_page']:.3f}"
+           for r in res["results"].values() if "server_api_cpu_s_per_page" in r["extra"]]
+    if cpu:
+        lines.append("- server CPU s per page, API process + engine core: " + "; ".join(cpu))
     conv = res["results"].get("ocrvl convert")
     if conv:
         lines.append(f"- ocrvl convert from the command's start: "
