@@ -459,6 +459,25 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(res: dict[str, Any], bench: Bench, path: Path) -> None:
+    """Fold the runs so far into `res` and write results.json: after every round, so a run
+    cut short (a lease ending) still leaves its figures."""
+    res["results"] = {
+        n: {**asdict(r), "pages_per_s": r.pages_per_s,
+            "rounds_pages_per_s": [x.pages_per_s for x in bench.rounds[n]]}
+        for n, r in bench.results.items()}  # fmt: skip
+    seen = [r.extra["worker_ready_s"] for runs in bench.rounds.values() for r in runs
+            if r.extra.get("worker_ready_s") is not None]  # fmt: skip
+    res["worker_ready_s"] = max(seen) if seen else None
+    res["round_ratios"] = round_ratios(res)
+    res["summary"] = summary(res)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")  # whole or not at all, for whoever reads it
+    part.write_text(json.dumps({**res["summary"], "detail": res}, indent=1) + "\n",
+                    encoding="utf-8")  # fmt: skip
+    part.replace(path)
+
+
 # --- main -------------------------------------------------------------------------------
 
 
@@ -555,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             warm_up([url], work)
             bench = Bench(url, work, book, args.pages, concurrency, log_dir=args.log_dir)
             try:
-                for _ in range(args.rounds):
+                res["rounds"] = 0  # rounds done
+                for done in range(1, args.rounds + 1):
                     if "capacity" in parts:
                         bench.capacity()
                     if "b2" in parts:
@@ -564,24 +584,13 @@ def main(argv: list[str] | None = None) -> int:
                         bench.convert()
                     if "run" in parts:
                         bench.run_daemon()
+                    res["rounds"] = done
+                    write_results(res, bench, args.results)
                 if "small" in parts:
                     res["small"] = bench.small_documents(args.small, args.gap)
             finally:
                 bench.metrics.stop()
-                res["rounds"] = args.rounds
-                res["results"] = {
-                    n: {**asdict(r), "pages_per_s": r.pages_per_s,
-                        "rounds_pages_per_s": [x.pages_per_s for x in bench.rounds[n]]}
-                    for n, r in bench.results.items()}  # fmt: skip
-                readies = [r.extra.get("worker_ready_s") for runs in bench.rounds.values()
-                           for r in runs]  # fmt: skip
-                seen = [x for x in readies if x is not None]
-                res["worker_ready_s"] = max(seen) if seen else None
-                res["round_ratios"] = round_ratios(res)
-                res["summary"] = summary(res)
-                args.results.parent.mkdir(parents=True, exist_ok=True)
-                args.results.write_text(json.dumps({**res["summary"], "detail": res}, indent=1)
-                                        + "\n", encoding="utf-8")  # fmt: skip
+                write_results(res, bench, args.results)
         print(report(res))
     finally:
         if not args.keep:
