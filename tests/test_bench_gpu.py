@@ -121,7 +121,13 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
         extra = data["detail"]["results"][name]["extra"]
         assert extra.get("server_api_cpu_s_per_page", 0) > 0, (
             f"the server's CPU per page was not measured for {name}: {extra}")
-    assert "server CPU s per page, API process + engine core: capacity" in stdout
+    assert "server CPU s per page, API process + engine core (+ everything else on the " \
+        "machine): capacity" in stdout, stdout
+    for name in ("capacity", "ocrvl convert"):
+        extra = data["detail"]["results"][name]["extra"]
+        assert 0 < extra["machine_busy_cores"] <= extra["machine_cpus"], (
+            f"the machine's busy CPUs were not measured for {name}: {extra}")
+    assert "machine CPU while each ran, busy cores of" in stdout, stdout
     work = Path(re.search(r"work directory (\S+)", stderr).group(1))  # type: ignore[union-attr]
     try:
         config = yaml.safe_load((work / "ocrvl-convert.1" / "convert.yaml").read_text())

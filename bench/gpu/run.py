@@ -129,12 +129,16 @@ class Bench:
         """`run` returns (start, end, pages) in time.monotonic(); the timeline spans them."""
         self.metrics.wait_idle()
         log(f"{name} ...")
-        cpu0 = self.server_cpu()
+        cpu0, machine0, wall0 = self.server_cpu(), psutil.cpu_times(), time.monotonic()
         t0, t1, pages = run()
-        cpu1 = self.server_cpu()
+        cpu1, machine1, wall1 = self.server_cpu(), psutil.cpu_times(), time.monotonic()
+        extra = {**extra, **machine_cpu(machine0, machine1, wall1 - wall0)}
         if cpu0 is not None and cpu1 is not None:
-            extra = {**extra, "server_api_cpu_s_per_page": (cpu1[0] - cpu0[0]) / pages,
-                     "server_engine_cpu_s_per_page": (cpu1[1] - cpu0[1]) / pages}  # fmt: skip
+            server = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+            extra = {**extra, "server_api_cpu_s_per_page": server[0] / pages,
+                     "server_engine_cpu_s_per_page": server[1] / pages,
+                     "others_cpu_s_per_page": (extra["machine_busy_cores"] * (wall1 - wall0)
+                                               - sum(server)) / pages}  # fmt: skip
         r = Result(name, pages, t1 - t0, what, self.metrics.timeline(t0, t1),
                    self.metrics.preemptions(t0, t1), extra)  # fmt: skip
         log(f"{name}: {r.pages_per_s:.2f} pages/s ({r.seconds:.1f} s, {what}); "
@@ -299,6 +303,22 @@ def server_process(url: str) -> psutil.Process | None:
     return None
 
 
+def machine_cpu(before: Any, after: Any, seconds: float) -> dict[str, float]:
+    """The machine's CPUs over a contender's run, from two `psutil.cpu_times()`: busy cores
+    (everything but idle, iowait and steal) and cores stolen by the hypervisor. On a shared
+    host these tell a slow round of the machine from a slow contender."""
+    def total(t: Any) -> float:  # Linux counts guest time in user and nice already
+        return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    def quiet(t: Any) -> float:
+        return t.idle + getattr(t, "iowait", 0.0) + getattr(t, "steal", 0.0)
+
+    busy = (total(after) - quiet(after)) - (total(before) - quiet(before))
+    steal = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
+    return {"machine_cpus": psutil.cpu_count() or 1, "machine_busy_cores": busy / seconds,
+            "machine_steal_cores": steal / seconds}  # fmt: skip
+
+
 def worker_ready_s(proc: Ocrvl) -> float | None:
     for line in proc.grep("ready in"):
         if m := WORKER_READY.search(line):
@@ -434,10 +454,19 @@ def report(res: dict[str, Any]) -> str:
             lines.append(f"- {name}, round by round: {' '.join(f'{x:.2f}' for x in ratios)} "
                          f"(median {statistics.median(ratios):.2f})")  # fmt: skip
     cpu = [f"{r['name']} {r['extra']['server_api_cpu_s_per_page']:.3f} + "
-           f"{r['extra']['server_engine_cpu_s_per_page']:.3f}"
+           f"{r['extra']['server_engine_cpu_s_per_page']:.3f} "
+           f"(+ {r['extra']['others_cpu_s_per_page']:.3f})"
            for r in res["results"].values() if "server_api_cpu_s_per_page" in r["extra"]]
     if cpu:
-        lines.append("- server CPU s per page, API process + engine core: " + "; ".join(cpu))
+        lines.append("- server CPU s per page, API process + engine core (+ everything else "
+                     "on the machine): " + "; ".join(cpu))  # fmt: skip
+    busy = [f"{r['name']} {r['extra']['machine_busy_cores']:.1f} "
+            f"({r['extra']['machine_steal_cores']:.2f})"
+            for r in res["results"].values() if "machine_busy_cores" in r["extra"]]
+    if busy:
+        cpus = next(iter(res["results"].values()))["extra"]["machine_cpus"]
+        lines.append(f"- machine CPU while each ran, busy cores of {cpus} (stolen by the "
+                     "hypervisor): " + "; ".join(busy))  # fmt: skip
     conv = res["results"].get("ocrvl convert")
     if conv:
         lines.append(f"- ocrvl convert from the command's start: "
