@@ -20,7 +20,7 @@ import yaml
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
-from bench.gpu.run import page_requests
+from bench.gpu.run import page_requests, round_order
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
 from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server
@@ -62,6 +62,18 @@ def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() 
     assert "--load-format" not in real.argv() and "--logits-processors" not in real.argv()
 
 
+def test_each_round_starts_one_contender_later_so_none_always_follows_b2() -> None:
+    four = ["capacity", "b2", "convert", "run"]
+    orders = [round_order(four, k) for k in range(1, 6)]
+    assert all(sorted(o) == sorted(four) for o in orders), orders
+    assert orders[4] == orders[0], "the design repeats every four rounds"
+    assert sorted(o[0] for o in orders[:4]) == sorted(four), (
+        f"each contender should run first once in four rounds: {orders}")
+    pairs = [(o[i], o[i + 1]) for o in orders[:4] for i in range(3)]
+    assert len(set(pairs)) == 12, f"each contender should follow each other one once: {orders}"
+    assert round_order(["capacity", "convert"], 2) == ["convert", "capacity"]
+
+
 def test_dummy_model_dir_has_the_real_special_token_ids(tmp_path: Path) -> None:
     out = write_model_dir(tmp_path / "model")
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
@@ -99,6 +111,8 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
         "results.json was not written after the first round, so a run cut short loses it all")
     data = json.loads(results.read_text())
     assert data["detail"]["rounds"] == 2
+    assert data["detail"]["round_orders"] == [["capacity", "convert"], ["convert", "capacity"]], (
+        "the second round should run its contenders in the other order")
     for key in ("date", "gpu", "vllm", "capacity_pages_per_s", "b2_pages_per_s",
                 "ocrvl_convert_pages_per_s", "ocrvl_run_pages_per_s", "small_doc_median_x",
                 "small_doc_worst_x"):  # fmt: skip

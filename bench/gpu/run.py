@@ -434,8 +434,10 @@ def report(res: dict[str, Any]) -> str:
         f"- date: {s['date']}", f"- GPU: {s['gpu']}", f"- vLLM: {s['vllm']}",
         f"- server: {res['server']}", f"- answers: {res['answer_lengths_note']}",
         f"- pages: {s['pages']} (one book), bound {s['concurrency']} in flight",
-        f"- rounds: {res.get('rounds', 1)}; each figure is a contender's median run (of an even "
-        "count, the slower middle one), whose time and timeline are shown", "",
+        f"- rounds: {res.get('rounds', 1)}, each in its own order "
+        f"({'; '.join(', '.join(o) for o in res.get('round_orders', []))}); each figure is a "
+        "contender's median run (of an even count, the slower middle one), whose time and "
+        "timeline are shown", "",
         "| contender | pages/s | each round | s | vs capacity | vs B2 | preemptions "
         "| requests running (mean per 1/24 of the run) |",
         "|---|---:|---|---:|---:|---:|---:|---|",
@@ -486,6 +488,23 @@ def report(res: dict[str, Any]) -> str:
         mark = " " if ok is None else ("x" if ok else " ")
         lines.append(f"- [{mark}] {name}: {detail}" + (" (not met)" if ok is False else ""))
     return "\n".join(lines) + "\n"
+
+
+def round_order(contenders: list[str], round_no: int) -> list[str]:
+    """The order of round `round_no` (from 1): a Williams design, so over len(contenders)
+    rounds each contender runs first once and (for an even count) follows each other one
+    once: none always runs right after B2's bursts of up to 190 requests, say, and a slow
+    stretch of a shared machine falls on each in turn."""
+    n = len(contenders)
+    base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    shift = (round_no - 1) % n if n else 0
+    return [contenders[(i + shift) % n] for i in base[:n]]
 
 
 def write_results(res: dict[str, Any], bench: Bench, path: Path) -> None:
@@ -603,16 +622,15 @@ def main(argv: list[str] | None = None) -> int:
             warm_up([url], work)
             bench = Bench(url, work, book, args.pages, concurrency, log_dir=args.log_dir)
             try:
-                res["rounds"] = 0  # rounds done
+                contenders = {"capacity": bench.capacity, "b2": bench.b2,
+                              "convert": bench.convert, "run": bench.run_daemon}  # fmt: skip
+                chosen = [c for c in contenders if c in parts]
+                res["rounds"], res["round_orders"] = 0, []  # rounds done, each one's order
                 for done in range(1, args.rounds + 1):
-                    if "capacity" in parts:
-                        bench.capacity()
-                    if "b2" in parts:
-                        bench.b2()
-                    if "convert" in parts:
-                        bench.convert()
-                    if "run" in parts:
-                        bench.run_daemon()
+                    order = round_order(chosen, done)
+                    res["round_orders"].append(order)
+                    for contender in order:
+                        contenders[contender]()
                     res["rounds"] = done
                     write_results(res, bench, args.results)
                 if "small" in parts:
