@@ -34,8 +34,7 @@ def children_cpu_s() -> float:
 
 def convert_once(book: Path, pages: int, workers: int, url: str, work: Path) -> dict[str, float]:
     """One `ocrvl convert` of a fresh copy of `book` with `workers` engine workers."""
-    where = work / f"workers-{workers}"
-    where.mkdir()
+    where = Path(tempfile.mkdtemp(prefix=f"workers-{workers}-", dir=work))  # a count may repeat
     copy = where / book.name
     copy.write_bytes(book.read_bytes())
     cfg = write_config(where / "convert.yaml", pipeline={"workers": workers})
