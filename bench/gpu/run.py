@@ -495,6 +495,8 @@ def round_order(contenders: list[str], round_no: int) -> list[str]:
     rounds each contender runs first once and (for an even count) follows each other one
     once: none always runs right after B2's bursts of up to 190 requests, say, and a slow
     stretch of a shared machine falls on each in turn."""
+    if not contenders:
+        return []
     n = len(contenders)
     base, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
     while len(base) < n:
@@ -503,8 +505,8 @@ def round_order(contenders: list[str], round_no: int) -> list[str]:
         if len(base) < n:
             base.append(high)
             high -= 1
-    shift = (round_no - 1) % n if n else 0
-    return [contenders[(i + shift) % n] for i in base[:n]]
+    shift = (round_no - 1) % n
+    return [contenders[(i + shift) % n] for i in base]
 
 
 def write_results(res: dict[str, Any], bench: Bench, path: Path) -> None:
