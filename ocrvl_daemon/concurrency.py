@@ -13,10 +13,14 @@ flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded o
 * The search is a one-dimensional pattern search in log space: from the current best limit
   try `best * f` (then `best / f`); a probe that beats the best by more than `IMPROVEMENT`
   becomes the best and the search goes on in that direction; when neither direction helps,
-  `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best. At the
-  upper bound (the default start: 64, where real vLLM peaks) the search cannot look up,
-  and the peak is most likely at or above the bound; the curve is steep below its peak, so
-  the first step down is small (`MIN_FACTOR`) and steps grow only once one has won. A
+  `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best. The search
+  starts at the upper bound, `max_concurrency`: a book of a few hundred pages is over before
+  a search could climb far, so the bound a user sets is the bound a book gets (64 by
+  default, where real vLLM peaked for 1,000-token pages on an H200 and on an emulated 8 GB
+  card; 128 on a data-centre card with realistic answers). At the upper bound the search
+  cannot look up and the peak is most likely at or above it; the curve is steep below its
+  peak, so the first step down is small (`MIN_FACTOR`) and steps grow only once one has
+  won. The curve is gentle above the peak, so a bound set far above it stays there. A
   limit that lost against the current best is not probed again. A probe runs only while
   `PROBE_BACKLOG` times the limit in pages is waiting: on a short queue it would cost more
   than whatever it could find (the search resumes when a bigger queue comes).
@@ -43,9 +47,6 @@ from ocrvl_daemon.server_probe import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-# Where the search starts: the peak measured on real vLLM for whole pages. The throughput
-# curve is steep below its peak and gentle above it, so starting high costs little.
-INITIAL_LIMIT = 64
 START_FACTOR = 1.5
 MIN_FACTOR = 1.15
 IMPROVEMENT = 0.05  # a probe must beat the best by this fraction to be taken
@@ -91,7 +92,7 @@ class ConcurrencyController:
         self.adaptive = adaptive
         self.settle_seconds = settle_seconds
         self.window_seconds = window_seconds
-        start = INITIAL_LIMIT if initial is None else initial
+        start = maximum if initial is None else initial
         self.limit = self._clamp(start) if adaptive else maximum
         self.phase = "search"  # or "hold"
         self.rate: float | None = None  # last measured pages/s
@@ -149,6 +150,18 @@ class ConcurrencyController:
             self._window = None
             return
         self._measure(now, completed, metrics if fresh else None)
+
+    def set_bounds(self, minimum: int, maximum: int) -> None:
+        """New bounds from a reloaded config. A new maximum is where the search starts again,
+        as at start-up; otherwise the limit only moves into the new range."""
+        raised_or_lowered = maximum != self.maximum
+        self.minimum, self.maximum = minimum, maximum
+        if not (self.adaptive and raised_or_lowered):
+            self.limit = self._clamp(self.limit)
+            return
+        old, self._ceiling = self.limit, maximum
+        self._restart_search(self._upper(), None, direction=-1, factor=START_FACTOR)
+        log.info("concurrency %d -> %d: max_concurrency is now %d", old, self.limit, maximum)
 
     # --- safety -------------------------------------------------------------------------
 
@@ -276,7 +289,9 @@ class ConcurrencyController:
                 self._best_rate or 0.0,
                 self._best_limit,
             )
-            if self._moved or self._tried_other:
+            if self.limit == self._small_step_down() and self._factor == START_FACTOR:
+                pass  # only the cautious first step lost: a full step down comes next
+            elif self._moved or self._tried_other:
                 self._shrink()
             else:
                 self._direction, self._tried_other = -self._direction, True
@@ -322,9 +337,16 @@ class ConcurrencyController:
     def _step(self) -> float:
         if self._direction > 0:
             return self._factor
-        if not self._moved and self._best_limit >= self._upper():
+        if self._small_step_down() not in (None, *self._lost):
             return 1 / min(self._factor, MIN_FACTOR)
         return 1 / self._factor
+
+    def _small_step_down(self) -> int | None:
+        """From the upper bound, before any win, the first probe down is small: the peak is
+        most likely at or above the bound. None when the search is elsewhere."""
+        if self._moved or self._best_limit < self._upper():
+            return None
+        return self._clamp(round(self._best_limit / min(self._factor, MIN_FACTOR)))
 
     def _hold(self, now: float, score: float, rate: float) -> None:
         best = self._best_score or score
@@ -347,7 +369,9 @@ class ConcurrencyController:
         self._best_score = 0.8 * best + 0.2 * score
         self._best_rate = 0.8 * (self._best_rate or rate) + 0.2 * rate
 
-    def _restart_search(self, limit: int, now: float, direction: int, factor: float) -> None:
+    def _restart_search(
+        self, limit: int, now: float | None, direction: int, factor: float
+    ) -> None:
         self.phase = "search"
         self._best_limit, self._best_score, self._best_rate = limit, None, None
         self._direction, self._factor = direction, factor
@@ -362,9 +386,9 @@ class ConcurrencyController:
 
     # --- bounds -------------------------------------------------------------------------
 
-    def _set(self, limit: int, now: float) -> None:
+    def _set(self, limit: int, now: float | None) -> None:
         self.limit = self._clamp(limit)
-        self._changed_at = now
+        self._changed_at = now  # None: the next tick starts the settling
         self._window = None
 
     def _clamp(self, value: int) -> int:

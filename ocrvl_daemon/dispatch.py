@@ -110,10 +110,8 @@ class Endpoint:
 
     def reconfigure(self, config: Config) -> None:
         """Apply new concurrency bounds."""
-        c = self.concurrency
-        c.minimum = config.pipeline.min_concurrency
-        c.maximum = config.pipeline.max_concurrency
-        c.limit = min(max(c.limit, c.minimum), c.maximum)
+        p = config.pipeline
+        self.concurrency.set_bounds(p.min_concurrency, p.max_concurrency)
 
 
 class Dispatcher:

@@ -100,8 +100,10 @@ def test_default_start_at_the_maximum_probes_down_and_comes_back() -> None:
     srv.run(200)
     assert ctl.phase == "hold"
     assert ctl.limit == 64
-    # At the bound the peak is most likely at or above it: one small step down, no more.
-    assert set(srv.limits) == {64, round(64 / 1.15)}, sorted(set(srv.limits))
+    # At the bound the peak is most likely at or above it: a small step down first, then
+    # a full one (a bound set far above the peak), then one between; no more.
+    probes = {round(64 / 1.15), round(64 / 1.5), round(64 / math.sqrt(1.5))}
+    assert set(srv.limits) == {64} | probes, sorted(set(srv.limits))
 
 
 def test_from_the_maximum_a_winning_small_step_down_goes_on_to_a_lower_peak() -> None:
@@ -113,7 +115,7 @@ def test_from_the_maximum_a_winning_small_step_down_goes_on_to_a_lower_peak() ->
 
 
 def test_a_short_queue_is_not_worth_a_probe_and_a_long_one_is() -> None:
-    ctl = ConcurrencyController(4, 256, True)
+    ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(128))
     srv.backlog = 100  # under three limits' worth of pages: a probe would not pay off
     srv.run(120)
@@ -124,7 +126,7 @@ def test_a_short_queue_is_not_worth_a_probe_and_a_long_one_is() -> None:
     assert ctl.limit > 64, "with a long queue the search climbs towards the peak at 128"
 
 
-def test_finds_a_low_peak() -> None:
+def test_finds_a_low_peak_from_a_bound_set_far_above_it() -> None:
     ctl = ConcurrencyController(1, 256, True)
     srv = SyntheticServer(ctl, peaked(16, 4.0))
     srv.run(400)
@@ -156,7 +158,7 @@ def test_no_measuring_without_demand() -> None:
 
 
 def test_backs_off_on_preemptions_and_stays_below() -> None:
-    ctl = ConcurrencyController(4, 256, True)
+    ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
     srv.run(300)
     before = ctl.limit
@@ -209,7 +211,7 @@ def test_a_request_waiting_for_the_next_step_is_not_a_cap() -> None:
 
 
 def test_searches_again_when_the_workload_changes() -> None:
-    ctl = ConcurrencyController(4, 256, True)
+    ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
     srv.run(300)
     assert ctl.phase == "hold" and 48 <= ctl.limit <= 90
@@ -220,12 +222,36 @@ def test_searches_again_when_the_workload_changes() -> None:
 
 
 def test_reconfigured_bounds_are_respected() -> None:
-    ctl = ConcurrencyController(4, 256, True)
+    ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
     srv.run(100)
-    ctl.maximum = 32
+    ctl.set_bounds(4, 32)
     srv.run(20)
-    assert max(srv.limits[-100:]) <= 32
+    assert max(srv.limits[-200:]) <= 32
+
+
+def test_the_search_starts_at_max_concurrency() -> None:
+    """A book of a few hundred pages is over before a search could climb: the bound a user
+    sets is the bound a book gets from its first page."""
+    ctl = ConcurrencyController(4, 128, True)
+    assert ctl.limit == 128, "a raised max_concurrency was not used from the start"
+    srv = SyntheticServer(ctl, peaked(160))
+    srv.backlog = 200  # a short book: no probe pays off
+    srv.run(120)
+    assert set(srv.limits) == {128}
+
+
+def test_a_max_concurrency_raised_on_reload_is_used_at_once() -> None:
+    ctl = ConcurrencyController(4, 64, True)
+    srv = SyntheticServer(ctl, peaked(160))
+    srv.run(100)
+    assert ctl.limit == 64
+    ctl.set_bounds(4, 128)
+    assert ctl.limit == 128, "a reload that raised max_concurrency left the old bound"
+    srv.run(200)
+    assert ctl.phase == "hold" and ctl.limit == 128
+    ctl.set_bounds(8, 128)  # only the minimum moved: the held bound stays
+    assert ctl.limit == 128 and ctl.phase == "hold"
 
 
 def test_parse_vllm_metrics() -> None:
@@ -276,7 +302,7 @@ def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
 def test_no_window_while_the_server_has_not_received_the_work_yet() -> None:
     """At a cold start the client is still rendering pages: the server runs far fewer than the
     limit, and a window measured then would make the limit look bad."""
-    ctl = ConcurrencyController(4, 256, True)
+    ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
     srv.waiting_when = lambda n: (n / 3, 0.0)
     srv.run(60)
