@@ -7,12 +7,14 @@ one page's time, while two books share the server evenly. How many slots there a
 request gate's rule (`request_gate.slots_to_fill`).
 
 While a small document runs beside a big one, the big ones yield: their pages go only while
-the server has fewer than a `YIELD_SHARE`th of the bound in flight in all, the small
-documents' pages included (`pick_yielding`). Why: a page decodes in a batch with every other
-request at the server, and on a real GPU a letter's page in a book's batch of 64 took 3.7x
-its time alone; letters dropped 1.5 s apart under a book held to 16 pages of its own, 28 in
-all, took 2.04x. The book slows for as long as small documents run; its pages already at the
-server finish.
+the server has fewer than `yield_room(bound)` pages in flight in all, the small documents'
+pages included (`pick_yielding`): a `YIELD_SHARE`th of the bound, at most `YIELD_PAGES`.
+Why: a page decodes in a batch with every other request at the server, and on a real GPU a
+letter's page in a book's batch of 64 took 3.7x its time alone; letters dropped 1.5 s apart
+under a book held to 16 pages of its own, 28 in all, took 2.04x, held to 16 in all 1.3-1.5x,
+and held to 32 in all (a quarter of a bound of 128) 2.09x: what a letter waits for is the
+batch it decodes in, whatever the bound. The book slows for as long as small documents run;
+its pages already at the server finish.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ MAX_ACTIVE_DOCUMENTS = 64
 # pages); documents with more yield to it.
 SMALL_DOCUMENT_PAGES = 16
 YIELD_SHARE = 4
+YIELD_PAGES = 16
 
 
 @dataclass
@@ -82,15 +85,20 @@ def pick_pages(
     return chosen
 
 
+def yield_room(limit: int) -> int:
+    """Pages in flight in all while small documents run beside a big one, at bound `limit`."""
+    return min(limit // YIELD_SHARE, YIELD_PAGES)
+
+
 def pick_yielding(
     documents: list[DocumentPages], slots: int, limit: int
 ) -> list[tuple[DocumentPages, int]]:
     """`pick_pages`, except that while a small document runs beside a big one, the big ones
-    take pages only while fewer than `limit // YIELD_SHARE` pages are in flight in all."""
+    take pages only while fewer than `yield_room(limit)` pages are in flight in all."""
     small = [d for d in documents if d.pages_left <= SMALL_DOCUMENT_PAGES]
     big = [d for d in documents if d.pages_left > SMALL_DOCUMENT_PAGES]
     if not small or not big:
         return pick_pages(documents, slots)
     chosen = pick_pages(small, slots)
-    big_room = limit // YIELD_SHARE - sum(len(d.in_flight) for d in documents)
+    big_room = yield_room(limit) - sum(len(d.in_flight) for d in documents)
     return chosen + pick_pages(big, min(slots - len(chosen), big_room))

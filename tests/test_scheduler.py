@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from stand_in_worker import converter_with_stand_in
 from test_failure_policy import ReadyServer
 
@@ -14,10 +15,10 @@ from ocrvl_daemon.jobs import enqueue_file
 from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
 from ocrvl_daemon.scheduler import (
     SMALL_DOCUMENT_PAGES,
-    YIELD_SHARE,
     DocumentPages,
     pick_pages,
     pick_yielding,
+    yield_room,
 )
 from testkit.documents import make_pdf
 
@@ -111,7 +112,7 @@ def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
     assert [(d.job_id, p) for d, p in chosen] == [(2, 0), (2, 1)], (
         "the letter's pages must go first, and no book page beside them while the book has "
         "more than its yielded share in flight")
-    share = limit // YIELD_SHARE
+    share = yield_room(limit)
     book_share = share - len(letter.in_flight)  # the letter's pages count against the share
     for page in range(limit - book_share):  # the book's pages finish one by one
         finish(book, page)
@@ -127,9 +128,21 @@ def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
         "once the letter is done the book must get the whole bound back")
 
 
+@pytest.mark.parametrize(("limit", "room"), [(8, 2), (64, 16), (128, 16), (256, 16)])
+def test_beside_a_letter_a_book_keeps_a_quarter_of_the_bound_at_most_16_pages(
+    limit: int, room: int
+) -> None:
+    book, letter = doc(1, 600), doc(2, 2)
+    chosen = pick_yielding([book, letter], limit, limit)
+    in_flight = len(chosen)
+    assert in_flight == room, (
+        f"at a bound of {limit} a letter decoded beside {in_flight} pages in all, not {room}: "
+        "a bigger batch slows the letter whatever the bound")
+
+
 def test_letters_that_fill_the_yielded_share_hold_the_book_back_entirely() -> None:
     limit = 64
-    share = limit // YIELD_SHARE
+    share = yield_room(limit)
     book = doc(1, 600)
     letters = [doc(2 + n, 2) for n in range(share // 2)]
     pick_pages([book], limit)
@@ -239,7 +252,7 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
 ) -> None:
     converter, worker, store, config = converter_with_stand_in(tmp_path, [ReadyServer()])
     limit = converter.endpoint_load()[0].bound
-    share = limit // YIELD_SHARE
+    share = yield_room(limit)
     enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
     converter.wake()
     while len(worker.in_flight) < limit:  # the book ramps up to the bound
