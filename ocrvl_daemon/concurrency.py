@@ -19,8 +19,10 @@ flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded o
   default, where real vLLM peaked for 1,000-token pages on an H200 and on an emulated 8 GB
   card; 128 on a data-centre card with realistic answers). At the upper bound the search
   cannot look up and the peak is most likely at or above it; the curve is steep below its
-  peak, so the first step down is small (`MIN_FACTOR`) and steps grow only once one has
-  won. The curve is gentle above the peak, so a bound set far above it stays there. A
+  peak, so the first step down is small (`MIN_FACTOR`). If it loses, one full step down
+  follows, for a bound set far above the peak; the curve is gentle there, so a bound more
+  than a full step above a flat peak may stay where it is. Steps keep their size while
+  they win. A
   limit that lost against the current best is not probed again. A probe runs only while
   `PROBE_BACKLOG` times the limit in pages is waiting: on a short queue it would cost more
   than whatever it could find (the search resumes when a bigger queue comes).
@@ -154,9 +156,9 @@ class ConcurrencyController:
     def set_bounds(self, minimum: int, maximum: int) -> None:
         """New bounds from a reloaded config. A new maximum is where the search starts again,
         as at start-up; otherwise the limit only moves into the new range."""
-        raised_or_lowered = maximum != self.maximum
+        new_maximum = maximum != self.maximum
         self.minimum, self.maximum = minimum, maximum
-        if not (self.adaptive and raised_or_lowered):
+        if not (self.adaptive and new_maximum):
             self.limit = self._clamp(self.limit)
             return
         old, self._ceiling = self.limit, maximum

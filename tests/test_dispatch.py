@@ -270,3 +270,25 @@ def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
     assert any(url == first.url for (j, _), url in worker.urls.items() if j == later.id), (
         "the server did not rejoin once its pause was over")
     store.close()
+
+
+def test_a_reload_that_raises_max_concurrency_lets_a_running_book_use_it_at_once(
+    tmp_path: Path,
+) -> None:
+    server = ScriptedServer("http://one:8118/v1")
+    converter, worker, store, config = converter_with_stand_in(
+        tmp_path, [server], max_concurrency=16, min_concurrency=2)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    converter.wake()
+    assert [e.bound for e in converter.endpoint_load()] == [16]
+    raised = config.model_copy(deep=True)
+    raised.pipeline.max_concurrency = 48
+    converter.reconfigure(raised)
+    assert [e.bound for e in converter.endpoint_load()] == [48], (
+        "after a reload to max_concurrency 48 the book still ran at the old bound")
+    for step in range(1, 40):  # no answers yet: pages pile up to the new bound
+        worker.reach_server()
+        converter.tick(float(step))
+    assert len(worker.in_flight) >= 48, (
+        f"{len(worker.in_flight)} pages went out after the bound was raised to 48")
+    store.close()
