@@ -340,7 +340,7 @@ class ConcurrencyController:
         if self._direction > 0:
             return self._factor
         if self._small_step_down() not in (None, *self._lost):
-            return 1 / min(self._factor, MIN_FACTOR)
+            return 1 / MIN_FACTOR
         return 1 / self._factor
 
     def _small_step_down(self) -> int | None:
@@ -348,7 +348,7 @@ class ConcurrencyController:
         most likely at or above the bound. None when the search is elsewhere."""
         if self._moved or self._best_limit < self._upper():
             return None
-        return self._clamp(round(self._best_limit / min(self._factor, MIN_FACTOR)))
+        return self._clamp(round(self._best_limit / MIN_FACTOR))
 
     def _hold(self, now: float, score: float, rate: float) -> None:
         best = self._best_score or score
