@@ -39,8 +39,15 @@ from ocrvl_daemon.page_quality import (
     flag_note,
 )
 from ocrvl_daemon.progress import DocumentProgress, Progress
-from ocrvl_daemon.request_gate import SHORT_OF_PAGES, slots_to_fill
-from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS, DocumentPages, pick_pages, pick_yielding
+from ocrvl_daemon.request_gate import SHORT_OF_PAGES, YieldCap, slots_to_fill
+from ocrvl_daemon.scheduler import (
+    MAX_ACTIVE_DOCUMENTS,
+    DocumentPages,
+    pick_pages,
+    pick_yielding,
+    yield_room,
+    yielding,
+)
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
@@ -193,13 +200,16 @@ class Converter:
         usable = self.dispatcher.usable(now)
         if not self.engines.ready or not usable:
             return
+        docs = [self.active[j] for j in sorted(self.active)]
+        big = frozenset(d.job_id for d in docs if not d.small) if yielding(docs) else None
         for endpoint in usable:
-            self.engines.set_limit(endpoint.url, endpoint.concurrency.limit)
+            bound = endpoint.concurrency.limit
+            self.engines.set_limit(endpoint.url, bound,
+                                   YieldCap(yield_room(bound), big) if big else None)
         # Fair across documents over all endpoints: pages are picked first, then each goes
         # to the endpoint with the most room.
         limit = sum(endpoint.concurrency.limit for endpoint in usable)
         slots, short_room = slots_to_fill(limit, self.in_flight, self.engines.at_server)
-        docs = [self.active[j] for j in sorted(self.active)]
         chosen = self.engines.isolating_pages(self.active)
         if chosen is None:
             chosen = pick_yielding(docs, slots, limit)

@@ -27,6 +27,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.process_group import stop_process_group
+from ocrvl_daemon.request_gate import YieldCap
 from ocrvl_daemon.systemd import child_env
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class EngineWorker:
         self._attempts: Counter[tuple[int, int]] = Counter()
         self.per_url: Counter[str] = Counter()  # pages in flight per endpoint
         self.limits: dict[str, int] = {}  # each endpoint's request gate size, once told
+        self.caps: dict[str, YieldCap | None] = {}  # ... and its cap on big documents
         self.pages_done = 0
         self.ready = False
         self.failure: str | None = None
@@ -191,14 +193,14 @@ class EngineWorker:
         with contextlib.suppress(OSError, ValueError):
             self._channel.send(task)
 
-    def set_limit(self, url: str, limit: int) -> None:
-        """How many requests the worker may have at the server at `url` (sent only when it
-        changes)."""
-        if limit != self.limits.get(url):
-            self.limits[url] = limit
+    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
+        """How many requests the worker may have at the server at `url`, and how many of them
+        big documents may hold (`RequestGate.resize`); sent only when either changes."""
+        if url not in self.limits or (limit, cap) != (self.limits[url], self.caps[url]):
+            self.limits[url], self.caps[url] = limit, cap
             assert self._channel is not None
             with contextlib.suppress(OSError, ValueError):
-                self._channel.send(("limit", url, limit))
+                self._channel.send(("limit", url, limit, cap))
 
     def pending(self) -> bool:
         """Whether messages wait to be collected."""

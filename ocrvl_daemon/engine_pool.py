@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.request_gate import YieldCap
 from ocrvl_daemon.scheduler import DocumentPages
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,17 @@ class EnginePool:
         """Pages whose request has left for the server."""
         return sum(len(w.sent) for w in self._workers())
 
-    def set_limit(self, url: str, limit: int) -> None:
-        """How many requests the workers may have at the server at `url`, in all: each
-        worker's request gate gets an even share."""
+    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
+        """How many requests the workers may have at the server at `url`, in all, and how many
+        of them big documents may hold (`RequestGate.resize`): each worker's request gate
+        gets an even share."""
         taking = self.taking()
-        for n, worker in enumerate(taking):
-            share = limit // len(taking) + (n < limit % len(taking))
-            worker.set_limit(url, max(1, share))
+        caps: list[YieldCap | None] = [None] * len(taking)
+        if cap is not None:
+            caps = [replace(cap, places=n) for n in _even_shares(cap.places, len(taking))]
+        for worker, share, cap_share in zip(taking, _even_shares(limit, len(taking)), caps,
+                                            strict=True):
+            worker.set_limit(url, share, cap_share)
 
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker with the fewest in flight for its endpoint (only while
@@ -294,3 +299,8 @@ def _worker_fix(failure: str) -> str:
     if "No module named" in failure or "DependencyError" in failure:
         return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
     return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"
+
+
+def _even_shares(total: int, count: int) -> list[int]:
+    """`total` split over `count` as evenly as whole numbers allow, each at least 1."""
+    return [max(1, total // count + (n < total % count)) for n in range(count)]

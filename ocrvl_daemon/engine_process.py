@@ -124,6 +124,7 @@ class _Completions(threading.local):
     started: list[Any] | None = None
     announce: Callable[[], None] | None = None
     priority = 0
+    document: int | None = None
     url = ""
 
 
@@ -183,6 +184,7 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
             endpoints.gate(url),
             lambda: send(messages, return_future=True, **kwargs),
             _COMPLETIONS.priority,
+            _COMPLETIONS.document,
         )
         request.send()
         announce, _COMPLETIONS.announce = _COMPLETIONS.announce, None
@@ -273,8 +275,8 @@ def serve() -> None:
     """The worker process's main (`EngineWorker.start` runs it with `python -c`).
 
     Messages are length-prefixed pickles: the first one from the parent is the configuration,
-    then `PageTask`s and ("limit", url, n) (the requests allowed at the server at `url`) until
-    end of input;
+    then `PageTask`s and ("limit", url, n, cap) (the requests allowed at the server at `url`,
+    and the `YieldCap` or None: `RequestGate.resize`) until end of input;
     this side answers "ready"/"failed", "sent" (a page's first request left for the server),
     "page" results and "log" records.
     """
@@ -326,8 +328,8 @@ def serve() -> None:
             page.start()
             pages = [p for p in pages if p.is_alive()] + [page]
         else:
-            _, url, limit = message
-            endpoints.gate(url).resize(limit)
+            _, url, limit, cap = message
+            endpoints.gate(url).resize(limit, cap)
     for page in pages:
         page.join()
     # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
@@ -361,6 +363,7 @@ def _run_page(
     _COMPLETIONS.url = task.url
     _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
     _COMPLETIONS.priority = task.priority
+    _COMPLETIONS.document = task.job_id
     try:
         check_unchanged(path, task.size, task.mtime)
         image = render_page(
@@ -389,6 +392,7 @@ def _run_page(
     finally:
         _COMPLETIONS.started = _COMPLETIONS.announce = None
         _COMPLETIONS.priority = 0
+        _COMPLETIONS.document = None
     result.seconds = time.monotonic() - started
     channel.send(("page", result))
 

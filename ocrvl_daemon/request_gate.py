@@ -6,12 +6,13 @@ pages of a document short of pages in flight go at once, a few beyond that
 (`slots_to_fill`). Inside the engine worker, `RequestGate` holds the server to exactly
 `limit` requests and lets the most urgent waiting one through first; a request of a
 document short of pages may bump a young request of a document with many (`_victim`).
+While a small document runs beside a big one, the big one's requests are held to a `cap`
+and its young ones above it are taken back from the server (`RequestGate.resize`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import threading
 import time
@@ -60,12 +61,22 @@ def slots_to_fill(limit: int, in_flight: int, at_server: int) -> tuple[int, int]
 BUMP_AFTER = 1.0
 
 
+@dataclass(frozen=True)
+class YieldCap:
+    """While small documents run beside big ones: the big `documents` (job ids) may hold at
+    most `places` requests at the server (`RequestGate.resize`)."""
+
+    places: int
+    documents: frozenset[int]
+
+
 @dataclass(eq=False)
 class GatePlace:
     """One request's place at the server."""
 
     priority: int
     since: float
+    document: int | None = None  # its job id, for the `YieldCap`
     # Cancels the request to free the place for a more urgent one; None until it is sent,
     # and for requests that must not be bumped.
     bump: Callable[[], object] | None = None
@@ -89,6 +100,9 @@ class RequestGate:
     dropped then would wait all that time. A bump costs what the bumped page had decoded
     and its prefill, hence the patience: once pages end at different times, a finishing
     one lets the letter in sooner.
+
+    While a small document runs beside a big one, the converter sets a `YieldCap` on the big
+    one's requests (`resize`); see there.
     """
 
     BUMP_GAP = 8
@@ -101,27 +115,68 @@ class RequestGate:
         self._cond = threading.Condition(threading.RLock())
         self._limit = max(1, limit)
         self._bump_after = bump_after
+        self._cap: YieldCap | None = None
         self._open: list[GatePlace] = []
-        self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self._waiting: list[tuple[int, int, int | None]] = []  # (priority, arrival, document)
         self._arrivals = itertools.count()
         self.bumps = 0
+        self.taken_back = 0  # young requests of big documents taken back under a cap
 
-    def resize(self, limit: int) -> None:
-        """New bound; requests already sent above it finish, no new one starts until below."""
+    def resize(self, limit: int, cap: YieldCap | None = None) -> None:
+        """New bound; requests already sent above it finish, no new one starts until below.
+
+        `cap`: small documents run beside big ones, whose requests may hold at most
+        `cap.places` places until a resize without a cap. Their young requests above it
+        (sent within BUMP_MAX_AGE seconds) are taken back from the server at once, youngest
+        first, and sent again once the cap allows. Why: vLLM
+        prepares images one at a time in its API process (~25 a second on a data-centre
+        card), so a letter dropped during a book's first batch of 128 otherwise queues
+        behind ~100 book requests the server has accepted and not started, then decodes in
+        their batch. A young request costs little to redo: it has mostly waited.
+        """
         with self._cond:
             self._limit = max(1, limit)
+            self._cap = cap
+            if cap is not None:
+                self._take_back_above(cap)
             self._cond.notify_all()
 
-    def acquire(self, priority: int = 0) -> GatePlace:
-        """Wait for a free place and for every request ahead in line, then take the place."""
+    def _take_back_above(self, cap: YieldCap) -> None:
+        """Bump the youngest young requests of `cap.documents` until `cap.places` of theirs
+        stay (the lock is held)."""
+        yielding = [p for p in self._open if p.document in cap.documents and not p.bumped]
+        oldest = time.monotonic() - self.BUMP_MAX_AGE
+        young = sorted((p for p in yielding if p.bump is not None and p.since >= oldest),
+                       key=lambda p: p.since, reverse=True)
+        for place in young[:max(0, len(yielding) - cap.places)]:
+            place.bumped = True
+            self.taken_back += 1
+            assert place.bump is not None
+            place.bump()
+
+    def _next(self) -> tuple[int, int, int | None] | None:
+        """The waiting request that goes first: the lowest (priority, arrival), leaving out
+        those of capped documents while their cap is full (the lock is held)."""
+        held: frozenset[int] = frozenset()
+        if self._cap is not None and sum(
+            p.document in self._cap.documents for p in self._open
+        ) >= self._cap.places:
+            held = self._cap.documents
+        return min((t for t in self._waiting if t[2] not in held), default=None)
+
+    def acquire(self, priority: int = 0, document: int | None = None) -> GatePlace:
+        """Wait for a free place and for every request ahead in line, then take the place.
+
+        `document`: the request's job id, which a `YieldCap` may hold back.
+        """
         with self._cond:
-            ticket = (priority, next(self._arrivals))
-            heapq.heappush(self._waiting, ticket)
+            ticket = (priority, next(self._arrivals), document)
+            self._waiting.append(ticket)
             may_bump_at = time.monotonic() + self._bump_after
-            while not (len(self._open) < self._limit and self._waiting[0] == ticket):
+            while not (len(self._open) < self._limit and self._next() == ticket):
                 patience = may_bump_at - time.monotonic()
                 victim = None
-                if self._waiting[0] == ticket and patience <= 0:
+                if self._next() == ticket and patience <= 0:
                     victim = self._victim(priority)
                 if victim is None:
                     self._cond.wait(patience if patience > 0 else None)
@@ -130,8 +185,8 @@ class RequestGate:
                 self.bumps += 1
                 assert victim.bump is not None
                 victim.bump()  # gives the place back (now or once the cancel lands)
-            heapq.heappop(self._waiting)
-            place = GatePlace(priority, time.monotonic())
+            self._waiting.remove(ticket)
+            place = GatePlace(priority, time.monotonic(), document)
             self._open.append(place)
             self._cond.notify_all()  # the next in line may fit too
             return place
@@ -174,17 +229,20 @@ class GatedRequest:
     bumped. Cancelling it cancels the request at the server.
     """
 
-    def __init__(self, gate: RequestGate, start: Callable[[], Future[Any]], priority: int):
+    def __init__(self, gate: RequestGate, start: Callable[[], Future[Any]], priority: int,
+                 document: int | None = None):
         self.future: Future[Any] = Future()
         self._gate = gate
         self._start = start
         self._priority = priority
+        self._document = document
         self._sent: Future[Any] | None = None
         self.future.add_done_callback(self._on_cancel)
 
     def send(self, priority: int | None = None) -> None:
         """Wait for a place at the server and send the request (raises if it cannot start)."""
-        place = self._gate.acquire(self._priority if priority is None else priority)
+        place = self._gate.acquire(self._priority if priority is None else priority,
+                                   self._document)
         if self.future.done():  # cancelled while it waited to be sent again
             self._gate.release(place)
             return

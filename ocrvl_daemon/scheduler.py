@@ -14,7 +14,9 @@ letter's page in a book's batch of 64 took 3.7x its time alone; letters dropped 
 under a book held to 16 pages of its own, 28 in all, took 2.04x, held to 16 in all 1.3-1.5x,
 and held to 32 in all (a quarter of a bound of 128) 2.09x: what a letter waits for is the
 batch it decodes in, whatever the bound. The book slows for as long as small documents run;
-its pages already at the server finish.
+its pages already at the server finish, except its young requests above the yield room,
+which the request gate takes back (`request_gate.RequestGate.resize`): during a book's first
+batch most of them are still queued at the server, ahead of the letter's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class DocumentPages:
     def pages_left(self) -> int:
         """Pages not yet checkpointed."""
         return len(self.pending) + len(self.in_flight)
+
+    @property
+    def small(self) -> bool:
+        """Few pages left: documents with more yield to it."""
+        return self.pages_left <= SMALL_DOCUMENT_PAGES
 
     @property
     def finished(self) -> bool:
@@ -90,15 +97,20 @@ def yield_room(limit: int) -> int:
     return min(limit // YIELD_SHARE, YIELD_PAGES)
 
 
+def yielding(documents: list[DocumentPages]) -> bool:
+    """Whether a small document runs beside a big one, which yields to it."""
+    return any(d.small for d in documents) and not all(d.small for d in documents)
+
+
 def pick_yielding(
     documents: list[DocumentPages], slots: int, limit: int
 ) -> list[tuple[DocumentPages, int]]:
     """`pick_pages`, except that while a small document runs beside a big one, the big ones
     take pages only while fewer than `yield_room(limit)` pages are in flight in all."""
-    small = [d for d in documents if d.pages_left <= SMALL_DOCUMENT_PAGES]
-    big = [d for d in documents if d.pages_left > SMALL_DOCUMENT_PAGES]
-    if not small or not big:
+    if not yielding(documents):
         return pick_pages(documents, slots)
+    small = [d for d in documents if d.small]
+    big = [d for d in documents if not d.small]
     chosen = pick_pages(small, slots)
     big_room = yield_room(limit) - sum(len(d.in_flight) for d in documents)
     return chosen + pick_pages(big, min(slots - len(chosen), big_room))

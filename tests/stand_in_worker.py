@@ -14,6 +14,7 @@ from ocrvl_daemon.convert import Converter, ServerHandle
 from ocrvl_daemon.engine import PageResult, PageTask
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.jobs import open_store
+from ocrvl_daemon.request_gate import YieldCap
 from ocrvl_daemon.store import Store
 
 
@@ -26,6 +27,7 @@ class StandInWorker:
         self.order: list[tuple[int, int]] = []  # every page submitted, in order
         self.priorities: dict[int, int] = {}  # job -> the priority of its last page submitted
         self.limits: dict[str, int] = {}
+        self.caps: dict[str, YieldCap | None] = {}
         self.per_url: Counter[str] = Counter()
         self.urls: dict[tuple[int, int], str] = {}  # the endpoint of each page in flight
         self.arrived = threading.Event()
@@ -59,8 +61,9 @@ class StandInWorker:
         self.order.append((task.job_id, task.page))
         self.priorities[task.job_id] = task.priority
 
-    def set_limit(self, url: str, limit: int) -> None:
+    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
         self.limits[url] = limit
+        self.caps[url] = cap
 
     def pending(self) -> bool:
         return bool(self.results)

@@ -15,7 +15,7 @@ import pytest
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
-from ocrvl_daemon.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate
+from ocrvl_daemon.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
 
@@ -79,13 +79,14 @@ class Server:
     def __init__(self) -> None:
         self.sent: list[tuple[str, Future[str]]] = []
 
-    def request(self, gate: RequestGate, name: str, priority: int) -> GatedRequest:
+    def request(self, gate: RequestGate, name: str, priority: int,
+                document: int | None = None) -> GatedRequest:
         def start() -> Future[str]:
             future: Future[str] = Future()
             self.sent.append((name, future))
             return future
 
-        request = GatedRequest(gate, start, priority)
+        request = GatedRequest(gate, start, priority, document)
         threading.Thread(target=request.send, daemon=True).start()
         return request
 
@@ -149,6 +150,45 @@ def test_requests_are_bumped_only_for_a_short_document_only_when_young_and_not_a
     server.answer_all()
     wait_until(lambda: "letter p.1" in server.names(), 5, what="the letter's request once free")
     server.answer_all()
+
+
+def test_beside_a_letter_a_books_young_requests_above_the_cap_wait_until_the_cap_is_lifted(
+) -> None:
+    """Book (job 1) requests: one that has run long, five young ones; job 3's young request
+    is not capped. A cap of 2 for job 1 takes back its four youngest, not the long-running
+    one; the letter goes at once; the taken-back ones go again only once the cap is lifted."""
+    gate, server = RequestGate(16), Server()
+    book = []
+    for n in range(6):
+        book.append(server.request(gate, f"book p.{n + 1}", 64, document=1))
+        wait_until(lambda n=n: gate.open == n + 1, 5, what=f"book p.{n + 1} to be sent")
+        if n == 0:
+            gate._open[0].since -= RequestGate.BUMP_MAX_AGE + 1  # it has run for long
+    other = server.request(gate, "other book p.1", 64, document=3)
+    wait_until(lambda: gate.open == 7, 5, what="the other book's request to be sent")
+
+    gate.resize(16, YieldCap(2, frozenset({1})))
+    taken_back = [name for name, future in server.sent if future.cancelled()]
+    assert taken_back == ["book p.3", "book p.4", "book p.5", "book p.6"], (
+        f"taken back from the server: {taken_back}; expected the book's four youngest, "
+        "leaving its long-running request and its oldest young one")
+    assert gate.taken_back == 4
+    letter = server.request(gate, "letter p.1", 0, document=2)
+    wait_until(lambda: "letter p.1" in server.names(), 5,
+               what="the letter's request to be sent at once beside the capped book")
+    assert server.names().count("book p.3") == 1, "a taken-back request went again under the cap"
+    wait_until(lambda: gate.waiting == 4, 5, what="the four taken-back requests to wait")
+
+    gate.resize(16)  # the letter is done: no cap
+    wait_until(lambda: all(server.names().count(f"book p.{n}") == 2 for n in range(3, 7)), 5,
+               what="the taken-back requests to be sent again once the cap was lifted")
+    server.answer_all()
+    for n, request in enumerate(book):
+        assert request.future.result(5) == f"answer to book p.{n + 1}", (
+            f"book p.{n + 1} lost its answer after being taken back")
+    assert letter.future.result(5) == "answer to letter p.1"
+    assert other.future.result(5) == "answer to other book p.1"
+    assert gate.open == 0 and gate.waiting == 0
 
 
 def test_a_cancelled_request_gives_its_place_back_and_is_not_sent_again() -> None:
@@ -273,3 +313,52 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
         assert f"fake-ocr OCR {sent_width(res.page)}x" in res.markdown, (
             f"{pdf.name} p.{res.page + 1} came back with another page's text"
         )
+
+
+def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_at_the_server(
+    tmp_path: Path,
+) -> None:
+    """vLLM's API process prepares images one at a time, so a book's first batch, sent at
+    once, is mostly still queued there when a letter arrives. Capped beside the letter, the
+    book's young requests are taken back from that queue: the letter's image is prepared next,
+    and the book's pages go again once the cap is lifted, every one coming back right."""
+    log = tmp_path / "requests.jsonl"
+    book = make_pdf(tmp_path / "book.pdf", 12)
+    letter = make_pdf(tmp_path / "letter.pdf", 1, seed=1)
+    config = Config.model_validate({
+        "state_dir": str(tmp_path / "state"),
+        "pipeline": {"use_layout_detection": False, "max_concurrency": 12},
+    })
+    results: list[PageResult] = []
+    with (
+        start_fake_server(free_port(), "--prepare-ms-per-image", "300", "--step-t0-ms", "5",
+                          "--output-tokens", "fixed:20", "--request-log", str(log)) as srv,
+        running_worker(config, srv.api_url) as worker,
+    ):
+        worker.set_limit(srv.api_url, 12)
+        submit_pages(worker, 1, book, 12, priority=64)
+        wait_until(lambda: srv.stats()["requests_received"] == 12, 30,
+                   what="the book's twelve requests at the server")
+        worker.set_limit(srv.api_url, 12, YieldCap(2, frozenset({1})))
+        submit_pages(worker, 2, letter, 1)
+        wait_until(lambda: results.extend(worker.collect()) or any(r.job_id == 2 for r in results),
+                   60, what="the letter's page back")
+        worker.set_limit(srv.api_url, 12)  # the letter is done: the book goes on
+        wait_until(lambda: results.extend(worker.collect()) or len(results) == 13, 60,
+                   what="the book's pages back once the cap was lifted")
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
+    letter_md = next(r.markdown for r in results if r.job_id == 2)
+    letter_digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
+    mine = next(r for r in records if r["digest"] == letter_digest)
+    ahead = [r for r in records if r["digest"] != letter_digest and "engine" in r
+             and mine["t"] < r["engine"] < mine["engine"]]
+    # At most the image being prepared when the letter came and the book's two kept requests.
+    assert len(ahead) <= 3, (
+        f"the letter's image waited for {len(ahead)} of the book's to be prepared: the book's "
+        "queued requests were not taken back")
+    assert [r["status"] for r in records].count(499) >= 6, "the book's requests were not taken back"
+    for res in results:
+        assert f"fake-ocr OCR {sent_width(res.page)}x" in res.markdown, (
+            f"{'book' if res.job_id == 1 else 'letter'} p.{res.page + 1} came back with another "
+            "page's text")

@@ -12,7 +12,7 @@ from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.jobs import enqueue_file
-from ocrvl_daemon.request_gate import SHORT_EXTRA, ready_margin
+from ocrvl_daemon.request_gate import SHORT_EXTRA, YieldCap, ready_margin
 from ocrvl_daemon.scheduler import (
     SMALL_DOCUMENT_PAGES,
     DocumentPages,
@@ -263,6 +263,9 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
     converter.wake()
     converter.tick(0.0)
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], "the letter did not go at once"
+    assert worker.caps == {ReadyServer.url: YieldCap(share, frozenset({book}))}, (
+        f"beside the letter the worker's request gate must hold the book to {share} requests "
+        f"(and take its young ones above that back from the server): {worker.caps}")
 
     def book_in_flight() -> int:
         return sum(job == book for job, _ in worker.in_flight)
@@ -286,4 +289,5 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
         converter.tick(0.0)
     assert book_in_flight() >= limit, (
         f"once the letter is done the book must fill the bound again; it has {book_in_flight()}")
+    assert worker.caps == {ReadyServer.url: None}, "the book stayed capped after the letter"
     store.close()

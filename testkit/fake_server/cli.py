@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.prefill_ms_per_image,
         help="prefill cost of a 1300-token image, added to the step that admits it",
     )
+    p.add_argument(
+        "--prepare-ms-per-image",
+        type=float,
+        default=d.prepare_ms_per_image,
+        help="API-process time to prepare a 1300-token image, one image at a time in arrival "
+        "order, before the engine sees the request (vLLM's API process, ~40 ms)",
+    )
     p.add_argument("--kv-capacity-tokens", type=int, default=None)
     p.add_argument(
         "--startup-delay", type=float, default=d.startup_delay, help="seconds before binding"
@@ -99,6 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         step_t0_ms=ns.step_t0_ms,
         step_t1_ms=ns.step_t1_ms,
         prefill_ms_per_image=ns.prefill_ms_per_image,
+        prepare_ms_per_image=ns.prepare_ms_per_image,
         kv_capacity_tokens=ns.kv_capacity_tokens,
         startup_delay=ns.startup_delay,
         crash_after=ns.crash_after,

@@ -22,6 +22,7 @@ class FakeServerConfig:
     step_t0_ms: float = 0.0
     step_t1_ms: float = 0.0
     prefill_ms_per_image: float = 0.0
+    prepare_ms_per_image: float = 0.0
     kv_capacity_tokens: int | None = None
     startup_delay: float = 0.0
     crash_after: int | None = None

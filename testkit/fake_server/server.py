@@ -8,6 +8,10 @@ accepted and ignored, so ocrvl can launch it exactly like ``vllm serve``.
 A client that goes away (closes the connection) aborts its request, as vLLM does: it leaves
 the batch or the queue, is logged with status 499 and counted in ``requests_aborted``.
 
+``--prepare-ms-per-image`` models vLLM's API process, which prepares images one at a time in
+arrival order before the engine sees them: a request that arrives behind many waits for
+theirs. The log's ``engine`` is when a request's image was ready.
+
 Faults (N counts chat requests received, starting at 1): ``--crash-after N`` (the Nth
 request kills the engine: in-flight requests get 500, /health 503, the process exits 0
 after ``--crash-exit-delay``, like vLLM's API server after engine death), ``--hang-after N``
@@ -51,7 +55,7 @@ from testkit.fake_server.answers import (
     prompt_kind,
     reply_text,
 )
-from testkit.fake_server.batching import BatchSimulator
+from testkit.fake_server.batching import PREFILL_UNIT_TOKENS, BatchSimulator
 from testkit.fake_server.config import FakeServerConfig
 from testkit.fake_server.console import emit, vllm_line
 from testkit.fake_server.metrics import Activity, VllmMetrics, fake_stats
@@ -95,6 +99,7 @@ class FakeServer:
         self.completion_tokens_total = 0  # in answers given (aborted requests' tokens are not)
         self.activity = Activity()
         self.batch = BatchSimulator(cfg, max(1, self.plan.kv_tokens), self.activity)
+        self._preparing = asyncio.Lock()  # vLLM's API process prepares one image at a time
         self._direct_active = 0  # requests being looked at, without batching
 
         self.app = web.Application(
@@ -363,6 +368,11 @@ class FakeServer:
         elif info.width in cfg.empty_widths:
             drawn = 0
         produced = min(drawn, max_tokens)
+        if cfg.prepare_ms_per_image > 0:
+            async with self._preparing:  # one at a time, first come first served
+                await asyncio.sleep(
+                    cfg.prepare_ms_per_image * img_tokens / PREFILL_UNIT_TOKENS / 1000)
+        record["engine"] = time.time()
         if cfg.simulate:
             await self.batch.generate(prompt_tokens, img_tokens, produced)
         finish = "length" if drawn > max_tokens else "stop"
