@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -283,13 +284,7 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
 ) -> None:
     """A real worker with a full batch of young book pages: the letter's page bumps one of them
     (aborted at the server, sent again later), and every page still comes back right."""
-    log = tmp_path / "requests.jsonl"
-    book = make_pdf(tmp_path / "book.pdf", 6)
-    letter = make_pdf(tmp_path / "letter.pdf", 1, seed=1)
-    config = Config.model_validate({
-        "state_dir": str(tmp_path / "state"),
-        "pipeline": {"use_layout_detection": False, "max_concurrency": 4},
-    })
+    log, book, letter, config = book_and_letter(tmp_path, 6, max_concurrency=4)
     with (
         start_fake_server(free_port(), "--step-t0-ms", "20", "--output-tokens", "fixed:150",
                           "--request-log", str(log)) as srv,
@@ -299,20 +294,45 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
         wait_until(lambda: srv.stats()["running"] == 4, 30, what="four book pages at the server")
         submit_pages(worker, 2, letter, 1)
         results = results_of(worker, 7)
-    records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
-    letter_md = next(r.markdown for r in results if r.job_id == 2)
-    letter_digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
-    letter_sent = next(r["t"] for r in records if r["digest"] == letter_digest)
+    records = request_records(log)
     first_book_done = min(r["done"] for r in records if r["status"] == 200)
-    assert letter_sent < first_book_done, (
+    assert letter_request(results, records)["t"] < first_book_done, (
         "the letter's page waited for a book page to finish instead of starting at once"
     )
     assert [r["status"] for r in records].count(499) == 1, "no book request was bumped"
+    assert_each_page_has_its_own_text(results)
+
+
+def book_and_letter(
+    tmp_path: Path, book_pages: int, max_concurrency: int
+) -> tuple[Path, Path, Path, Config]:
+    """Where the fake server logs requests, a book (job 1), a one-page letter (job 2), and a
+    worker configuration sending pages whole."""
+    config = Config.model_validate({
+        "state_dir": str(tmp_path / "state"),
+        "pipeline": {"use_layout_detection": False, "max_concurrency": max_concurrency},
+    })
+    return (tmp_path / "requests.jsonl", make_pdf(tmp_path / "book.pdf", book_pages),
+            make_pdf(tmp_path / "letter.pdf", 1, seed=1), config)
+
+
+def request_records(log: Path) -> list[dict[str, Any]]:
+    """The fake server's request log, one record per chat request."""
+    return [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
+
+
+def letter_request(results: list[PageResult], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The request of the letter's (job 2's) page, found by its image's digest."""
+    letter_md = next(r.markdown for r in results if r.job_id == 2)
+    digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
+    return next(r for r in records if r["digest"] == digest)
+
+
+def assert_each_page_has_its_own_text(results: list[PageResult]) -> None:
     for res in results:
-        pdf = book if res.job_id == 1 else letter
         assert f"fake-ocr OCR {sent_width(res.page)}x" in res.markdown, (
-            f"{pdf.name} p.{res.page + 1} came back with another page's text"
-        )
+            f"{'book' if res.job_id == 1 else 'letter'} p.{res.page + 1} came back with "
+            "another page's text")
 
 
 def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_at_the_server(
@@ -322,13 +342,7 @@ def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_a
     once, is mostly still queued there when a letter arrives. Capped beside the letter, the
     book's young requests are taken back from that queue: the letter's image is prepared next,
     and the book's pages go again once the cap is lifted, every one coming back right."""
-    log = tmp_path / "requests.jsonl"
-    book = make_pdf(tmp_path / "book.pdf", 12)
-    letter = make_pdf(tmp_path / "letter.pdf", 1, seed=1)
-    config = Config.model_validate({
-        "state_dir": str(tmp_path / "state"),
-        "pipeline": {"use_layout_detection": False, "max_concurrency": 12},
-    })
+    log, book, letter, config = book_and_letter(tmp_path, 12, max_concurrency=12)
     results: list[PageResult] = []
     with (
         start_fake_server(free_port(), "--prepare-ms-per-image", "300", "--step-t0-ms", "5",
@@ -347,18 +361,13 @@ def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_a
         wait_until(lambda: results.extend(worker.collect()) or len(results) == 13, 60,
                    what="the book's pages back once the cap was lifted")
     assert all(r.error is None for r in results), [r.error for r in results if r.error]
-    records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
-    letter_md = next(r.markdown for r in results if r.job_id == 2)
-    letter_digest = re.search(r"sha=(\w+)", letter_md).group(1)  # type: ignore[union-attr]
-    mine = next(r for r in records if r["digest"] == letter_digest)
-    ahead = [r for r in records if r["digest"] != letter_digest and "engine" in r
+    records = request_records(log)
+    mine = letter_request(results, records)
+    ahead = [r for r in records if r is not mine and "engine" in r
              and mine["t"] < r["engine"] < mine["engine"]]
     # At most the image being prepared when the letter came and the book's two kept requests.
     assert len(ahead) <= 3, (
         f"the letter's image waited for {len(ahead)} of the book's to be prepared: the book's "
         "queued requests were not taken back")
     assert [r["status"] for r in records].count(499) >= 6, "the book's requests were not taken back"
-    for res in results:
-        assert f"fake-ocr OCR {sent_width(res.page)}x" in res.markdown, (
-            f"{'book' if res.job_id == 1 else 'letter'} p.{res.page + 1} came back with another "
-            "page's text")
+    assert_each_page_has_its_own_text(results)
