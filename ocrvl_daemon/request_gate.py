@@ -173,11 +173,12 @@ class RequestGate:
             ticket = (priority, next(self._arrivals), document)
             self._waiting.append(ticket)
             may_bump_at = time.monotonic() + self._bump_after
-            while not (len(self._open) < self._limit and self._next() == ticket):
+            while True:
+                first = self._next() == ticket  # `_next` scans the whole line: once a wake-up
+                if first and len(self._open) < self._limit:
+                    break
                 patience = may_bump_at - time.monotonic()
-                victim = None
-                if self._next() == ticket and patience <= 0:
-                    victim = self._victim(priority)
+                victim = self._victim(priority) if first and patience <= 0 else None
                 if victim is None:
                     self._cond.wait(patience if patience > 0 else None)
                     continue
