@@ -1,6 +1,7 @@
 """The user's programs run after each document: `hooks.on_done` and `hooks.on_failed`.
 
-A hook is an argv list run without a shell, with `{pdf}`, `{md}`... filled in and the same
+A hook is an argv list run without a shell, with `{pdf}`, `{md}`... filled in (inside a shell's
+`-c` script, as references to their variables, so that no value becomes code) and the same
 values in its environment as `OCRVL_PDF`, `OCRVL_MD`... It runs on a small pool of threads,
 in its own process group, so a slow or hanging hook never holds up the main loop or another
 document. Its output is logged under the document. A hook that fails, or outlives
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import subprocess
 import threading
 from collections import Counter
@@ -35,6 +37,11 @@ MAX_RUNNING = 4
 STOP_SECONDS = 5.0
 # Only the last lines of a chatty hook are logged.
 OUTPUT_LINES = 50
+# Programs whose `-c` argument is POSIX shell code.
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "busybox"})
+# Shell options that take the next argument as their value (`-o pipefail`).
+_SHELL_OPTIONS_WITH_VALUE = frozenset({"-o", "+o", "-O", "+O"})
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(HOOK_PLACEHOLDERS) + r")\}")
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,21 @@ class HookValues:
     error: str = ""
 
     def expand(self, argv: list[str]) -> list[str]:
-        """`argv` with every `{placeholder}` replaced (nothing else: JSON braces stay)."""
+        """`argv` with every `{placeholder}` filled in (nothing else: JSON braces stay).
+
+        Outside a shell each argv item is data, so the value goes in as it is. In the script
+        of a shell's `-c` the placeholder becomes a reference to its `$OCRVL_<NAME>` variable,
+        quoted for where it stands: the shell expands a variable but never runs its value,
+        so a file name like `x$(id).pdf` or an error with backticks stays text.
+        """
         values = asdict(self)
+        script = _shell_script_index(argv)
         expanded = []
-        for arg in argv:
-            for name in HOOK_PLACEHOLDERS:
-                arg = arg.replace("{" + name + "}", values[name])
-            expanded.append(arg)
+        for index, arg in enumerate(argv):
+            if index == script:
+                expanded.append(_fill_shell_script(arg))
+            else:
+                expanded.append(_PLACEHOLDER.sub(lambda m: values[m[1]], arg))
         return expanded
 
     def environment(self) -> dict[str, str]:
@@ -240,3 +255,52 @@ def _communicate(group: ProcessGroup, timeout: float) -> tuple[bytes, bool]:
         group.stdout.close()
         output = b""
     return output, True
+
+
+def _shell_script_index(argv: list[str]) -> int | None:
+    """Where the script of `sh -c SCRIPT ...` is in `argv`; None if argv runs no shell code."""
+    if not argv or Path(argv[0]).name not in SHELLS:
+        return None
+    start = 2 if Path(argv[0]).name == "busybox" else 1  # busybox sh -c ...
+    takes_script = False
+    skip_value = False
+    for index in range(start, len(argv)):
+        arg = argv[index]
+        if skip_value:
+            skip_value = False
+        elif arg in _SHELL_OPTIONS_WITH_VALUE:
+            skip_value = True
+        elif arg == "--":
+            continue
+        elif arg[:1] in "-+" and len(arg) > 1:
+            takes_script = takes_script or (arg[:1] == "-" and "c" in arg[1:]
+                                            and not arg.startswith("--"))
+        else:
+            return index if takes_script else None
+    return None
+
+
+def _fill_shell_script(script: str) -> str:
+    """`script` with each placeholder replaced by its `$OCRVL_<NAME>`, quoted for where it
+    stands: `"${OCRVL_PDF}"` outside quotes, `${OCRVL_PDF}` inside double quotes, and
+    `'"${OCRVL_PDF}"'` inside single quotes (the quote closed around it and reopened).
+    Whatever the quoting, the value is only ever expanded, never parsed as code."""
+    out: list[str] = []
+    quote = ""  # "", "'" or '"': the quotes the shell is inside at this point
+    i = 0
+    while i < len(script):
+        match = _PLACEHOLDER.match(script, i)
+        if match:
+            variable = "${OCRVL_" + match[1].upper() + "}"
+            out.append({"": f'"{variable}"', '"': variable, "'": f"'\"{variable}\"'"}[quote])
+            i = match.end()
+            continue
+        char = script[i]
+        out.append(char)
+        if char == "\\" and quote != "'" and i + 1 < len(script):
+            out.append(script[i + 1])
+            i += 1
+        elif char in "'\"" and quote in ("", char):
+            quote = "" if quote == char else char
+        i += 1
+    return "".join(out)

@@ -162,6 +162,53 @@ def test_a_hook_that_cannot_start_is_reported(tmp_path):
     assert outcomes[0].job_id == 7 and "could not start" in (outcomes[0].error or "")
 
 
+# File names and error texts that a shell would run if they were pasted into its script.
+HOSTILE_TEXTS = [
+    "x$(touch PWNED).pdf",
+    "x`touch PWNED`.pdf",
+    "x; touch PWNED; .pdf",
+    "it's \"quoted\" $HOME.pdf",
+    "two\nlines; touch PWNED.pdf",
+    "x'$(touch PWNED)'.pdf",
+    'x"$(touch PWNED)".pdf',
+]
+# One script that uses {pdf} and {error} unquoted, in double quotes and in single quotes,
+# as README readers write them.
+SHELL_SCRIPT = ("printf '%s\\n' {pdf} > unquoted; printf '%s\\n' \"done {pdf}\" > double; "
+                "printf '%s\\n' 'done {pdf}' > single; printf '%s\\n' \"{error}\" > error")
+
+
+@pytest.mark.parametrize("text", HOSTILE_TEXTS)
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_a_file_name_or_error_never_runs_as_code_in_a_shell_hook(tmp_path, shell, text):
+    """`[sh, -c, '... {pdf} ...']`: whatever the name holds, the shell only prints it."""
+    runner = HookRunner()
+    try:
+        runner.submit("on_done", [shell, "-c", f"cd '{tmp_path}' && {SHELL_SCRIPT}"], 10, 1,
+                      HookValues(pdf=text, error="failed: `touch PWNED` $(touch PWNED)"))
+        outcomes = wait_until(runner.outcomes, 10, what="the hook's outcome")
+    finally:
+        runner.stop()
+    assert outcomes[0].error is None, outcomes[0].error
+    assert not (tmp_path / "PWNED").exists(), f"the name {text!r} ran as shell code"
+    # The script sees the exact text in every quoting (unquoted it is word-split, as usual).
+    assert (tmp_path / "double").read_text() == f"done {text}\n"
+    assert (tmp_path / "single").read_text() == f"done {text}\n"
+    assert (tmp_path / "unquoted").read_text() == f"{text}\n"
+    assert (tmp_path / "error").read_text() == "failed: `touch PWNED` $(touch PWNED)\n"
+
+
+def test_placeholders_outside_a_shell_script_are_whole_values():
+    values = HookValues(pdf="x$(id).pdf", pages="3")
+    assert values.expand(["notify-send", "{pdf}: {pages} pages", "{pdf}"]) == [
+        "notify-send", "x$(id).pdf: 3 pages", "x$(id).pdf"]
+    # After the script, a shell's arguments are data too ($0, $1...).
+    assert values.expand(["sh", "-ec", 'echo "$1"', "hook", "{pdf}"])[4] == "x$(id).pdf"
+    assert values.expand(["bash", "-o", "pipefail", "-c", "echo {pdf}"])[4] == (
+        'echo "${OCRVL_PDF}"')
+    assert values.expand(["/bin/sh", "script.sh", "{pdf}"])[2] == "x$(id).pdf"
+
+
 @pytest.mark.parametrize(
     ("hook", "needle"),
     [
