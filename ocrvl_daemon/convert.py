@@ -92,6 +92,8 @@ class Converter:
         self.active: dict[int, DocumentPages] = {}
         self._jobs: dict[int, Job] = {}
         self._ledgers: dict[int, RedoLedger] = {}  # per active job: tokens redos may take
+        # Each job's last failure as raised: its class decides `ocrvl convert`'s exit code.
+        self.failures: dict[int, OcrvlError] = {}
         self.completed_pages = 0
         # Pages given up on (placeholders) and kept with a warning, since this started.
         self.failed_pages = 0
@@ -187,6 +189,7 @@ class Converter:
     def _fail(self, job: Job, exc: OcrvlError) -> None:
         # The store first: when the state disk is full (StateFullError) the job stays as it
         # is, to fail again, properly recorded, once there is space.
+        self.failures[job.id] = exc
         if jobs.record_failure(self.store, job, exc, self.again, self.place):
             self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
         self.active.pop(job.id, None)

@@ -170,7 +170,7 @@ def _run(
     if stop_requested:
         raise KeyboardInterrupt
     return {
-        path: OcrvlError(_reason(store, job_id, converter.place))
+        path: converter.failures.get(job_id) or OcrvlError(_reason(store, job_id, converter.place))
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }
