@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon import __version__
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config import Config, openai_base_url
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ExitCode, OcrvlError
 
@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and never touches the daemon's queue, so `ocrvl status` and `ocrvl retry` do not "
         "see its files; run `ocrvl convert` again to finish or redo them. Exit code 0 only "
         "if every file converted (a failing hook does not change it); else 4 when only bad "
-        "input files failed, 5 when the model server failed them, 1 otherwise.",
+        "input files failed, 5 when the model server failed them, 6 when the model server is "
+        "not installed, 1 otherwise; 2 for a bad command line, 3 for a bad configuration, "
+        "130 when interrupted.",
     )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
     convert.add_argument(
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--server-url",
         metavar="URL",
+        type=_server_url,
         help="use this OpenAI-compatible server (e.g. http://127.0.0.1:8118/v1) "
         "instead of starting one",
     )
@@ -145,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     setup.add_argument("--dry-run", action="store_true", help="print the exact plan only")
     return parser
+
+
+def _server_url(value: str) -> str:
+    """--server-url checked like server.url, so a bad one is a command-line error (exit 2)."""
+    try:
+        return openai_base_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

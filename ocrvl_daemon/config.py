@@ -216,7 +216,7 @@ class ServerConfig(_Section):
     @field_validator("url")
     @classmethod
     def _openai_base(cls, value: str | None) -> str | None:
-        return None if value is None else _openai_base_url(value)
+        return None if value is None else openai_base_url(value)
 
     @field_validator("urls")
     @classmethod
@@ -225,7 +225,7 @@ class ServerConfig(_Section):
             return None
         if not value:
             raise ValueError("is an empty list; give at least one URL, or use server.url")
-        urls = [_openai_base_url(url) for url in value]
+        urls = [openai_base_url(url) for url in value]
         if len(set(urls)) < len(urls):
             raise KeyProblem("server.urls", value, f"names {_twice(urls)} twice; each "
                             "endpoint must be listed once (a second entry would not add a "
@@ -418,7 +418,8 @@ def _twice(names: list[Any]) -> Any:
     return next(n for n in names if names.count(n) > 1)
 
 
-def _openai_base_url(value: str) -> str:
+def openai_base_url(value: str) -> str:
+    """`value` as an OpenAI API base URL (ending in /v1); ValueError says what it must be."""
     if not value.startswith(("http://", "https://")):
         raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8118/v1")
     value = value.rstrip("/")

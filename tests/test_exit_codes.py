@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -21,7 +22,13 @@ from test_daemon_notify import slow_to_stop, stubborn_pids
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.pdf import file_identity
 from ocrvl_daemon.store import Store
-from testkit.documents import make_pdf
+from testkit.documents import (
+    make_encrypted_pdf,
+    make_pdf,
+    make_random_bytes,
+    make_truncated_pdf,
+    make_zero_byte,
+)
 from testkit.harness import (
     FakeServerProcess,
     free_port,
@@ -130,6 +137,40 @@ def test_4_bad_input_file(tmp_path: Path):
                        tmp_path / "missing.pdf", timeout=60)
     assert result.returncode == ExitCode.INPUT_FILE, result.stderr
     assert "missing.pdf does not exist" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "make",
+    [make_encrypted_pdf, make_zero_byte, make_truncated_pdf, make_random_bytes],
+    ids=["encrypted", "zero-byte", "damaged", "not-a-pdf"],
+)
+def test_4_a_pdf_that_cannot_be_read_keeps_its_exit_code_through_the_conversion(
+    tmp_path: Path, fake_server: FakeServerProcess, make: Callable[[Path], Path]
+):
+    pdf = make(tmp_path / "bad.pdf")
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=120)
+    assert result.returncode == ExitCode.INPUT_FILE, (result.returncode, result.stderr)
+
+
+def test_2_a_server_url_that_is_not_a_url_is_a_command_line_error_naming_the_option(
+    tmp_path: Path,
+):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", "notaurl", pdf, timeout=60)
+    assert result.returncode == ExitCode.USAGE, (result.returncode, result.stderr)
+    assert "--server-url" in result.stderr and "'notaurl'" in result.stderr, result.stderr
+    assert "http://" in result.stderr, result.stderr
+
+
+def test_convert_help_lists_every_exit_code_it_can_end_with():
+    result = run_ocrvl("convert", "--help", timeout=60)
+    text = " ".join(result.stdout.split())
+    for code in (0, 1, 2, 3, 4, 5, 6, 130):
+        assert f"{code} " in text, (code, text)
+    assert "6 when the model server is not installed" in text, text
 
 
 def test_5_model_server_problem(tmp_path: Path):
