@@ -7,6 +7,7 @@ the built-in defaults.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,31 @@ from ocrvl_daemon.errors import ConfigError
 DEFAULT_CONFIG_PATH = Path("~/.config/ocrvl/config.yaml")
 CONFIG_ENV = "OCRVL_CONFIG"
 
+
+def _is_file(path: Path) -> bool:
+    """Whether config file `path` is there; a folder on its way that the user cannot enter
+    is a ConfigError naming it (the file may well be there: ignoring it would silently run
+    on the built-in defaults)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except PermissionError as exc:
+        closed = next((p for p in reversed(path.parents) if not os.access(p, os.X_OK)),
+                      path.parent)
+        raise ConfigError(
+            f"Cannot look for config file {path}: {exc.strerror} (folder {closed}).",
+            f"let your user enter {closed} (e.g. `chmod u+rx {closed}` as its owner), or "
+            "pass --config a file your user can read",
+        ) from None
+
+
 def resolve_config_path(explicit: str | Path | None) -> Path | None:
     """The config file to read, by the lookup order; None means built-in defaults."""
     if explicit:
         # The shell already expanded what it meant to; a `$` left is part of the name.
         path = Path(explicit).expanduser()
-        if not path.is_file():
+        if not _is_file(path):
             raise ConfigError(
                 f"Config file {path} does not exist.",
                 "pass an existing file to --config, or copy config.example.yaml there",
@@ -34,14 +54,14 @@ def resolve_config_path(explicit: str | Path | None) -> Path | None:
     env = os.environ.get(CONFIG_ENV)
     if env:
         path = expand_path(env)
-        if not path.is_file():
+        if not _is_file(path):
             raise ConfigError(
                 f"${CONFIG_ENV} names {path}, which does not exist.",
                 f"point ${CONFIG_ENV} at an existing file, or unset it",
             )
         return path
     default = expand_path(DEFAULT_CONFIG_PATH)
-    return default if default.is_file() else None
+    return default if _is_file(default) else None
 
 
 def load_config(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import pytest
 from ocrvl_daemon.config_file import load_config, validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
 from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
-from testkit.runner import run_ocrvl, write_config
+from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
 
@@ -144,3 +147,42 @@ def test_missing_config_file_is_an_error(tmp_path):
     result = run_ocrvl("status", "--config", tmp_path / "nope.yaml", timeout=60)
     assert result.returncode == ExitCode.CONFIG
     assert "nope.yaml does not exist" in result.stderr
+
+
+def run_unprivileged(*args: str | Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`ocrvl ARGS` as a user that permissions apply to (root ignores them): nobody, via
+    setpriv, when the tests run as root."""
+    argv = ocrvl_argv(*args)
+    if os.geteuid() == 0:
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env=ocrvl_env(**env), check=False)
+
+
+@pytest.mark.parametrize("given", ["--config", "$OCRVL_CONFIG", "home"])
+def test_a_config_file_in_a_folder_the_user_cannot_enter_is_a_config_error_with_the_fix(
+    given: str,
+):
+    # Not under tmp_path: pytest keeps that closed to other users, and only `locked` may be.
+    with tempfile.TemporaryDirectory() as root:
+        os.chmod(root, 0o755)
+        locked = Path(root) / "locked"
+        (locked / ".config" / "ocrvl").mkdir(parents=True)
+        config = write_config(locked / ".config" / "ocrvl" / "config.yaml")
+        locked.chmod(0o700 if os.geteuid() == 0 else 0o000)
+        result = _status_as_another_user(given, config, locked)
+        locked.chmod(0o755)
+    assert result.returncode == ExitCode.CONFIG, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "Permission denied" in result.stderr, result.stderr
+    assert f"let your user enter {locked}" in result.stderr, result.stderr
+
+
+def _status_as_another_user(
+    given: str, config: Path, home: Path
+) -> subprocess.CompletedProcess[str]:
+    if given == "--config":
+        return run_unprivileged("status", "--config", config)
+    if given == "home":
+        return run_unprivileged("status", HOME=str(home))
+    return run_unprivileged("status", OCRVL_CONFIG=str(config))
