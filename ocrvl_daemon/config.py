@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from ocrvl_daemon.config_errors import KeyProblem
+from ocrvl_daemon.errors import UnsetVariableError
 from ocrvl_daemon.models import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
@@ -42,9 +43,27 @@ RESERVED_VLLM_ARGS = {
 }
 
 
+# `$NAME` or `${NAME}`, as os.path.expandvars reads them.
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{([^}]*)\})")
+
+
+def expand_vars(value: str) -> str:
+    """`$VARS` replaced from the environment. An unset one raises UnsetVariableError: left
+    as it is, it would become a folder named `$NOPE` or a literal API key."""
+
+    def value_of(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise UnsetVariableError(name)
+        return os.environ[name]
+
+    return _VARIABLE.sub(value_of, value)
+
+
 def expand_path(value: str | Path) -> Path:
-    """`~` and `$VARS` expanded; relative paths stay relative to the working directory."""
-    return Path(os.path.expandvars(os.path.expanduser(str(value))))
+    """`~` and `$VARS` expanded (see `expand_vars`); relative paths stay relative to the
+    working directory."""
+    return Path(expand_vars(os.path.expanduser(str(value))))
 
 
 class _Section(BaseModel):
@@ -211,7 +230,7 @@ class ServerConfig(_Section):
     @field_validator("api_key")
     @classmethod
     def _expand_key(cls, value: str | None) -> str | None:
-        return os.path.expandvars(value) if value else value
+        return expand_vars(value) if value else value
 
     @field_validator("url")
     @classmethod

@@ -42,6 +42,10 @@ def config_error(exc: ValidationError, model: type[BaseModel], source: Path | No
         return ConfigError(
             f"Unknown config key {key!r}{where}.", _suggest_key(err["loc"], model)
         )
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):  # a validator's own error knows its fix
+        return ConfigError(f"Config key {key} = {value!r}{where} is invalid: {cause.message}.",
+                           cause.fix)
     message = err["msg"].removeprefix("Value error, ")
     return ConfigError(
         f"Config key {key} = {value!r}{where} is invalid: {message}.",

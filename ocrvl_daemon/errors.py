@@ -57,6 +57,22 @@ class ConfigError(OcrvlError):
     permanent = True
 
 
+class UnsetVariableError(ConfigError, ValueError):
+    """A config value names an environment variable that is not set.
+
+    A ValueError too, so that a config validator raising it reports the key it is under.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"${name} is not set in the environment",
+            f"set {name} where ocrvl runs (for the service: `systemctl --user "
+            f"set-environment {name}=...`, then restart it), or write the value out in the "
+            "config file",
+        )
+        self.name = name
+
+
 class AlreadyRunningError(ConfigError):
     """Another `ocrvl run` already uses this state_dir; this one did not start."""
 

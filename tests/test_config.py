@@ -186,3 +186,33 @@ def _status_as_another_user(
     if given == "home":
         return run_unprivileged("status", HOME=str(home))
     return run_unprivileged("status", OCRVL_CONFIG=str(config))
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"inbox": {"paths": ["$OCRVL_TEST_UNSET/inbox"]}}, "inbox.paths"),
+        ({"state_dir": "${OCRVL_TEST_UNSET}/state"}, "state_dir"),
+        ({"server": {"api_key": "$OCRVL_TEST_UNSET"}}, "server.api_key"),
+        ({"server": {"python": "$OCRVL_TEST_UNSET/bin/python"}}, "server.python"),
+    ],
+    ids=["inbox", "state_dir", "api_key", "python"],
+)
+def test_an_unset_variable_in_the_config_is_an_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, data: dict[str, object], key: str
+):
+    monkeypatch.delenv("OCRVL_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data)
+    text = str(caught.value)
+    assert key in text and "$OCRVL_TEST_UNSET is not set" in text, text
+    assert "Fix: set OCRVL_TEST_UNSET" in text, text
+
+
+def test_an_unset_variable_in_an_inbox_creates_no_folder_named_after_it(tmp_path: Path):
+    config = write_config(tmp_path / "config.yaml",
+                          inbox={"paths": ["$OCRVL_TEST_UNSET/inbox"]})
+    result = run_ocrvl("run", "--config", config, timeout=60, cwd=tmp_path)
+    assert result.returncode == ExitCode.CONFIG, (result.returncode, result.stderr)
+    assert "$OCRVL_TEST_UNSET is not set" in result.stderr, result.stderr
+    assert not (tmp_path / "$OCRVL_TEST_UNSET").exists()
