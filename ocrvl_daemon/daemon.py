@@ -1,13 +1,14 @@
 """`ocrvl run`: wires the model servers, inbox watcher and converter into one main loop.
 
 Signal handlers only record what was asked; the loop acts on it. Every iteration polls the
-watcher, ticks the converter, publishes status (systemd's STATUS= and the store, for `ocrvl
-status`) and pings systemd's watchdog, so a stuck loop stops pinging. Stopping is ordered:
-stop taking files, let pages in flight finish and checkpoint (bounded; not after Ctrl-C,
-which means now), stop the workers, then stop the server. A second SIGTERM or Ctrl-C while
-that runs stops at once (`shutdown`): SIGKILL to the workers and the server's process group.
-A reload that changes the server settings stops the old server on a thread, so the loop
-keeps turning (and pinging the watchdog), and starts the new one once the old one is gone.
+watcher, ticks the converter, builds one `DaemonState` about once a second (shown as
+STATUS=, in /metrics and, through the runtime file, by `ocrvl status`) and pings systemd's
+watchdog, so a stuck loop stops pinging. Stopping is ordered: stop taking files, let pages
+in flight finish and checkpoint (bounded; not after Ctrl-C, which means now), stop the
+workers, then stop the server. A second SIGTERM or Ctrl-C while that runs stops at once
+(`shutdown`): SIGKILL to the workers and the server's process group. A reload that changes
+the server settings stops the old server on a thread, so the loop keeps turning (and pinging
+the watchdog), and starts the new one once the old one is gone.
 
 One daemon per state_dir (`state_lock`). When the state_dir's disk fills up, nothing can be
 checkpointed: the daemon pauses (says so in the log, STATUS= and `ocrvl status`), tries
@@ -23,11 +24,17 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import load_config, resolve_config_path
 from ocrvl_daemon.convert import Converter
+from ocrvl_daemon.daemon_state import (
+    DaemonState,
+    EndpointState,
+    ServerView,
+    format_status,
+    write_runtime_file,
+)
 from ocrvl_daemon.errors import (
     ConfigError,
     ExitCode,
@@ -37,7 +44,7 @@ from ocrvl_daemon.errors import (
 )
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.logs import set_level
-from ocrvl_daemon.metrics import DaemonMetrics, MetricsEndpoint, ServerMetrics
+from ocrvl_daemon.metrics import MetricsEndpoint
 from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus
@@ -45,7 +52,7 @@ from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.store import JobState
-from ocrvl_daemon.systemd import Notifier, StatusSnapshot, format_endpoint, format_status
+from ocrvl_daemon.systemd import Notifier
 from ocrvl_daemon.watcher import InboxWatcher
 
 log = logging.getLogger(__name__)
@@ -56,7 +63,6 @@ IDLE_TICK_SECONDS = 0.5
 STATUS_SECONDS = 1.0
 # How much more time to ask systemd for, each time, while the model server starts.
 EXTEND_SECONDS = 90.0
-PUBLISH_SECONDS = 2.0
 # Pages in flight get this long to finish and be checkpointed at shutdown.
 DRAIN_SECONDS = 20.0
 # While the state_dir's disk is full, the work is tried again this often.
@@ -72,12 +78,11 @@ class Daemon:
         self.notifier = Notifier()
         self.signals = StopSignals(signal.SIGHUP)
         self._ready_sent = False
-        self._last_publish = 0.0
         self._last_extend = 0.0
         self._last_status = 0.0
-        # The latest snapshot of this daemon's state, for the metrics endpoint's thread (no
-        # lock: it is replaced whole, never changed in place).
-        self.metrics_snapshot: DaemonMetrics | None = None
+        # The latest state, for the metrics endpoint's thread (no lock: it is replaced whole,
+        # never changed in place).
+        self.state: DaemonState | None = None
         self._drain = DRAIN_SECONDS
         self._full: StateFullError | None = None  # the state_dir's disk is full: paused
         self._full_retry_at = 0.0
@@ -117,7 +122,7 @@ class Daemon:
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.servers.endpoints,
                                    again=self.again)
-        self.metrics = MetricsEndpoint(config.metrics, lambda: self.metrics_snapshot)
+        self.metrics = MetricsEndpoint(config.metrics, lambda: self.state)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
@@ -221,47 +226,51 @@ class Daemon:
         if now - self._last_status < STATUS_SECONDS:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
+        state = self._state(server)
+        self.state = state
+        self.notifier.status(format_status(state), now)
+        # A full disk is noticed (and shown) where the store writes; status only goes stale.
+        with contextlib.suppress(OSError):
+            write_runtime_file(self.config.state_dir, state.to_json())
+
+    def _state(self, server: ServerStatus) -> DaemonState:
+        """This tick's `DaemonState`: shown as STATUS=, in /metrics and by `ocrvl status`."""
         progress = self.converter.progress()
-        endpoints = self._endpoints()
-        snap = StatusSnapshot(
-            server_state=server.state.value,
-            server_phase=server.phase or None,
-            server_attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
-            server_diagnosis=f"{server.diagnosis.cause}?" if server.diagnosis else None,
+        endpoints = tuple(self._endpoints())
+        return DaemonState(
+            pid=os.getpid(),
+            updated=time.time(),
+            server=ServerView(
+                state=server.state.value,
+                phase=server.phase or None,
+                url=server.url,
+                pid=server.pid,
+                attempt=server.attempt if server.state is ServerState.RESTARTING else 0,
+                restarts=server.restart_count,
+                last_error=server.last_error,
+                diagnosis=str(server.diagnosis) if server.diagnosis else None,
+                cause=server.diagnosis.cause if server.diagnosis else None,
+            ),
+            endpoints=endpoints,
             current_doc=progress.current,
             page_done=progress.page_done,
             page_total=progress.page_total or None,
-            pages_per_s=progress.pages_per_s or None,
+            pages_per_s=round(progress.pages_per_s, 3),
+            in_flight=progress.in_flight,
+            concurrency=sum(e.bound for e in endpoints),
             queued=max(0, progress.queued),
+            converting=len(self.converter.active),
             done=progress.done,
             failed=progress.failed,
-            engine_failed_starts=self.converter.engines.start_failures,
-            endpoints=tuple(format_endpoint(e["name"], e["state"], e["in_flight"],
-                                            e["pages_per_s"]) for e in endpoints),
-        )
-        self.notifier.status(format_status(snap), now)
-        self.metrics_snapshot = DaemonMetrics(
             pages_done=self.converter.completed_pages,
             pages_failed=self.converter.failed_pages,
             pages_flagged=self.converter.flagged_pages,
-            pages_in_flight=progress.in_flight,
-            pages_per_s=progress.pages_per_s,
-            documents={
-                JobState.QUEUED.value: max(0, progress.queued),
-                JobState.RUNNING.value: len(self.converter.active),
-                JobState.DONE.value: progress.done,
-                JobState.FAILED.value: progress.failed,
-            },
             engine_failed_starts=self.converter.engines.start_failures,
+            engine_error=self.converter.engines.start_error,
             hook_failures=dict(self.converter.hooks.failures),
-            servers=[ServerMetrics(e["url"], e["state"], e["restarts"], e["in_flight"],
-                                   e["pages_per_s"]) for e in endpoints],
         )
-        if now - self._last_publish >= PUBLISH_SECONDS:
-            self._last_publish = now
-            self._publish(server, progress.pages_per_s, endpoints)
 
-    def _endpoints(self) -> list[dict[str, Any]]:
+    def _endpoints(self) -> list[EndpointState]:
         """Each server endpoint: its state and its share of the work."""
         views = []
         for handle, load in zip(self.converter.servers, self.converter.endpoint_load(),
@@ -270,38 +279,12 @@ class Daemon:
             state = status.state
             if state is ServerState.STOPPED and self._old_server is not None:
                 state = ServerState.STARTING  # it starts once the old one has stopped
-            views.append({
-                "name": load.name, "url": load.url, "state": state.value,
-                "phase": status.phase, "in_flight": load.in_flight,
-                "pages_per_s": round(load.pages_per_s, 3), "bound": load.bound,
-                "restarts": status.restart_count, "last_error": status.last_error,
-            })
+            views.append(EndpointState(
+                name=load.name, url=load.url, state=state.value, phase=status.phase,
+                in_flight=load.in_flight, pages_per_s=round(load.pages_per_s, 3),
+                bound=load.bound, restarts=status.restart_count, last_error=status.last_error,
+            ))
         return views
-
-    def _publish(self, server: ServerStatus, rate: float,
-                 endpoints: list[dict[str, Any]]) -> None:
-        self.store.put_meta(
-            "daemon",
-            {
-                "pid": os.getpid(),
-                "updated": time.time(),
-                "pages_per_s": round(rate, 3),
-                "in_flight": self.converter.in_flight,
-                "concurrency": sum(e.bound for e in self.converter.endpoint_load()),
-                "engine_error": self.converter.engines.start_error,
-                "server": {
-                    "state": server.state.value,
-                    "phase": server.phase,
-                    "url": server.url,
-                    "pid": server.pid,
-                    "attempt": server.attempt,
-                    "restarts": server.restart_count,
-                    "last_error": server.last_error,
-                    "diagnosis": str(server.diagnosis) if server.diagnosis else None,
-                },
-                "servers": endpoints,
-            },
-        )
 
     def _reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live; keep the old one if bad."""
@@ -365,8 +348,8 @@ class Daemon:
         self.servers.stop()
         self.metrics.stop()
         # `ocrvl status` must not go on showing the last published state as running.
-        with contextlib.suppress(StateFullError):
-            self.store.put_meta("daemon", {"pid": os.getpid(), "stopped": time.time()})
+        with contextlib.suppress(OSError):
+            write_runtime_file(self.config.state_dir, {"pid": os.getpid(), "stopped": time.time()})
         self.store.close()
         self.lock.release()
         log.info("stopped")

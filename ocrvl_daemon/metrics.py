@@ -1,8 +1,8 @@
 """The daemon's own Prometheus endpoint (`metrics.listen`).
 
 prometheus_client serves it from a thread with a registry of its own. Nothing is counted
-twice: each scrape reads the latest `DaemonMetrics`, the snapshot the main loop takes of
-its own state about once a second; no lock, since a snapshot is replaced whole and never
+twice: each scrape reads the latest `DaemonState`, the value the main loop builds of its
+own state about once a second; no lock, since a snapshot is replaced whole and never
 changed in place.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -19,42 +18,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ocrvl_daemon.config import MetricsConfig
+from ocrvl_daemon.daemon_state import DaemonState
 from ocrvl_daemon.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerMetrics:
-    """One model server endpoint as the daemon sees it."""
-
-    endpoint: str
-    state: str
-    restarts: int
-    in_flight: int = 0  # pages ocrvl has at it
-    pages_per_s: float = 0.0  # its pages recognised per second over the last minute
-
-
-@dataclass(frozen=True)
-class DaemonMetrics:
-    """What a scrape shows; counters count since the daemon started."""
-
-    pages_done: int
-    pages_failed: int
-    pages_flagged: int
-    pages_in_flight: int
-    pages_per_s: float
-    documents: Mapping[str, int]  # by state: queued, running, done, failed
-    engine_failed_starts: int
-    hook_failures: Mapping[str, int]  # by hook: on_done, on_failed
-    servers: list[ServerMetrics] = field(default_factory=list)
 
 
 SERVER_STATES = ("stopped", "starting", "ready", "restarting", "failed")
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], DaemonMetrics | None]) -> None:
+    def __init__(self, snapshot: Callable[[], DaemonState | None]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
@@ -70,13 +44,13 @@ class _SnapshotCollector(Collector):
         ):
             yield CounterMetricFamily(name, text, value=value)
         yield GaugeMetricFamily("ocrvl_pages_in_flight", "Pages at the engine now.",
-                                value=snap.pages_in_flight)
+                                value=snap.in_flight)
         yield GaugeMetricFamily("ocrvl_pages_per_second",
                                 "Pages recognised per second over the last minute.",
                                 value=snap.pages_per_s)
         documents = GaugeMetricFamily("ocrvl_documents", "Documents by state.",
                                       labels=["state"])
-        for state, count in snap.documents.items():
+        for state, count in snap.documents().items():
             documents.add_metric([state], count)
         yield documents
         yield GaugeMetricFamily("ocrvl_engine_failed_starts",
@@ -98,12 +72,12 @@ class _SnapshotCollector(Collector):
         rate = GaugeMetricFamily("ocrvl_server_pages_per_second",
                                  "Pages the model server recognised per second over the last "
                                  "minute.", labels=["endpoint"])
-        for server in snap.servers:
+        for server in snap.endpoints:
             for name in SERVER_STATES:
-                states.add_metric([server.endpoint, name], float(server.state == name))
-            restarts.add_metric([server.endpoint], server.restarts)
-            in_flight.add_metric([server.endpoint], server.in_flight)
-            rate.add_metric([server.endpoint], server.pages_per_s)
+                states.add_metric([server.url, name], float(server.state == name))
+            restarts.add_metric([server.url], server.restarts)
+            in_flight.add_metric([server.url], server.in_flight)
+            rate.add_metric([server.url], server.pages_per_s)
         yield states
         yield restarts
         yield in_flight
@@ -114,7 +88,7 @@ class MetricsEndpoint:
     """Serves `snapshot()` at http://`metrics.listen`/metrics; off when listen is null."""
 
     def __init__(self, config: MetricsConfig,
-                 snapshot: Callable[[], DaemonMetrics | None]) -> None:
+                 snapshot: Callable[[], DaemonState | None]) -> None:
         self.config = config
         self._snapshot = snapshot
         self._server: WSGIServer | None = None

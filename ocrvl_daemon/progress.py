@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.names import shown
-from ocrvl_daemon.systemd import format_duration, format_rate
+from ocrvl_daemon.units import format_duration, format_rate
 
 log = logging.getLogger(__name__)
 

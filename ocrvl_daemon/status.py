@@ -11,6 +11,7 @@ from typing import Any
 import psutil
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.daemon_state import read_runtime_file
 from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.names import shell_quote, shown
@@ -19,7 +20,7 @@ from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
-from ocrvl_daemon.systemd import format_duration
+from ocrvl_daemon.units import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
     """The status, and each listed document's path as it is (for the commands shown with it)."""
     store = open_store(config)
     try:
-        daemon = store.get_meta("daemon") or {}
+        daemon = read_runtime_file(config.state_dir)
         alive = (
             "updated" in daemon
             and time.time() - float(daemon["updated"]) < STALE_SECONDS

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import sdnotify
 
@@ -144,92 +143,3 @@ def _watchdog_interval(env: Mapping[str, str]) -> float | None:
     if pid and (not pid.isdigit() or int(pid) != os.getpid()):
         return None
     return int(usec) / 2 / 1_000_000
-
-
-@dataclass(frozen=True)
-class StatusSnapshot:
-    """What the daemon is doing, for the one-line STATUS=.
-
-    `server_state` is "ready", "starting", "restarting" or any other word ("stopped",
-    "failed", "external"...) that is shown as "server <word>".
-    """
-
-    server_state: str = "ready"
-    server_phase: str | None = None  # e.g. "loading weights", while starting
-    server_attempt: int = 0  # restarts so far
-    server_diagnosis: str | None = None  # e.g. "out of memory?", shown as given
-    current_doc: str | None = None  # file name of the document being converted
-    page_done: int = 0
-    page_total: int | None = None
-    pages_per_s: float | None = None
-    queued: int = 0  # documents waiting, not counting current_doc
-    done: int = 0
-    failed: int = 0
-    engine_failed_starts: int = 0  # recognition workers that failed to start, in a row
-    # Each server endpoint in a few words (`format_endpoint`), shown when there are several.
-    endpoints: tuple[str, ...] = ()
-
-
-def format_endpoint(name: str, state: str, in_flight: int, pages_per_s: float) -> str:
-    """One endpoint for status lines: "gpu0/1 ready, 12 in flight, 1.6 p/s"."""
-    if state != "ready":
-        return f"{name} {state}"
-    return f"{name} ready, {in_flight} in flight, {format_rate(pages_per_s)}"
-
-
-def format_status(snap: StatusSnapshot) -> str:
-    """The STATUS= line: what blocks work if anything, else progress, else idle counts; with
-    several server endpoints, each of them after it."""
-    line = _format_work(snap)
-    if len(snap.endpoints) > 1:
-        line += " | " + "; ".join(snap.endpoints)
-    return line
-
-
-def _format_work(snap: StatusSnapshot) -> str:
-    queue = f"{snap.queued} queued" if snap.queued else ""
-    failed = f"{snap.failed} failed" if snap.failed else ""
-    if snap.server_state == "starting":
-        line = f"starting server: {snap.server_phase}" if snap.server_phase else "starting server"
-        return _join(line, queue, failed)
-    if snap.server_state not in ("ready", "external"):
-        details = [f"attempt {snap.server_attempt}"] if snap.server_attempt else []
-        details += [snap.server_diagnosis] if snap.server_diagnosis else []
-        line = f"server {snap.server_state}" + (f" ({', '.join(details)})" if details else "")
-        return _join(line, queue, failed)
-    if snap.engine_failed_starts:
-        starts = f"{snap.engine_failed_starts} failed start" + "s" * (snap.engine_failed_starts > 1)
-        line = f"recognition pipeline cannot start ({starts}; see journalctl --user -u ocrvl)"
-        return _join(line, queue, failed)
-    if snap.current_doc:
-        pages = f"p.{snap.page_done}" + (f"/{snap.page_total}" if snap.page_total else "")
-        rate = eta = ""
-        if snap.pages_per_s:
-            rate = format_rate(snap.pages_per_s)
-            if snap.page_total:
-                left = max(snap.page_total - snap.page_done, 0) / snap.pages_per_s
-                eta = f"ETA {format_duration(left)}"
-        return _join(f"{snap.current_doc} {pages}", rate, eta, queue, failed)
-    idle = f"idle, {snap.done} done, {snap.queued} queued"
-    return f"{idle}, {failed}" if failed else idle
-
-
-def format_rate(pages_per_s: float) -> str:
-    """1.6 p/s, 0.24 p/s."""
-    return f"{pages_per_s:.1f} p/s" if pages_per_s >= 0.95 else f"{pages_per_s:.2f} p/s"
-
-
-def format_duration(seconds: float) -> str:
-    """45s, 12m05s, 2h41m."""
-    total = round(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
-
-
-def _join(*parts: str) -> str:
-    return " · ".join(part for part in parts if part)

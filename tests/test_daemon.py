@@ -293,3 +293,22 @@ def test_renamed_or_moved_file_is_not_recognised_again(setup: Setup):
             "a moved file was sent to the model again instead of reusing its checkpoints"
         assert digests(renamed.with_suffix(".md").read_text("utf-8")) == \
             digests(first.with_suffix(".md").read_text("utf-8"))
+
+
+def test_an_idle_daemon_keeps_its_status_current_without_writing_the_job_store(setup: Setup):
+    """Status is derived: it goes to a runtime file each second, not through the job store
+    (whose every write is an fsync)."""
+    state = setup.root / "state"
+    runtime = state / "daemon.json"
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        wait_until(runtime.exists, 30, what="the daemon's runtime file")
+        store_files = sorted(state.glob("jobs.sqlite*"))
+        before = {p: p.stat().st_mtime_ns for p in store_files}
+        first = json.loads(runtime.read_text("utf-8"))["updated"]
+        wait_until(lambda: json.loads(runtime.read_text("utf-8"))["updated"] >= first + 2.5, 30,
+                   what="three more status ticks")
+        assert {p: p.stat().st_mtime_ns for p in store_files} == before, (
+            "an idle daemon wrote to its job store just to publish its status")
+        assert setup.status()["daemon"]["running"] is True
+    assert setup.status()["daemon"]["running"] is False, "a stopped daemon still shows running"

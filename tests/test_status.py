@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ocrvl_daemon.daemon_state import write_runtime_file
 from ocrvl_daemon.status import finish_times
 from ocrvl_daemon.store import Store
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
@@ -48,10 +49,12 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def daemon_said(store: Store, pid: int, server: dict, rate: float = 0.0) -> None:
-    """Publish what a daemon publishes every two seconds, as the daemon `pid`."""
-    store.put_meta("daemon", {"pid": pid, "updated": time.time(), "pages_per_s": rate,
-                              "server": {"url": "http://127.0.0.1:8118/v1", **server}})
+def daemon_said(store: Store, pid: int, server: dict, rate: float = 0.0,
+                servers: list[dict] | None = None) -> None:
+    """Write the runtime file a daemon writes every second, as the daemon `pid`."""
+    write_runtime_file(store.path.parent, {
+        "pid": pid, "updated": time.time(), "pages_per_s": rate,
+        "server": {"url": "http://127.0.0.1:8118/v1", **server}, "servers": servers or []})
 
 
 def status_of(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -104,8 +107,7 @@ def test_status_shows_each_server_endpoint_with_its_pages_in_flight_and_rate(sta
          "phase": "loading weights", "in_flight": 0, "pages_per_s": 0.0, "bound": 8,
          "restarts": 1, "last_error": "the server exited with status 1"},
     ]
-    daemon_said(store, os.getpid(), {"state": "ready"}, rate=1.6)
-    store.put_meta("daemon", {**store.get_meta("daemon"), "servers": servers})
+    daemon_said(store, os.getpid(), {"state": "ready"}, rate=1.6, servers=servers)
     shown = json.loads(status_of(config, "--json").stdout)
     assert shown["servers"] == servers, "`status --json` does not list each endpoint"
     text = status_of(config).stdout
@@ -118,10 +120,9 @@ def test_status_shows_each_server_endpoint_with_its_pages_in_flight_and_rate(sta
 
 def test_with_one_server_the_status_line_stays_as_it_was(state):
     config, store = state
-    daemon_said(store, os.getpid(), {"state": "ready"})
-    store.put_meta("daemon", {**store.get_meta("daemon"), "servers": [
+    daemon_said(store, os.getpid(), {"state": "ready"}, servers=[
         {"name": "server", "url": "http://127.0.0.1:8118/v1", "state": "ready", "phase": "ready",
-         "in_flight": 3, "pages_per_s": 1.0, "bound": 16, "restarts": 0, "last_error": None}]})
+         "in_flight": 3, "pages_per_s": 1.0, "bound": 16, "restarts": 0, "last_error": None}])
     text = status_of(config).stdout
     assert "server: ready at http://127.0.0.1:8118/v1" in text.splitlines(), text
 

@@ -16,11 +16,7 @@ import pytest
 
 from ocrvl_daemon.systemd import (
     Notifier,
-    StatusSnapshot,
     child_env,
-    format_duration,
-    format_endpoint,
-    format_status,
     monotonic_usec,
 )
 
@@ -229,48 +225,3 @@ def test_child_env_drops_notify_variables() -> None:
     assert "NOTIFY_SOCKET" in env  # the daemon's own environment is left alone
 
 
-@pytest.mark.parametrize(("snap", "line"), [
-    (StatusSnapshot(done=12), "idle, 12 done, 0 queued"),
-    (StatusSnapshot(done=12, queued=2, failed=1), "idle, 12 done, 2 queued, 1 failed"),
-    (StatusSnapshot(current_doc="book.pdf", page_done=212, page_total=480, pages_per_s=1.6,
-                    queued=3),
-     "book.pdf p.212/480 · 1.6 p/s · ETA 2m48s · 3 queued"),
-    (StatusSnapshot(current_doc="book.pdf", page_done=12, page_total=480, pages_per_s=0.05),
-     "book.pdf p.12/480 · 0.05 p/s · ETA 2h36m"),
-    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24),
-     "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
-    (StatusSnapshot(current_doc="scan.pdf", page_done=0), "scan.pdf p.0"),
-    (StatusSnapshot(current_doc="a.pdf", page_done=5, page_total=9, failed=2),
-     "a.pdf p.5/9 · 2 failed"),
-    (StatusSnapshot(server_state="restarting", server_attempt=3,
-                    server_diagnosis="out of memory?", current_doc="book.pdf"),
-     "server restarting (attempt 3, out of memory?)"),
-    (StatusSnapshot(server_state="restarting", server_attempt=1, queued=4),
-     "server restarting (attempt 1) · 4 queued"),
-    (StatusSnapshot(server_state="starting", server_phase="loading weights"),
-     "starting server: loading weights"),
-    (StatusSnapshot(server_state="starting"), "starting server"),
-    (StatusSnapshot(server_state="failed", server_diagnosis="CUDA driver missing"),
-     "server failed (CUDA driver missing)"),
-    (StatusSnapshot(server_state="external", done=1), "idle, 1 done, 0 queued"),
-    (StatusSnapshot(engine_failed_starts=2, current_doc="book.pdf", queued=3),
-     "recognition pipeline cannot start (2 failed starts; see journalctl --user -u ocrvl) · "
-     "3 queued"),
-    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24,
-                    endpoints=("server ready, 4 in flight, 0.24 p/s",)),
-     "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
-    (StatusSnapshot(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=2.4,
-                    endpoints=(format_endpoint("gpu0/0", "ready", 12, 1.6),
-                               format_endpoint("gpu0/1", "restarting", 0, 0.0))),
-     "book.pdf p.3/10 · 2.4 p/s · ETA 3s | gpu0/0 ready, 12 in flight, 1.6 p/s; "
-     "gpu0/1 restarting"),
-])
-def test_format_status(snap: StatusSnapshot, line: str) -> None:
-    assert format_status(snap) == line
-
-
-@pytest.mark.parametrize(("seconds", "text"), [
-    (0, "0s"), (45.4, "45s"), (725, "12m05s"), (3600, "1h00m"), (9660, "2h41m"),
-])
-def test_format_duration(seconds: float, text: str) -> None:
-    assert format_duration(seconds) == text

@@ -1,0 +1,20 @@
+"""Rates and durations as people read them, for status lines and logs."""
+
+from __future__ import annotations
+
+
+def format_rate(pages_per_s: float) -> str:
+    """1.6 p/s, 0.24 p/s."""
+    return f"{pages_per_s:.1f} p/s" if pages_per_s >= 0.95 else f"{pages_per_s:.2f} p/s"
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 12m05s, 2h41m."""
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
