@@ -20,15 +20,17 @@ from collections.abc import Iterator, Sequence
 from ocrvl_daemon import jobs, output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle, pages_per_s
-from ocrvl_daemon.engine import PageResult, PageTask
+from ocrvl_daemon.engine import Failure, PageResult, PageTask
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
     InputVanishedError,
     OcrvlError,
     PagesFailedError,
+    ServerError,
     StateFullError,
 )
 from ocrvl_daemon.hooks import DocumentHooks
+from ocrvl_daemon.jobs import DAEMON_RETRY, RetryPolicy
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import (
     KeptBecause,
@@ -56,6 +58,11 @@ ACTIVATIONS_PER_TICK = 16
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
+# A page the server failed (HTTP 5xx) waits this long before it is sent again, doubling with
+# each failure up to SERVER_ERROR_LONGEST_WAIT: a server failing every request is not
+# hammered, and one that failed a moment has time to recover.
+SERVER_ERROR_FIRST_WAIT = 1.0
+SERVER_ERROR_LONGEST_WAIT = 30.0
 
 
 class Converter:
@@ -64,7 +71,8 @@ class Converter:
 
     `engines` defaults to a pool that starts its worker again forever, as the daemon wants.
     `again` is the command that redoes a document of `store`, for the advice in notes (see
-    `pdf.retry_command`).
+    `pdf.retry_command`). `retry` says how a document that failed for a reason that may pass
+    is tried again, and when it is given up on; `failures` holds why each job failed last.
 
     A full disk under the store (StateFullError) pauses it: results that cannot be
     checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
@@ -79,9 +87,11 @@ class Converter:
         only: set[int] | None = None,
         again: str = "ocrvl retry",
         engines: EnginePool | None = None,
+        retry: RetryPolicy = DAEMON_RETRY,
     ) -> None:
         self.config = config
         self.again = again
+        self.retry = retry
         self.engines = EnginePool(config) if engines is None else engines
         self.store = store
         self.dispatcher = Dispatcher(config, servers)
@@ -124,6 +134,8 @@ class Converter:
             self._activate()
         for job_id, page in self.dispatcher.reclaim(now):
             self.active[job_id].give_back(page)
+        for doc in self.active.values():
+            doc.wake(now)
         self._dispatch(now)
         self.dispatcher.observe(now, self._backlog())
 
@@ -190,7 +202,7 @@ class Converter:
         # The store first: when the state disk is full (StateFullError) the job stays as it
         # is, to fail again, properly recorded, once there is space.
         self.failures[job.id] = exc
-        if jobs.record_failure(self.store, job, exc, self.again, self.place):
+        if jobs.record_failure(self.store, job, exc, self.again, self.place, self.retry):
             self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
         self.active.pop(job.id, None)
         self.dispatcher.release_job(job.id)
@@ -259,7 +271,7 @@ class Converter:
         if not self.dispatcher.owns(key, result.url):
             return  # a late answer from a server the page was taken from: it went elsewhere
         self.dispatcher.answered(key, self._now, result.error is None,
-                                 result.error_kind == "server")
+                                 result.error_kind is Failure.SERVER_DOWN)
         fields = _fields(job, result.page)
         if result.error is None:
             ledger = self._ledgers[job.id]
@@ -286,14 +298,14 @@ class Converter:
                              self._quality_note(job, result, quality, decision))
             return
         kept = self._ledgers[job.id].kept(result.page)
-        if kept is not None and result.error_kind in ("page", "damaged"):
+        if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
             # A redo that fails costs the page nothing: its earlier answer stays.
             quality, answer = kept
             note = (f"{self._quality_note(job, answer, quality, None)} (sending it again "
                     f"failed: {(result.error or 'unknown error').rstrip('.')})")
             self._checkpoint(doc, job, answer, quality, note)
             return
-        if result.error_kind == "server":
+        if result.error_kind is Failure.SERVER_DOWN:
             log.info(
                 "%s p.%d: server unavailable (%s); the page will be sent again",
                 job.path.name,
@@ -303,10 +315,13 @@ class Converter:
             )
             doc.give_back(result.page)
             return
-        if result.error_kind == "input":
+        if result.error_kind is Failure.SERVER_ERROR:
+            self._server_failed(doc, result)
+            return
+        if result.error_kind is Failure.INPUT:
             self._fail(job, InputVanishedError(result.error or "the file changed"))
             return
-        if result.error_kind == "damaged":  # the same every time: no retries
+        if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
             self._give_up_page(doc, result.page, result.error or "the page is damaged", None)
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
@@ -362,6 +377,31 @@ class Converter:
         )
         redo = pdf.retry_command(job.path, str(page + 1), self.again)
         self._give_up_page(doc, page, note, redo)
+
+    def _server_failed(self, doc: DocumentPages, result: PageResult) -> None:
+        """The server answered `result`'s page with an error (HTTP 5xx): count the attempt
+        and send the page again after a wait, or fail the document with the server's words.
+
+        Not a placeholder: the page is not to blame, and the document is tried again later
+        (`retry`) with every page it has.
+        """
+        job, page = self._jobs[doc.job_id], result.page
+        attempts = doc.attempts.get(page, 0) + 1
+        doc.attempts[page] = attempts
+        url = result.url or self.config.server.base_url
+        if attempts <= self.config.pipeline.page_retries:
+            wait = min(SERVER_ERROR_LONGEST_WAIT, SERVER_ERROR_FIRST_WAIT * 2 ** (attempts - 1))
+            log.warning("%s p.%d: the server at %s failed it (attempt %d): %s; sending it again "
+                        "in %.0f s", job.path.name, page + 1, url, attempts, result.error, wait,
+                        extra=_fields(job, page))
+            doc.rest(page, self._now + wait)
+            return
+        error = (result.error or "no reason given").rstrip(".")
+        self._fail(job, ServerError(
+            f"The model server at {url} failed page {page + 1} on all {attempts} attempts: "
+            f"{error}.",
+            "the server's own log tells why it fails requests (vLLM prints the cause above "
+            "the error)"))
 
     def _give_up_page(self, doc: DocumentPages, page: int, note: str, redo: str | None) -> None:
         """Record `page` as failed: a visible placeholder, and the book still completes.

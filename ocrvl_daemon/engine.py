@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import IO, Any
 
 import psutil
@@ -55,6 +56,20 @@ class PageTask:
     url: str = ""
 
 
+class Failure(str, Enum):
+    """Why a page came back without an answer; the converter's policy differs for each."""
+
+    # No answer at all (connection refused or reset, timeout): the endpoint is gone for now,
+    # and the page waits for it (or another) without counting an attempt.
+    SERVER_DOWN = "server-down"
+    # The server answered with an HTTP 5xx status: it is there but fails the request. Each
+    # one counts an attempt, and the page waits a while before it is sent again.
+    SERVER_ERROR = "server-error"
+    INPUT = "input"  # the file changed or vanished
+    DAMAGED = "damaged"  # the page itself cannot be rendered: the same every time
+    PAGE = "page"  # anything else about this page (a 4xx answer, a pipeline error)
+
+
 @dataclass
 class PageResult:
     """What came back for one page: Markdown and images, or why it failed."""
@@ -64,7 +79,7 @@ class PageResult:
     markdown: str = ""
     images: dict[str, bytes] = field(default_factory=dict)
     error: str | None = None
-    error_kind: str | None = None  # "server", "input", "damaged" (the page itself), "page"
+    error_kind: Failure | None = None
     seconds: float = 0.0
     # Set when an answer of the page was cut off at the token limit (finish_reason
     # "length"): the limit that cut it off. The converter decides whether to redo the page.

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import PageResult, PageTask, _Channel
+from ocrvl_daemon.engine import Failure, PageResult, PageTask, _Channel
 from ocrvl_daemon.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.process_group import die_with_parent
@@ -36,20 +36,6 @@ from ocrvl_daemon.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.server_probe import bearer_header
 
 log = logging.getLogger(__name__)
-
-# Errors from the OpenAI client that mean "the server is not there right now", by class name
-# (the parent never imports openai).
-SERVER_DOWN_ERRORS = {
-    "APIConnectionError",
-    "APITimeoutError",
-    "InternalServerError",
-    "ConnectError",
-    "ConnectionError",
-    "ReadTimeout",
-    "RemoteProtocolError",
-    "ServiceUnavailableError",
-}
-
 
 # A page image with more than this share of dark pixels has ink on it: an empty answer for
 # it is a failure, not a blank page. One line of small text on a 2x-rendered A4 page is
@@ -383,12 +369,15 @@ def _run_page(
             img.convert("RGB").save(buf, format="JPEG", quality=92)
             result.images[name] = buf.getvalue()
     except PageDamagedError as exc:
-        result.error, result.error_kind = str(exc), "damaged"
+        result.error, result.error_kind = str(exc), Failure.DAMAGED
     except OcrvlError as exc:
-        result.error, result.error_kind = str(exc), "input"
+        result.error, result.error_kind = str(exc), Failure.INPUT
     except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        result.error_kind = "server" if _is_server_down(exc) else "page"
+        failure = _request_failure(exc, _COMPLETIONS.started or [])
+        if failure is None:  # no request failed: how it happened is all there is to go on
+            log.warning("page %d of %s failed", task.page + 1, path.name, exc_info=True)
+            failure = Failure.PAGE, f"{type(exc).__name__}: {exc}"
+        result.error_kind, result.error = failure
     finally:
         _COMPLETIONS.started = _COMPLETIONS.announce = None
         _COMPLETIONS.priority = 0
@@ -430,11 +419,39 @@ def _blocks(res: Any) -> list[dict[str, Any]]:
     return blocks
 
 
-def _is_server_down(exc: BaseException) -> bool:
+def _request_failure(exc: Exception, requests: list[Any]) -> tuple[Failure, str] | None:
+    """What kind of request failure `exc` (raised by the pipeline for one page) is, and its
+    text; None when no request to the server failed.
+
+    Read from the page's own requests (`requests`, their futures) where one failed: PaddleX
+    re-raises a request's error as a RuntimeError holding only its text. The HTTP status
+    decides, not the error's name: a 5xx answer is the server failing the request, and no
+    answer at all is the server being gone.
+    """
+    import openai  # the worker has it (PaddleX's client); only a failure needs it
+
+    failed = [f.exception() for f in requests
+              if isinstance(f, Future) and f.done() and not f.cancelled()]
+    for error in [e for e in failed if e is not None] + list(_chain(exc)):
+        if isinstance(error, openai.APIStatusError):
+            kind = Failure.SERVER_ERROR if error.status_code >= 500 else Failure.PAGE
+            return kind, f"HTTP {error.status_code}: {_server_message(error)}"
+        if isinstance(error, (openai.APIConnectionError, ConnectionError, TimeoutError)):
+            return Failure.SERVER_DOWN, f"{type(error).__name__}: {error}"
+    return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling."""
     seen: BaseException | None = exc
     while seen is not None:
-        if type(seen).__name__ in SERVER_DOWN_ERRORS or isinstance(seen, ConnectionError):
-            return True
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    # PaddleX wraps worker exceptions in RuntimeError with the original text.
-    return any(name in str(exc) for name in SERVER_DOWN_ERRORS)
+
+
+def _server_message(error: Any) -> str:
+    """The message in an OpenAI-style error body (`{"message": ...}`), else the client's."""
+    body = error.body
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return str(error.message)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Container
+from dataclasses import dataclass
 from pathlib import Path
 
 from ocrvl_daemon import output, pdf
@@ -21,8 +22,31 @@ log = logging.getLogger(__name__)
 DAEMON_DB = "jobs.sqlite"
 # `ocrvl convert` keeps its own record, so it works beside a running daemon.
 ONESHOT_DB = "convert.sqlite"
-RETRY_BASE_SECONDS = 30.0
-RETRY_MAX_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a document whose conversion failed for a reason that may pass (the server failing,
+    an output folder not writable, the file changing) is tried again: after `first_wait`
+    seconds, doubling up to `longest_wait`, until it failed `attempts` times in a row (None:
+    never given up on, as the daemon does; `ocrvl convert` must end)."""
+
+    first_wait: float
+    longest_wait: float
+    attempts: int | None = None
+
+    def delay(self, attempts: int) -> float:
+        """The wait after the `attempts`th failure in a row."""
+        return min(self.longest_wait, self.first_wait * 2 ** max(0, attempts - 1))
+
+    def gives_up(self, attempts: int) -> bool:
+        """Whether the `attempts`th failure in a row is the last one tried."""
+        return self.attempts is not None and attempts >= self.attempts
+
+
+DAEMON_RETRY = RetryPolicy(30.0, 3600.0)
+# A person waits for `ocrvl convert`: a few quick tries, then the cause and its exit code.
+ONESHOT_RETRY = RetryPolicy(2.0, 8.0, attempts=3)
 
 
 def open_store(config: Config) -> Store:
@@ -73,16 +97,11 @@ def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
     return job, DocumentPages(job.id, count, pending, done=count - len(pending))
 
 
-def retry_delay(attempts: int) -> float:
-    """Backoff before a transient failure is retried."""
-    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(0, attempts - 1))
-
-
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
-                   place: output.OutputPlace) -> bool:
+                   place: output.OutputPlace, retry: RetryPolicy = DAEMON_RETRY) -> bool:
     """Record why `job` failed: in the store, the log and a note beside its output; a job
     whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
-    due); a transient failure is retried after `retry_delay` (`again`: see `enqueue_file`).
+    due); a transient failure is tried again as `retry` says (`again`: see `enqueue_file`).
     """
     fields = doc_fields(job.path, None, job.id)
     if isinstance(exc, InputVanishedError) and not job.path.exists():
@@ -90,13 +109,15 @@ def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
         store.forget(job.id)
         return False
     attempts = job.attempts + 1
-    if exc.permanent:
+    if exc.permanent or retry.gives_up(attempts):
         redo = pdf.retry_command(job.path, again=again)
-        log.error("%s failed: %s (after fixing it: %s)", job.path, exc, redo, extra=fields)
+        tries = "" if exc.permanent else f" ({attempts} attempts)"
+        log.error("%s failed%s: %s (after fixing it: %s)", job.path, tries, exc, redo,
+                  extra=fields)
         output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=place)
         store.set_failed(job.id, str(exc), permanent=True)
         return True
-    delay = retry_delay(attempts)
+    delay = retry.delay(attempts)
     log.warning(
         "%s: %s (attempt %d; retrying in %.0f s)",
         job.path,

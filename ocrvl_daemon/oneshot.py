@@ -23,7 +23,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
-from ocrvl_daemon.jobs import ONESHOT_DB, enqueue_file
+from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server_set import ServerSet
@@ -123,7 +123,7 @@ def _run(
     view = _progress_view(config, store, jobs)
     signals.install()
     converter = Converter(config, store, servers.endpoints, set(jobs), again,
-                          EnginePool(config, ENGINE_START_ATTEMPTS))
+                          EnginePool(config, ENGINE_START_ATTEMPTS), ONESHOT_RETRY)
     try:
         servers.start()
         if config.server.mode == "external" and not servers.wait_ready(EXTERNAL_PROBE_SECONDS):

@@ -42,11 +42,13 @@ class DocumentPages:
     in_flight: set[int] = field(default_factory=set)
     done: int = 0
     attempts: dict[int, int] = field(default_factory=dict)
+    # Pages that wait before they are sent again (the server failed them): page -> when.
+    resting: dict[int, float] = field(default_factory=dict)
 
     @property
     def pages_left(self) -> int:
         """Pages not yet checkpointed."""
-        return len(self.pending) + len(self.in_flight)
+        return len(self.pending) + len(self.in_flight) + len(self.resting)
 
     @property
     def small(self) -> bool:
@@ -56,14 +58,25 @@ class DocumentPages:
     @property
     def finished(self) -> bool:
         """All pages are checkpointed."""
-        return not self.pending and not self.in_flight
+        return not self.pending and not self.in_flight and not self.resting
 
     def give_back(self, page: int) -> None:
         """A page returns to the queue (server down, worker replaced...)."""
         self.in_flight.discard(page)
+        self.resting.pop(page, None)
         if page not in self.pending:
             self.pending.append(page)
             self.pending.sort()
+
+    def rest(self, page: int, until: float) -> None:
+        """A page goes back to the queue at `until` (monotonic), not before."""
+        self.in_flight.discard(page)
+        self.resting[page] = until
+
+    def wake(self, now: float) -> None:
+        """Pages whose rest is over return to the queue."""
+        for page in [p for p, until in self.resting.items() if until <= now]:
+            self.give_back(page)
 
 
 def pick_pages(

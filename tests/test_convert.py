@@ -6,6 +6,7 @@ import json
 import re
 import shlex
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from testkit.documents import (
     page_width,
     sent_width,
 )
+from testkit.fake_server.answers import ENGINE_ERROR
 from testkit.harness import FakeServerProcess, free_port, start_fake_server
 from testkit.plain_server import plain_openai_server
 from testkit.runner import (
@@ -293,3 +295,26 @@ def test_each_page_is_sent_to_the_server_exactly_once(tmp_path):
     assert "failed (attempt" not in result.stderr, "pages failed while requests started together"
     digests = [json.loads(line)["digest"] for line in log.read_text().splitlines()]
     assert len(digests) == 24 and len(set(digests)) == 24, "some pages were recognised twice"
+
+
+def test_a_server_answering_every_page_with_http_500_ends_the_run_with_its_message(tmp_path):
+    """/health stays 200 while every completion fails: each page is tried a bounded number of
+    times with a pause between tries, then the run ends with the server's own words."""
+    log = tmp_path / "requests.jsonl"
+    with start_fake_server(free_port(), "--error-500-rate", "1",
+                           "--request-log", str(log)) as srv:
+        book = make_pdf(tmp_path / "book.pdf", 2)
+        config = write_config(tmp_path / "config.yaml", pipeline={"page_retries": 2})
+        try:
+            result = run_ocrvl("convert", "--config", config, "--server-url", srv.api_url,
+                               book, timeout=120)
+        except subprocess.TimeoutExpired:
+            sent = len(log.read_text().splitlines())
+            pytest.fail(f"ocrvl convert was still resending pages after 120 s ({sent} requests "
+                        "answered with HTTP 500)")
+    assert result.returncode == 5, f"a server that fails every request is exit code 5:\n" \
+                                   f"{result.stderr[-3000:]}"
+    assert ENGINE_ERROR in result.stderr, (
+        f"the server's own message is not shown:\n{result.stderr[-3000:]}")
+    assert "HTTP 500" in result.stderr, f"the status code is not shown:\n{result.stderr[-3000:]}"
+    assert not (tmp_path / "book.md").exists()

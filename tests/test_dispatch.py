@@ -22,7 +22,7 @@ from test_failure_policy import ReadyServer
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.dispatch import SUSPEND_SECONDS
-from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.engine import Failure, PageResult
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.external_server import ExternalServer
 from ocrvl_daemon.jobs import enqueue_file, open_store
@@ -254,7 +254,7 @@ def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
     assert on_first and len(on_first) < 4, f"pages were not spread: {worker.urls}"
     failed = on_first[0]
     worker.results.append(PageResult(*failed, error="APIConnectionError: Connection error.",
-                                     error_kind="server", url=first.url))
+                                     error_kind=Failure.SERVER_DOWN, url=first.url))
     converter.tick(1.0)
     converter.tick(1.0)
     loads = converter.endpoint_load()

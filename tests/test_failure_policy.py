@@ -23,7 +23,7 @@ from test_daemon import Setup, wait_for_markdown
 from ocrvl_daemon import jobs, output, status
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.convert import Converter
-from ocrvl_daemon.engine import PageResult
+from ocrvl_daemon.engine import Failure, PageResult
 from ocrvl_daemon.engine_pool import WORKER_RESTART_SECONDS, EnginePool
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.jobs import enqueue_file, open_store
@@ -108,7 +108,7 @@ class Policy:
         self.worker.results.append(result)
         self.tick()
 
-    def answer(self, job: Job, page: int, error: str | None = None, kind: str = "page",
+    def answer(self, job: Job, page: int, error: str | None = None, kind: Failure = Failure.PAGE,
                truncated_at: int | None = None) -> None:
         result = PageResult(job.id, page, truncated_at=truncated_at)
         if error is None:
@@ -194,7 +194,7 @@ def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
     job = policy.queue(book)
     policy.send()
     policy.answer(job, 0)
-    policy.answer(job, 1, damaged, kind="damaged")
+    policy.answer(job, 1, damaged, kind=Failure.DAMAGED)
     assert policy.send() == [], "a damaged page was sent again"
     if fail_on_page_error:
         failed = policy.job(job)
@@ -273,7 +273,7 @@ def test_a_loop_is_told_from_long_text_and_tables():
 
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(jobs, "retry_delay", lambda attempts: 0.0)
+    policy.converter.retry = jobs.RetryPolicy(0.0, 0.0)
     usage = shutil.disk_usage(policy.folder)
     monkeypatch.setattr(output.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)
@@ -306,13 +306,13 @@ def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(polic
     job = policy.queue(moving)
     policy.send()
     moving.unlink()  # deleted while converting: the engine reports an input error
-    policy.answer(job, 0, "moving.pdf disappeared", kind="input")
+    policy.answer(job, 0, "moving.pdf disappeared", kind=Failure.INPUT)
     assert policy.store.job_for_path(moving) is None and not output.outputs_for(moving)[2].exists()
 
     touched = make_pdf(policy.folder / "touched.pdf", 1)
     job = policy.queue(touched)
     policy.send()
-    policy.answer(job, 0, "touched.pdf changed while it was being converted.", kind="input")
+    policy.answer(job, 0, "touched.pdf changed while it was being converted.", kind=Failure.INPUT)
     again = policy.job(job)
     assert again is not None and again.state is JobState.QUEUED and again.not_before > time.time()
 
