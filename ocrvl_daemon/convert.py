@@ -204,10 +204,14 @@ class Converter:
         self.failures[job.id] = exc
         if jobs.record_failure(self.store, job, exc, self.again, self.place, self.retry):
             self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
-        self.active.pop(job.id, None)
-        self.dispatcher.release_job(job.id)
-        self._jobs.pop(job.id, None)
-        self._ledgers.pop(job.id, None)
+        self._drop(job.id)
+
+    def _drop(self, job_id: int) -> None:
+        """Forget an active job's pages, answers in flight included."""
+        self.active.pop(job_id, None)
+        self.dispatcher.release_job(job_id)
+        self._jobs.pop(job_id, None)
+        self._ledgers.pop(job_id, None)
 
     # --- pages --------------------------------------------------------------------------
 
@@ -486,11 +490,23 @@ class Converter:
                               page.quality, page.layout)
 
     def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded configuration; the worker is replaced if its settings changed."""
+        """Apply a reloaded configuration; the worker is replaced if its settings changed.
+
+        Another model starts the documents being converted over with it: a document's
+        pages and its Markdown header must all come from one model.
+        """
         self.config = config
         self.engines.reconfigure(config)
         self.place = output.output_place(config)
         self.dispatcher.reconfigure(config)
+        if config.model.name != self.model:
+            self.model = config.model.name
+            for job_id in list(self.active):
+                log.info("%s: the model is now %s; converting it again with it",
+                         self._jobs[job_id].path.name, self.model)
+                self._drop(job_id)
+                self.store.requeue(job_id)
+            self.wake()
 
     # --- status and stop ----------------------------------------------------------------
 

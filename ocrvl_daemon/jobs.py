@@ -79,8 +79,10 @@ def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
         store.forget(job.id)
         return None
     stat = path.stat()
-    # No hash yet (unreadable when found) or another version: identify it again.
-    if not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime):
+    # No hash yet (unreadable when found), another version or another model (a reload
+    # changed it): identify it again.
+    if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
+            or job.model != model):
         ident = pdf.file_identity(path)
         job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
         if job.state is not JobState.QUEUED:

@@ -437,3 +437,23 @@ def test_redoing_cut_off_pages_stays_within_a_quarter_of_the_documents_tokens(tm
     doc = wait_until(lambda: setup.status()["documents"][0], 30, what="status")
     assert doc["redo_tokens"] == 128 * len(redone)
     assert doc["flagged_pages"] == list(range(1, pages + 1))
+
+
+def test_a_reload_that_changes_the_model_converts_with_it_from_the_first_page(policy: Policy):
+    book = make_pdf(policy.folder / "book.pdf", 2)
+    job = policy.queue(book)
+    policy.send()
+    policy.answer(job, 0)  # page 2 is still at the engine when the model changes
+    reloaded = policy.config.model_copy(
+        update={"model": policy.config.model.model_copy(update={"name": "PaddleOCR-VL-0.9B"})})
+    policy.converter.reconfigure(reloaded)
+    policy.tick()
+    assert sorted(policy.send()) == [(job.id, 0), (job.id, 1)], (
+        "the pages the old model read were kept: a document must come from one model")
+    policy.answer(job, 0)
+    policy.answer(job, 1)
+    header = output.read_header(book.with_suffix(".md"))
+    assert header["model"] == "PaddleOCR-VL-0.9B", (
+        f"the Markdown names {header['model']}, not the model the reload set: the next start "
+        "would convert the file again")
+    assert policy.job(job).model == "PaddleOCR-VL-0.9B"  # type: ignore[union-attr]
