@@ -8,7 +8,9 @@ Failure handling, in order of how final it is:
   and start again at once; once a lowered start succeeds it is remembered for the next one.
   When nothing ocrvl may change is left, the error names the config lines to change;
 * everything else (a crash, 503, failed probes, a hang, a start-up that fails or times
-  out) -> stop the whole group, wait out an exponential backoff, start again, forever.
+  out) -> stop the whole group, wait out an exponential backoff, start again: forever for
+  the daemon, `BackoffPolicy.give_up_after` times in a row (then `FAILED` with a
+  `ServerError`) for `ocrvl convert`.
 
 The `auto` settings are planned at every launch, from the GPU as it is then (the old
 process group is gone by then, so its memory does not count as other programs').
@@ -31,7 +33,7 @@ from typing import IO, Any
 
 from ocrvl_daemon import autotune, launchers, vllm_diagnosis
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.errors import ServerConfigError, ServerError
 from ocrvl_daemon.gpu import GpuReading, read_gpu
 from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
 from ocrvl_daemon.server import (
@@ -63,6 +65,9 @@ class BackoffPolicy:
     factor: float = 2.0
     cap: float = 300.0
     reset_after: float = 120.0  # seconds of readiness that count as "stable again"
+    # Failures in a row after which the supervisor gives up (None: never, as the daemon
+    # wants). `ocrvl convert` must end: a taken port does not clear by itself.
+    give_up_after: int | None = None
     failures: int = field(default=0, init=False)
 
     def next_delay(self) -> float:
@@ -70,6 +75,10 @@ class BackoffPolicy:
         delay = min(self.cap, self.initial * self.factor**self.failures)
         self.failures += 1
         return delay
+
+    def exhausted(self) -> bool:
+        """Whether the failures so far are as many as `give_up_after` allows."""
+        return self.give_up_after is not None and self.failures >= self.give_up_after
 
     def reset(self) -> None:
         """The server proved stable: start again from `initial`."""
@@ -384,6 +393,11 @@ class ManagedServer(ServerSupervisor):
             self._restart_count += 1
             self._ready_at = self._ready_since = None
         cause = f"; likely cause: {diagnosis}" if diagnosis else ""
+        if not stepped and self._backoff.exhausted():
+            raise ServerError(
+                f"The server failed {self._backoff.failures} times in a row, the last time: "
+                f"{error}.", diagnosis.fix if diagnosis else
+                "see the server's output above; `ocrvl doctor` checks its set-up")
         if len(self._failures) >= CRASH_LOOP_FAILURES and not stepped:
             log.error("the server keeps failing (%d times in %.0f minutes): %s%s; retrying in "
                       "%.1fs.\nIts last %d lines:\n%s", len(self._failures), CRASH_LOOP_WINDOW / 60,
@@ -391,7 +405,7 @@ class ManagedServer(ServerSupervisor):
         elif not stepped:
             log.log(logging.ERROR if oom else logging.WARNING,
                     "server failed: %s%s; restarting in %.1fs", failure, cause, delay)
-        self._set(ServerState.RESTARTING, f"restarting in {delay:.1f}s")
+        self._set(ServerState.RESTARTING, f"next try in {delay:.1f}s")
         self._wait(delay)
 
     def kill(self) -> None:

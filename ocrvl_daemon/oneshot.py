@@ -25,6 +25,7 @@ from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
 from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.managed_server import BackoffPolicy
 from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
 from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
@@ -37,6 +38,8 @@ EXTERNAL_PROBE_SECONDS = 10.0
 TICK_SECONDS = 0.05
 # Transient failures (server gone, disk full) are retried this often before giving up.
 MAX_ATTEMPTS = 3
+# Launches of a managed server that fail in a row before this run gives up on it.
+SERVER_ATTEMPTS = 3
 # A recognition pipeline that failed to start this often in a row will not start in this
 # run; the daemon keeps trying (the network may come back, the install be repaired).
 ENGINE_START_ATTEMPTS = 2
@@ -117,7 +120,11 @@ def _check_input(path: Path) -> None:
 def _run(
     config: Config, store: Store, jobs: dict[int, Path], again: str
 ) -> dict[Path, OcrvlError]:
-    servers = ServerSet(config)  # replicas that cannot fit are refused before anything starts
+    # Replicas that cannot fit are refused before anything starts; a managed server that
+    # keeps failing (its port taken...) is given up on, as this command must end.
+    servers = ServerSet(config, backoff=lambda: BackoffPolicy(
+        initial=config.server.restart_backoff_initial, cap=config.server.restart_backoff_max,
+        give_up_after=SERVER_ATTEMPTS))
     signals = StopSignals()
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.errors import ServerError
 from ocrvl_daemon.server_metrics import DEFAULT_INTERVAL, FETCH_TIMEOUT, MetricsPoller
 from ocrvl_daemon.server_probe import PROBE_SECONDS, ServerMetrics, ServerProbe
 from ocrvl_daemon.vllm_diagnosis import Diagnosis
@@ -124,7 +124,7 @@ class ServerSupervisor:
         # _cond protects what status() reports (_state ... _ready_since), the stall detectors
         # and _error; waiters on it are woken at every change of state.
         self._cond = threading.Condition()
-        self._error: ServerConfigError | None = None
+        self._error: ServerError | None = None
         self._metrics_stall = StallDetector(self._server.stall_timeout)
         self._client_stall = StallDetector(self._server.stall_timeout)
         self._state = ServerState.STOPPED
@@ -212,8 +212,9 @@ class ServerSupervisor:
         return self._restart_count
 
     @property
-    def error(self) -> ServerConfigError | None:
-        """The configuration error that put the supervisor in FAILED, if any."""
+    def error(self) -> ServerError | None:
+        """The error that put the supervisor in FAILED, if any: a configuration it cannot
+        serve, or (where the backoff gives up) the last of too many failures in a row."""
         return self._error
 
     def is_ready(self) -> bool:
@@ -228,7 +229,7 @@ class ServerSupervisor:
             return self._state is ServerState.READY
 
     def raise_for_failure(self) -> None:
-        """Raise the ServerConfigError that made the supervisor give up, if any."""
+        """Raise the ServerError that made the supervisor give up, if any."""
         if self._error is not None:
             raise self._error
 
@@ -258,7 +259,7 @@ class ServerSupervisor:
         return "preparing"
 
     def _keep(self, probe: ServerProbe) -> None:
-        """Keep the server ready until stop() (raises _Stopping) or a ServerConfigError."""
+        """Keep the server ready until stop() (raises _Stopping) or a ServerError."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -315,7 +316,7 @@ class ServerSupervisor:
             self._keep(probe)
         except _Stopping:
             pass
-        except ServerConfigError as exc:
+        except ServerError as exc:
             with self._cond:
                 self._error = exc
                 self._last_error = str(exc)

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon import autotune, launchers
 from ocrvl_daemon.config import AUTO, Config
-from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.errors import ServerConfigError, ServerError
 from ocrvl_daemon.external_server import ExternalServer
 from ocrvl_daemon.gpu import GpuReading, read_gpu, read_gpus, visible_devices
 from ocrvl_daemon.managed_server import BackoffPolicy, ManagedServer, pidfile_name
@@ -251,8 +251,8 @@ class ServerSet:
         return self.is_ready()
 
     @property
-    def error(self) -> ServerConfigError | None:
-        """The configuration error of the first endpoint once every endpoint has one (no
+    def error(self) -> ServerError | None:
+        """The error of the first endpoint once every endpoint has given up with one (no
         endpoint can serve); None while any might."""
         errors = [e.error for e in self.endpoints]
         return errors[0] if all(errors) else None

@@ -176,13 +176,13 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
             f"daemon: running (pid {daemon.get('pid')}), {daemon.get('pages_per_s', 0):.2f} pages/s"
         )
         state = server.get("state", "unknown")
-        phase = f", {server['phase']}" if server.get("phase") else ""
         if daemon.get("paused"):
             lines.append(daemon["paused"])
         if len(status["servers"]) > 1:
             lines += _endpoint_lines(status["servers"])
         else:
-            lines.append(f"server: {state}{phase} at {server.get('url', '?')}")
+            lines.append(f"server: {state}{_phase(server)} at {server.get('url', '?')}"
+                         f"{_server_outlook(server)}")
         if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
@@ -237,12 +237,28 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
     return shown("\n".join(lines))  # a daemon error may quote a name, too
 
 
+def _phase(server: dict[str, Any]) -> str:
+    """", PHASE" where the phase adds to the state (a ready server's phase does not)."""
+    phase = server.get("phase")
+    return f", {phase}" if phase and server.get("state") != "ready" else ""
+
+
+def _server_outlook(server: dict[str, Any]) -> str:
+    """What happens next to a server that is not ready: retried for ever, or never."""
+    if server.get("state") == "restarting":
+        return (f" (failed {server.get('attempt') or 1} time(s) in a row; the daemon keeps "
+                "trying: fix the cause below to end the wait)")
+    if server.get("state") == "failed":
+        return (" (the daemon does not retry it: fix the cause below, then restart the "
+                "daemon)")
+    return ""
+
+
 def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:
     """One line per server endpoint (and its last error)."""
     lines = []
     for e in servers:
-        phase = f", {e['phase']}" if e.get("phase") and e["state"] != "ready" else ""
-        lines.append(f"server {e['name']}: {e['state']}{phase} at {e['url']}, "
+        lines.append(f"server {e['name']}: {e['state']}{_phase(e)} at {e['url']}, "
                      f"{e['in_flight']} in flight, {e['pages_per_s']:.2f} pages/s")
         if e.get("last_error"):
             lines.append(f"  last error: {e['last_error']}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -180,6 +181,23 @@ def test_5_model_server_problem(tmp_path: Path):
     result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf, timeout=120)
     assert result.returncode == ExitCode.SERVER, result.stderr
     assert f"Cannot reach the model server at {url}" in result.stderr
+
+
+def test_5_convert_gives_up_on_a_managed_server_whose_port_another_program_holds(
+    tmp_path: Path,
+):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = write_config(tmp_path / "config.yaml", server=managed_fake_server(
+            port, restart_backoff_initial=0.2, restart_backoff_max=0.5))
+        result = run_ocrvl("convert", "--config", config, pdf, timeout=120)
+    assert result.returncode == ExitCode.SERVER, (result.returncode, result.stderr)
+    assert "failed 3 times in a row" in result.stderr, result.stderr
+    assert f"port {port} on 127.0.0.1 is taken by another program" in result.stderr
+    assert "set server.port to a free port" in result.stderr, result.stderr
 
 
 def test_6_missing_dependency(tmp_path: Path):

@@ -140,7 +140,7 @@ def test_nothing_left_to_lower_keeps_retrying_at_the_capped_delay(
     config = make_config(tmp_path, "--fake-vram-gib", "8", "--fake-vram-used-gib", "5",
                          "--disable-uvicorn-access-log")
     with supervised(config) as (sup, changes):
-        wait_until(lambda: [c.phase for c in changes].count("restarting in 0.4s") >= 2, 30,
+        wait_until(lambda: [c.phase for c in changes].count("next try in 0.4s") >= 2, 30,
                    what="two retries at the capped delay")
         status = sup.status()
         assert sup.vllm_args[UTILIZATION] == 0.5

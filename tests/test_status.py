@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +15,15 @@ import pytest
 from ocrvl_daemon.daemon_state import write_runtime_file
 from ocrvl_daemon.status import finish_times
 from ocrvl_daemon.store import Store
-from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
+from testkit.harness import wait_until
+from testkit.runner import (
+    DaemonProcess,
+    managed_fake_server,
+    ocrvl_argv,
+    ocrvl_env,
+    run_ocrvl,
+    write_config,
+)
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 
@@ -173,3 +182,25 @@ def test_eta_of_a_document_waiting_for_a_slot_counts_the_documents_ahead():
     # Two slots: the third document starts once the second is done.
     times = finish_times([(1, 100), (2, 10), (3, 10)], rate=1.0, slots=2)
     assert times == {2: 20.0, 3: 40.0, 1: 120.0}
+
+
+def test_a_daemon_whose_server_port_is_taken_says_in_status_that_it_keeps_trying(
+    tmp_path: Path,
+):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = write_config(
+            tmp_path / "config.yaml", inbox={"paths": [str(tmp_path / "inbox")]},
+            server=managed_fake_server(port, restart_backoff_initial=0.2,
+                                       restart_backoff_max=0.5))
+        with DaemonProcess(config):
+            def says_it_keeps_trying() -> str | None:
+                text = status_of(config).stdout
+                return text if "the daemon keeps trying" in text else None
+
+            text = wait_until(says_it_keeps_trying, 60, what="status saying it keeps trying")
+    assert "server: restarting, next try in 0.5s" in text, text
+    assert f"port {port} on 127.0.0.1 is taken by another program" in text, text
+    assert "set server.port to a free port" in text, text
