@@ -127,9 +127,10 @@ def _name_limit(pdf: Path) -> int:
     return max(name_max(pdf.parent), name_bytes(pdf.name))
 
 
-def _shorter_name_fix(limit: int) -> str:
-    return (f"rename the PDF to a shorter name (at most {limit - 3} bytes before .pdf); in an "
-            "inbox the renamed file is picked up by itself")
+def _shorter_name_fix(limit: int, suffix: str = ".md") -> str:
+    """The fix for a name that leaves no room for `suffix` within `limit` bytes."""
+    return (f"rename the PDF to a shorter name (at most {limit - name_bytes(suffix)} bytes "
+            "before .pdf); in an inbox the renamed file is picked up by itself")
 
 
 def shortened_names(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> str | None:
@@ -168,20 +169,23 @@ def check_writable(pdf: Path, *, json_output: bool = False,
     """Refuse early when the output cannot be written: a read-only folder, or an output
     ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf, place)
+    data = json_for(pdf, place)
+    limit = _name_limit(place.base(pdf))
+    # Every output named exactly after the PDF, before anything looks one up (a name too
+    # long for the filesystem fails even a lookup).
+    for fixed in (md, data) if json_output else (md,):
+        if name_bytes(fixed.name) > limit:
+            raise NameTooLongError(
+                f"{fixed.name} would be {name_bytes(fixed.name)} bytes long; this filesystem "
+                f"allows {limit} bytes in a file name.",
+                _shorter_name_fix(limit, fixed.suffix),
+            )
     if md.parent.is_dir() and not os.access(md.parent, os.W_OK):
         raise _not_writable(md, "no write permission")
-    data = json_for(pdf, place)
     if json_output and data.exists() and not _is_our_json(data):
         raise NotOursError(
             f"{data} already exists and was not written by ocrvl; it is left untouched.",
             "move or rename it",
-        )
-    limit = _name_limit(place.base(pdf))
-    if name_bytes(md.name) > limit:
-        raise NameTooLongError(
-            f"{md.name} would be {name_bytes(md.name)} bytes long; this filesystem allows "
-            f"{limit} bytes in a file name.",
-            _shorter_name_fix(limit),
         )
     if md.exists() and read_header(md) is None:
         raise NotOursError(

@@ -156,3 +156,18 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
         assert "\\xff\\xfebook.pdf: done" in daemon.log(), daemon.log()
         assert "Traceback" not in daemon.log() and "Logging error" not in daemon.log()
     assert daemon.proc.returncode == 0, daemon.log()
+
+
+def test_a_name_that_fits_the_markdown_but_not_the_json_fails_for_good_naming_the_json(
+    tmp_path: Path, fake_server: FakeServerProcess
+):
+    limit = name_max(tmp_path)
+    pdf = make_pdf(tmp_path / (long_stem(limit - 4) + ".pdf"), 1)  # `.md` fits, `.json` not
+    config = write_config(tmp_path / "config.yaml", output={"formats": ["markdown", "json"]})
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert f".json would be {limit + 1} bytes long" in result.stderr, result.stderr
+    assert f"at most {limit - 5} bytes before .pdf" in result.stderr, result.stderr
+    assert "retrying in" not in result.stderr, result.stderr
+    assert not pdf.with_suffix(".md").exists(), "the Markdown was written without its JSON"
