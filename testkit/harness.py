@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -70,6 +70,27 @@ def wait_until(
             detail = f" (last error: {last_error!r})" if last_error is not None else ""
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def read_only_folder(folder: Path) -> Iterator[None]:
+    """`folder` read-only even for root (chmod does not stop root): a read-only bind mount,
+    undone after. The calling test is skipped where mounting is not permitted."""
+    import pytest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for how in (["--bind", str(folder)], ["-o", "remount,ro,bind"]):
+        done = subprocess.run(["mount", *how, str(folder)], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            if how[0] != "--bind":
+                subprocess.run(["umount", "-l", str(folder)], check=False)
+            pytest.skip(f"cannot mount here ({done.stderr.strip()}); needs root in a "
+                        "container that allows mounts")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def process_alive(pid: int) -> bool:

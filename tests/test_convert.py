@@ -7,6 +7,7 @@ import re
 import shlex
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from testkit.documents import (
     sent_width,
 )
 from testkit.fake_server.answers import ENGINE_ERROR
-from testkit.harness import FakeServerProcess, free_port, start_fake_server
+from testkit.harness import FakeServerProcess, free_port, read_only_folder, start_fake_server
 from testkit.plain_server import plain_openai_server
 from testkit.runner import (
     broken_paddleocr,
@@ -318,3 +319,24 @@ def test_a_server_answering_every_page_with_http_500_ends_the_run_with_its_messa
         f"the server's own message is not shown:\n{result.stderr[-3000:]}")
     assert "HTTP 500" in result.stderr, f"the status code is not shown:\n{result.stderr[-3000:]}"
     assert not (tmp_path / "book.md").exists()
+
+
+def test_a_read_only_output_folder_ends_the_run_after_a_few_tries_with_the_cause(
+        tmp_path, fake_server):
+    inbox = tmp_path / "inbox"
+    book = make_pdf(inbox / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    with read_only_folder(inbox):
+        started = time.monotonic()
+        try:
+            result = run_ocrvl("convert", "--config", config, "--server-url",
+                               fake_server.api_url, book, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("ocrvl convert was still retrying a read-only output folder after 60 s")
+        took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "no write permission" in result.stderr or "read-only" in result.stderr, (
+        f"the cause is not named:\n{result.stderr[-3000:]}")
+    assert "failed (3 attempts)" in result.stderr, (
+        f"the run does not say it tried more than once:\n{result.stderr[-3000:]}")
+    assert took < 45, f"ocrvl convert took {took:.0f} s to give up"

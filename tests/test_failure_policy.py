@@ -30,7 +30,7 @@ from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.store import Job, JobState
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
-from testkit.harness import wait_until
+from testkit.harness import read_only_folder, wait_until
 
 
 class ReadyServer:
@@ -457,3 +457,18 @@ def test_a_reload_that_changes_the_model_converts_with_it_from_the_first_page(po
         f"the Markdown names {header['model']}, not the model the reload set: the next start "
         "would convert the file again")
     assert policy.job(job).model == "PaddleOCR-VL-0.9B"  # type: ignore[union-attr]
+
+
+def test_the_daemon_keeps_retrying_a_read_only_output_folder_and_status_says_so(
+        tmp_path: Path):
+    policy = Policy(tmp_path)
+    book = make_pdf(policy.folder / "book.pdf", 1)
+    with read_only_folder(policy.folder):
+        job = policy.queue(book)
+        waiting = policy.job(job)
+        assert waiting is not None and waiting.state is JobState.QUEUED, (
+            "the daemon gave up on a folder that may become writable")
+        shown = status.render_status(policy.config, as_json=False)
+    assert "no write permission" in shown and "retry in" in shown, (
+        f"status does not say why the document waits and that it is retried:\n{shown}")
+    policy.store.close()
