@@ -66,6 +66,21 @@ def expand_path(value: str | Path) -> Path:
     return Path(expand_vars(os.path.expanduser(str(value))))
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why this user cannot use `folder` (or create it, where it is missing); None if it can."""
+    existing = folder
+    # os.path.exists: a folder on the way that cannot be entered reads as missing, and its
+    # parent then says why.
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    missing = "" if existing == folder else "cannot be created: "
+    if not existing.is_dir():
+        return f"{missing}{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{missing}{existing} is not writable for this user"
+    return None
+
+
 class _Section(BaseModel):
     # Unknown keys are typos until proven otherwise.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -389,17 +404,10 @@ class OutputConfig(_Section):
         if value is None:
             return None
         value = expand_path(value).absolute()
-        existing = value
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
-            raise KeyProblem("output.dir", str(value), f"{existing} is not a folder; set "
-                            "output.dir to a folder, or null to write next to each PDF")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            what = "is" if existing == value else f"cannot be created: {existing} is"
-            raise KeyProblem("output.dir", str(value), f"{what} not writable for this user; "
-                            "fix its permissions, choose another folder, or set null to "
-                            "write next to each PDF")
+        problem = folder_problem(value)
+        if problem is not None:
+            raise KeyProblem("output.dir", str(value), f"{problem}; fix it, choose another "
+                             "folder, or set null to write next to each PDF")
         return value
 
 

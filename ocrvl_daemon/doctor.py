@@ -24,11 +24,14 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon import autotune, gpu, launchers, layout_model
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.launchers import server_env
+from ocrvl_daemon.managed_server import port_in_use
+from ocrvl_daemon.process_group import GroupRecord, group_members
 from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
+from ocrvl_daemon.server_set import PIDFILE_GLOB
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -37,6 +40,9 @@ SERVER_PROBE_TIMEOUT = 120.0  # importing vllm (torch, CUDA libraries) is slow o
 SYSTEMD_TIMEOUT = 5.0
 HTTP_TIMEOUT = 3.0
 MIN_COMPUTE_CAPABILITY = (8, 0)
+# What `run_doctor` skips while the config is invalid.
+CONFIG_SECTIONS = ("GPU settings", "client packages", "layout model", "server environment",
+                   "state_dir", "inbox", "server")
 SETUP_FIX = "run `ocrvl setup-server` (creates the server environment and sets server.python)"
 # Run by server.python: import each module, print one JSON line of versions or errors.
 _PROBE_SCRIPT = """\
@@ -80,16 +86,26 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
     config, path, config_check = _config(config_path)
     report.config_path = str(path) if path else None
     report.checks.append(config_check)
-    sections: list[tuple[str, Callable[[], list[Check]]]] = [
-        ("GPU", lambda: _gpu_checks(config, gpu.probe_gpu())),
-        ("WSL2", lambda: _wsl_checks(osrelease)),
-        ("client packages", lambda: _client_checks(config)),
-        ("layout model", lambda: _layout_model_checks(config)),
-        ("server environment", lambda: _server_env_checks(config)),
-        ("inbox", lambda: _inbox_checks(config)),
-        ("server", lambda: [_server_check(config)]),
-        ("systemd", _systemd_checks),
-    ]
+    sections: list[tuple[str, Callable[[], list[Check]]]]
+    if config is None:
+        # Built-in defaults would report problems of a configuration nobody asked for:
+        # only what does not depend on it is checked.
+        sections = [("GPU", lambda: [_gpu_found(gpu.probe_gpu())])]
+        report.checks.append(Check("skipped", "info", f"{', '.join(CONFIG_SECTIONS)}: they "
+                                   "depend on the config, checked once it is valid"))
+    else:
+        given = config
+        gpu_probe = gpu.probe_gpu()
+        sections = [
+            ("GPU", lambda: _gpu_checks(given, gpu_probe)),
+            ("client packages", lambda: _client_checks(given)),
+            ("layout model", lambda: _layout_model_checks(given)),
+            ("server environment", lambda: _server_env_checks(given, gpu_probe)),
+            ("state_dir", lambda: [_state_dir_check(given)]),
+            ("inbox", lambda: _inbox_checks(given)),
+            ("server", lambda: [_server_check(given)]),
+        ]
+    sections += [("WSL2", lambda: _wsl_checks(osrelease)), ("systemd", _systemd_checks)]
     for name, run in sections:
         try:
             report.checks.extend(run())
@@ -125,12 +141,11 @@ def render_json(report: DoctorReport) -> str:
     )
 
 
-def _config(config_path: str | None) -> tuple[Config, Path | None, Check]:
+def _config(config_path: str | None) -> tuple[Config | None, Path | None, Check]:
     try:
         config, path = load_config(config_path)
     except ConfigError as exc:
-        # Carry on with the defaults so the other checks still say something useful.
-        return Config.model_validate({}), None, Check("config", "fail", exc.message, exc.fix)
+        return None, None, Check("config", "fail", exc.message, exc.fix)
     where = str(path) if path else "no config file, built-in defaults"
     return config, path, Check("config", "ok", f"valid ({where})")
 
@@ -139,14 +154,26 @@ def _managed_model_server(config: Config) -> bool:
     return config.server.mode == "managed" and config.server.launcher != "command"
 
 
+def _gpu_found(probe: gpu.GpuProbe) -> Check:
+    """The GPU as found, whatever the config wants of it."""
+    reading = probe.reading
+    if reading is None:
+        return Check("GPU", "info", _no_gpu_found(probe))
+    return Check("GPU", "ok", f"{reading.name} (#{reading.index}, {reading.uuid}), driver "
+                 f"{reading.driver}, read by {reading.source}")
+
+
+def _no_gpu_found(probe: gpu.GpuProbe) -> str:
+    return f"no NVIDIA GPU found ({'; '.join(probe.problems) or 'nothing found'})"
+
+
 def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
     reading = probe.reading
     if reading is None:
         return [_no_gpu_check(config, probe)]
     cc = reading.compute_capability
     checks = [
-        Check("GPU", "ok", f"{reading.name} (#{reading.index}, {reading.uuid}), driver "
-              f"{reading.driver}, read by {reading.source}"),
+        _gpu_found(probe),
         Check("GPU memory", "ok", f"{_gib(reading.total_mib)} total, "
               f"{_gib(reading.used_mib)} used, {_gib(reading.free_mib)} free"),
     ]
@@ -170,7 +197,7 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
 
 
 def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
-    found = f"no NVIDIA GPU found ({'; '.join(probe.problems) or 'nothing found'})"
+    found = _no_gpu_found(probe)
     if config.server.mode == "external":
         return Check("GPU", "info", f"{found}; none needed here: the model server runs "
                      "elsewhere (server.mode: external)")
@@ -305,10 +332,15 @@ def _layout_model_checks(config: Config) -> list[Check]:
         "blocks)")]
 
 
-def _server_env_checks(config: Config) -> list[Check]:
+def _server_env_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
     server = config.server
     if server.mode == "external":
         return []
+    if probe.reading is None and _managed_model_server(config):
+        # `ocrvl setup-server` cannot help a machine where vLLM has no GPU to run on.
+        return [Check("server environment", "info", "not checked: without an NVIDIA GPU "
+                      "the managed server cannot run here (see GPU above for "
+                      "server.mode: external)")]
     # What the launcher gives the server (server.env: PYTHONPATH, LD_LIBRARY_PATH...), so
     # doctor finds what the server will find.
     env = server_env(config)
@@ -379,11 +411,27 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
     return Check("vllm", "ok", f"{version} ({where})")
 
 
+def _state_dir_check(config: Config) -> Check:
+    state = config.state_dir
+    problem = folder_problem(state)
+    if problem is not None:
+        return Check("state_dir", "fail", f"state_dir = {state} cannot be used: {problem}",
+                     "set state_dir in the config file to a folder this user can create and "
+                     "write (the default is ~/.local/state/ocrvl)")
+    return Check("state_dir", "ok", f"{state} is usable")
+
+
 def _inbox_checks(config: Config) -> list[Check]:
     checks = []
     for path in config.inbox.paths:
-        if not path.exists():
-            checks.append(Check("inbox", "warn", f"{path} does not exist", f"mkdir -p {path}"))
+        problem = folder_problem(path)
+        if not path.exists() and problem is not None:
+            checks.append(Check("inbox", "fail", f"{path} {problem}: `ocrvl run` would watch "
+                                "nothing there", "point inbox.paths at a folder this user can "
+                                "create, or fix the path"))
+        elif not path.exists():
+            checks.append(Check("inbox", "warn", f"{path} does not exist (`ocrvl run` "
+                                "creates it)", f"mkdir -p {path}"))
         elif not path.is_dir():
             checks.append(Check("inbox", "fail", f"{path} is not a folder",
                                 "point inbox.paths at a folder"))
@@ -428,7 +476,14 @@ def _server_check(config: Config) -> Check:
         if external:
             return Check("server", "fail", f"{root} does not answer ({type(exc).__name__})",
                          "start the server, or correct server.url")
+        if port_in_use(server.host, server.port):
+            return _port_taken(config, "it does not answer HTTP")
         return Check("server", "info", f"not running at {root} (ocrvl starts it when needed)")
+    if not external and not _ocrvl_server_running(config):
+        return _port_taken(config, f"it answers /health with {health.status_code}")
+    if models.status_code == 401:
+        return Check("server", "fail", f"{root} refuses ocrvl's requests (/v1/models: 401 "
+                     "Unauthorized)", _api_key_fix(config))
     absent = external and health.status_code in ENDPOINT_ABSENT  # not every server has /health
     if health.status_code != 200 and not absent:
         return Check("server", "fail" if external else "warn",
@@ -443,11 +498,38 @@ def _server_check(config: Config) -> Check:
     except (ValueError, KeyError, TypeError):
         served = []
     if config.model.served not in served:
-        fix = (served_model_fix(config, served) if external else f"another server holds port "
-               f"{server.port}: stop it or change server.port")
         return Check("server", "fail", f"{root} serves {served or 'no models'}, not "
-                     f"{config.model.served}", fix)
+                     f"{config.model.served}", served_model_fix(config, served))
     return Check("server", "ok", f"{root} is up and serves {config.model.served}")
+
+
+def _ocrvl_server_running(config: Config) -> bool:
+    """Whether a managed server that ocrvl started (its pidfile's group) is running."""
+    for pidfile in config.state_dir.glob(PIDFILE_GLOB):
+        record = GroupRecord.load(pidfile)
+        if record is not None and group_members(record.pgid):
+            return True
+    return False
+
+
+def _port_taken(config: Config, how: str) -> Check:
+    server = config.server
+    return Check(
+        "server", "fail", f"port {server.port} on {server.host} is taken by another program "
+        f"({how}); ocrvl's own server is not running: `ocrvl run` could not start its "
+        "server there", f"stop that program (`ss -ltnp 'sport = :{server.port}'` names it), "
+        f"or set server.port to a free port; to use it as the model server, set "
+        f"`server: {{mode: external, url: {server.base_url}}}`")
+
+
+def _api_key_fix(config: Config) -> str:
+    """What to do about a 401: set the key, or set the right one (and where it comes from)."""
+    if config.server.api_key is None:
+        return ("the server wants an API key: set server.api_key to its key (e.g. "
+                "`api_key: $OCRVL_API_KEY`, with that variable set where ocrvl runs)")
+    # An unset $VARIABLE in server.api_key is a config error already: this key is a real one.
+    return ("the server refuses server.api_key: set it (or the variable it names) to the key "
+            "the server was started with (its --api-key or $VLLM_API_KEY)")
 
 
 def _systemd_checks() -> list[Check]:

@@ -243,6 +243,105 @@ def test_invalid_config_fails_but_the_rest_still_runs(tmp_path: Path, gpu_env: A
     assert by_name(report, "GPU").status == "ok"
 
 
+def test_an_invalid_config_skips_the_checks_that_depend_on_it_and_says_so(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    gpu_env("nogpu")
+    path = tmp_path / "config.yaml"
+    # External, but invalid: the built-in defaults (managed, ~/ocr-inbox) must not be checked.
+    path.write_text("server:\n  mode: external\n  url: notaurl\n")
+    report = run_doctor(str(path), osrelease=NOT_WSL)
+    names = [c.name for c in report.checks]
+    assert "server" not in names and "inbox" not in names and "vllm" not in names, names
+    assert by_name(report, "GPU").status == "info", "a managed server's GPU need was checked"
+    skipped = by_name(report, "skipped")
+    assert "inbox" in skipped.detail and "server" in skipped.detail, skipped
+    assert "checked once it is valid" in render_text(report)
+
+
+def test_a_state_dir_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    config = managed(tmp_path)
+    data = yaml.safe_load(Path(config).read_text())
+    data["state_dir"] = str(blocker / "state")
+    Path(config).write_text(yaml.safe_dump(data))
+    report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "state_dir")
+    assert check.status == "fail" and report.blocking, render_text(report)
+    assert f"state_dir = {blocker / 'state'} cannot be used" in check.detail, check
+    assert f"{blocker} is not a folder" in check.detail, check
+    assert check.fix and "set state_dir" in check.fix
+
+
+def test_an_inbox_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    config = managed(tmp_path)
+    data = yaml.safe_load(Path(config).read_text())
+    data["inbox"]["paths"] = [str(blocker / "inbox")]
+    Path(config).write_text(yaml.safe_dump(data))
+    report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "inbox")
+    assert check.status == "fail" and report.blocking, render_text(report)
+    assert f"cannot be created: {blocker} is not a folder" in check.detail, check
+    assert "mkdir" not in (check.fix or ""), check
+
+
+def test_a_port_another_program_holds_in_managed_mode_blocks(
+    tmp_path: Path, gpu_env: Any, fake_vllm: InProcessFakeServer
+) -> None:
+    gpu_env("rtx4060")
+    port = int(fake_vllm.url.rsplit(":", 1)[1])
+    report = run_doctor(managed(tmp_path, port=port), osrelease=NOT_WSL)
+    check = by_name(report, "server")
+    assert check.status == "fail" and report.blocking, render_text(report)
+    assert f"port {port} on 127.0.0.1 is taken by another program" in check.detail, check
+    assert check.fix and "set server.port to a free port" in check.fix, check
+
+
+def test_a_port_held_by_a_program_that_speaks_no_http_blocks(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    gpu_env("rtx4060")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        check = by_name(run_doctor(managed(tmp_path, port=port), osrelease=NOT_WSL), "server")
+    assert check.status == "fail" and "taken by another program" in check.detail, check
+
+
+@pytest.mark.parametrize("key", [None, "wrong"], ids=["no-key", "wrong-key"])
+def test_a_401_from_the_server_points_at_the_api_key(
+    tmp_path: Path, gpu_env: Any, key: str | None
+) -> None:
+    gpu_env("rtx4060")
+    secret = FakeServerConfig(port=0, served_model_names=(MODEL,), api_key="right")
+    with InProcessFakeServer(secret) as srv:
+        server: dict[str, Any] = {"mode": "external", "url": srv.url + "/v1"}
+        if key:
+            server["api_key"] = key
+        check = by_name(run_doctor(write_config(tmp_path, server=server), osrelease=NOT_WSL),
+                        "server")
+    assert check.status == "fail" and "401" in check.detail, check
+    assert check.fix and "server.api_key" in check.fix, check
+    assert "serves no models" not in check.detail, check
+
+
+def test_no_gpu_does_not_offer_setup_server_for_a_managed_server(
+    tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu_env("nogpu")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no vllm either
+    report = run_doctor(write_config(tmp_path), osrelease=NOT_WSL)
+    text = render_text(report)
+    assert "setup-server" not in text, text
+    assert "mode: external" in (by_name(report, "GPU").fix or ""), text
+
+
 def test_missing_server_python_points_at_setup_server(tmp_path: Path, gpu_env: Any) -> None:
     gpu_env("rtx4060")
     config = write_config(tmp_path, server={"python": str(tmp_path / "nope" / "python")})
