@@ -97,6 +97,8 @@ class InboxConfig(_Section):
     polling: bool | Literal["auto"] = "auto"
     poll_interval: float = Field(1.0, gt=0)
     rescan_seconds: float = Field(300.0, gt=0)
+    # None: 30 s, or 10 x stable_seconds where that is longer (see watcher.bad_file_wait).
+    bad_file_seconds: float | None = Field(None, gt=0)
     ignore: list[str] = Field(
         default_factory=lambda: ["*.part", "*.crdownload", "*.tmp", ".*", "~$*"]
     )

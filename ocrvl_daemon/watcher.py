@@ -37,6 +37,15 @@ log = logging.getLogger(__name__)
 # after this long it is handed on anyway so the converter reports the bad file.
 BAD_FILE_WAIT_MIN = 30.0
 BAD_FILE_WAIT_FACTOR = 10.0
+
+
+def bad_file_wait(inbox: InboxConfig) -> float:
+    """How long a stable file that does not open as a PDF is given to finish arriving:
+    `inbox.bad_file_seconds`, else BAD_FILE_WAIT_MIN or, for a slow inbox, a multiple of
+    its stable_seconds."""
+    if inbox.bad_file_seconds is not None:
+        return inbox.bad_file_seconds
+    return max(BAD_FILE_WAIT_MIN, BAD_FILE_WAIT_FACTOR * inbox.stable_seconds)
 STOP_TIMEOUT = 5.0
 
 # Events that say a file's content or name changed. Opens and read-only closes are left
@@ -93,14 +102,8 @@ class _Recorder(FileSystemEventHandler):
 class InboxWatcher:
     """Turns an inbox configuration into a stream of stable PDF paths via `poll()`."""
 
-    def __init__(
-        self,
-        inbox: InboxConfig,
-        *,
-        bad_file_wait: float | None = None,
-    ) -> None:
+    def __init__(self, inbox: InboxConfig) -> None:
         self._inbox = inbox
-        self._bad_file_wait = bad_file_wait
         self._handler = _Recorder(self)
         # Guards _pending_files and _pending_dirs, filled by the observers' threads (_record)
         # and taken by the main loop (poll); every other field belongs to the main loop.
@@ -422,7 +425,7 @@ class InboxWatcher:
             state.opens = opens_as_pdf(path)
             if not state.opens:
                 log.debug("%s does not open as a PDF (yet); waiting", path)
-        if not state.opens and stable_for < self._bad_wait():
+        if not state.opens and stable_for < bad_file_wait(self._inbox):
             return False
 
         state.emitted = True
@@ -438,10 +441,6 @@ class InboxWatcher:
                      "is reported", path)
         return True
 
-    def _bad_wait(self) -> float:
-        if self._bad_file_wait is not None:
-            return self._bad_file_wait
-        return max(BAD_FILE_WAIT_MIN, BAD_FILE_WAIT_FACTOR * self._inbox.stable_seconds)
 
 
 def _absolute(path: Path) -> Path:

@@ -42,7 +42,9 @@ class Setup:
         self.port = free_port()
         self.config = write_config(
             tmp_path / "config.yaml",
-            inbox={"paths": [str(self.inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+            # A bad file is reported after 1 s, not the 30 s a slow copy is given by default.
+            inbox={"paths": [str(self.inbox)], "stable_seconds": 0.3, "poll_interval": 0.2,
+                   "bad_file_seconds": 1},
             pipeline={"use_layout_detection": False, "adaptive_concurrency": False, **pipeline},
             server=managed_fake_server(self.port, "--request-log", str(self.requests),
                                        *fake_args),

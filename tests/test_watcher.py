@@ -80,8 +80,8 @@ def inbox(tmp_path: Path) -> Path:
 def start(inbox: Path) -> Iterator[Callable[..., Harness]]:
     watchers: list[InboxWatcher] = []
 
-    def _start(bad_file_wait: float | None = None, **settings: object) -> Harness:
-        watcher = InboxWatcher(inbox_config([inbox], **settings), bad_file_wait=bad_file_wait)
+    def _start(**settings: object) -> Harness:
+        watcher = InboxWatcher(inbox_config([inbox], **settings))
         watchers.append(watcher)
         watcher.start()
         harness = Harness(watcher)
@@ -289,7 +289,7 @@ def test_modified_file_is_handed_on_again(start: Callable[..., Harness], inbox: 
 
 def test_non_pdf_waits_for_the_long_wait(start: Callable[..., Harness], inbox: Path) -> None:
     long_wait = 1.5
-    h = start(bad_file_wait=long_wait)
+    h = start(bad_file_seconds=long_wait)
     written = time.monotonic()
     junk = inbox / "junk.pdf"
     junk.write_bytes(os.urandom(4096))
