@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from ocrvl_daemon import autotune, launchers, vllm_diagnosis
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ServerConfigError, ServerError
+from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
 from ocrvl_daemon.gpu import GpuReading, read_gpu
 from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
 from ocrvl_daemon.server import (
@@ -247,7 +247,15 @@ class ManagedServer(ServerSupervisor):
         if port_in_use(host, port):
             return f"port {port} on {host} is taken by another program: address already in use"
         self._plan_args()
-        spec = launchers.prepare_launch(self.config, self._args)
+        try:
+            spec = launchers.prepare_launch(self.config, self._args)
+        except ServerMissingError as exc:
+            if self._gpu is not None or self._server.launcher == "command":
+                raise
+            # Installing vLLM here cannot help: there is no GPU for it to run on.
+            raise ServerMissingError(f"{exc.message} No NVIDIA GPU is visible here either, so "
+                                     "the managed server cannot run on this machine.",
+                                     launchers.external_server_setup(self.config)) from exc
         try:
             group = ProcessGroup.spawn(spec.argv, spec.env, self._pidfile)
         except OSError as exc:

@@ -26,7 +26,13 @@ from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
 from ocrvl_daemon.launchers import vllm_serve_command
 from ocrvl_daemon.managed_server import BackoffPolicy
-from ocrvl_daemon.progress import ProgressBars, ProgressLog, ProgressView, RunTally
+from ocrvl_daemon.progress import (
+    ProgressBars,
+    ProgressLog,
+    ProgressView,
+    RunTally,
+    shows_bars,
+)
 from ocrvl_daemon.server_set import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.store import JobState, Store
@@ -58,7 +64,8 @@ def convert_files(
     runs this conversion again, for the advice left in notes. A malformed page list, or one
     beyond a document's last page, is a UsageError before anything is converted.
     """
-    paths = [given.expanduser().absolute() for given in pdfs]
+    # A file named twice is converted once, and counted once.
+    paths = list(dict.fromkeys(given.expanduser().absolute() for given in pdfs))
     redo: dict[Path, list[int]] = {}
     if pages:  # every page list is checked before anything is queued
         pdf.parse_pages(pages)
@@ -105,8 +112,7 @@ def convert_files(
         store.close()
     for path, reason in failures.items():
         log.error("%s: %s", path, reason)
-    converted = len(pdfs) - len(failures)
-    log.info("%d of %d converted", converted, len(pdfs))
+    log.info("%d of %d converted", len(paths) - len(failures), len(paths))
     return failures
 
 
@@ -194,7 +200,7 @@ def _progress_view(config: Config, store: Store, jobs: dict[int, Path]) -> Progr
         if job is not None:
             done[job_id] = store.count_pages(job.sha256, job.model)
     tally = RunTally(totals, done, lambda job_id: _succeeded(store, job_id))
-    if sys.stderr.isatty():
+    if shows_bars(sys.stderr):
         return ProgressBars(sys.stderr, tally)
     return ProgressLog(config.progress_seconds, tally)
 

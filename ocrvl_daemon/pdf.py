@@ -144,7 +144,7 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
             raise InputFileError(
                 f"{path} is encrypted with a password.",
                 "save an unprotected copy (e.g. qpdf --decrypt --password=... "
-                "in.pdf out.pdf) and drop that in",
+                "in.pdf out.pdf) and convert that copy",
             ) from exc
         raise InputFileError(
             f"{path} is damaged beyond repair or has no pages.",

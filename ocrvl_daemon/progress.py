@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,15 @@ class RunTally:
             self._totals.setdefault(doc.job_id, doc.total)
         self.total = sum(self._totals.values())
         return sum(self._done.values())
+
+
+def shows_bars(stream: IO[str]) -> bool:
+    """Whether `stream` is a terminal that bars can be drawn on: one that reports no width
+    (0 columns: some serial consoles and containers) would show nothing at all."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError):  # no file descriptor, or not a terminal after all
+        return False
 
 
 class ProgressLog:

@@ -320,7 +320,8 @@ class ServerSupervisor:
             with self._cond:
                 self._error = exc
                 self._last_error = str(exc)
-            log.error("%s", exc)
+            # Nothing retries it: the user must know that the fix comes first, then a start.
+            log.error("%s (the server is not started again until ocrvl itself is)", exc)
             self._set(ServerState.FAILED, "")
         except Exception:
             log.exception("the server supervisor crashed")

@@ -340,3 +340,13 @@ def test_a_read_only_output_folder_ends_the_run_after_a_few_tries_with_the_cause
     assert "failed (3 attempts)" in result.stderr, (
         f"the run does not say it tried more than once:\n{result.stderr[-3000:]}")
     assert took < 45, f"ocrvl convert took {took:.0f} s to give up"
+
+
+def test_a_file_given_twice_is_converted_and_counted_once(tmp_path: Path,
+                                                          fake_server: FakeServerProcess):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url,
+                       pdf, tmp_path / "." / "book.pdf")
+    assert result.returncode == 0, result.stderr
+    assert "1 of 1 converted" in result.stderr, result.stderr

@@ -153,6 +153,7 @@ def test_4_a_pdf_that_cannot_be_read_keeps_its_exit_code_through_the_conversion(
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
                        timeout=120)
     assert result.returncode == ExitCode.INPUT_FILE, (result.returncode, result.stderr)
+    assert "drop that in" not in result.stderr, "advice for the inbox given to `convert`"
 
 
 def test_2_a_server_url_that_is_not_a_url_is_a_command_line_error_naming_the_option(
@@ -209,6 +210,20 @@ def test_6_missing_dependency(tmp_path: Path):
     result = run_ocrvl("convert", "--config", config, pdf, timeout=120)
     assert result.returncode == ExitCode.DEPENDENCY, result.stderr
     assert f"server.python = {missing} is not an executable Python" in result.stderr
+
+
+def test_6_no_vllm_and_no_gpu_points_to_an_external_server_not_setup_server(tmp_path: Path):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", server={"launcher": "vllm",
+                                                            "port": free_port()})
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=120,
+                       PATH=str(tmp_path / "empty-bin"), OCRVL_NO_NVML="1",
+                       OCRVL_NVIDIA_SMI=str(tmp_path / "no-nvidia-smi"))
+    assert result.returncode == ExitCode.DEPENDENCY, result.stderr
+    assert "No NVIDIA GPU is visible here either" in result.stderr, result.stderr
+    assert "mode: external" in result.stderr, result.stderr
+    assert "setup-server" not in result.stderr.split("Fix:")[-1], result.stderr
+    assert "not started again until ocrvl itself is" in result.stderr, result.stderr
 
 
 def test_7_doctor_found_a_blocking_problem(tmp_path: Path):

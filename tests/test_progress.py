@@ -91,10 +91,10 @@ def test_convert_not_on_a_terminal_prints_plain_progress_lines_now_and_then(
         "terminal bars were written to a file")
 
 
-def run_on_terminal(argv: list[str], timeout: float) -> tuple[int, str]:
+def run_on_terminal(argv: list[str], timeout: float, columns: int = 120) -> tuple[int, str]:
     """Run `argv` with a pseudo-terminal as its stdin, stdout and stderr, as a person would."""
     master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))  # rows, columns
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))  # rows, cols
     proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=ocrvl_env(),
                             start_new_session=True)
     os.close(slave)
@@ -143,6 +143,18 @@ def test_convert_on_a_terminal_shows_live_bars_per_document_and_overall(
         "the book's bar has no ETA")
     assert "2 of 2 converted" in screen and "book.pdf: done" in screen, (
         f"log lines were lost under the bars:\n{screen}")
+
+
+@pytest.mark.slow
+def test_convert_on_a_terminal_of_0_columns_prints_progress_lines(
+        tmp_path: Path, slow_server: FakeServerProcess):
+    book = make_pdf(tmp_path / "book.pdf", 12, seed=1)
+    config = write_config(tmp_path / "config.yaml", progress_seconds=1, pipeline=SLOW_PIPELINE)
+    code, screen = run_on_terminal(
+        ocrvl_argv("convert", "--config", config, "--server-url", slow_server.api_url, book),
+        timeout=180, columns=0)
+    assert code == 0, screen
+    assert progress_lines(screen, "book.pdf"), f"no progress at all on 0 columns:\n{screen}"
 
 
 @pytest.mark.slow
