@@ -407,9 +407,11 @@ class ManagedServer(ServerSupervisor):
                 f"{error}.", diagnosis.fix if diagnosis else
                 "see the server's output above; `ocrvl doctor` checks its set-up")
         if len(self._failures) >= CRASH_LOOP_FAILURES and not stepped:
+            output = (f"Its last {len(tail)} lines:\n" + "\n".join(tail) if tail
+                      else "It printed nothing.")
             log.error("the server keeps failing (%d times in %.0f minutes): %s%s; retrying in "
-                      "%.1fs.\nIts last %d lines:\n%s", len(self._failures), CRASH_LOOP_WINDOW / 60,
-                      failure, cause, delay, len(tail), "\n".join(tail))
+                      "%.1fs.\n%s", len(self._failures), CRASH_LOOP_WINDOW / 60,
+                      failure, cause, delay, output)
         elif not stepped:
             log.log(logging.ERROR if oom else logging.WARNING,
                     "server failed: %s%s; restarting in %.1fs", failure, cause, delay)

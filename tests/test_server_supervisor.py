@@ -466,3 +466,17 @@ def test_an_external_server_already_up_is_ready_at_the_first_probe(
         assert sup.wait_ready(60), (
             "a server that was already running was not taken up at once: the supervisor "
             "waited a poll interval before its first look")
+
+
+def test_a_crash_loop_of_a_server_that_prints_nothing_says_so(
+    tmp_path: Path, supervise: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "ocrvl_daemon")
+    supervise(make_config(tmp_path, command=["false"]))
+
+    def loud() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "keeps failing" in r.getMessage()]
+
+    report = wait_until(loud, 30, what="a crash loop report")[0]
+    assert "It printed nothing." in report, report
+    assert "last 0 lines" not in report, report
