@@ -274,8 +274,9 @@ class Converter:
         key = (result.job_id, result.page)
         if not self.dispatcher.owns(key, result.url):
             return  # a late answer from a server the page was taken from: it went elsewhere
-        self.dispatcher.answered(key, self._now, result.error is None,
-                                 result.error_kind is Failure.SERVER_DOWN)
+        self.dispatcher.answered(
+            key, self._now, result.error is None,
+            result.error or "no answer" if result.error_kind is Failure.SERVER_DOWN else None)
         fields = _fields(job, result.page)
         if result.error is None:
             ledger = self._ledgers[job.id]
@@ -309,14 +310,7 @@ class Converter:
                     f"failed: {(result.error or 'unknown error').rstrip('.')})")
             self._checkpoint(doc, job, answer, quality, note)
             return
-        if result.error_kind is Failure.SERVER_DOWN:
-            log.info(
-                "%s p.%d: server unavailable (%s); the page will be sent again",
-                job.path.name,
-                result.page + 1,
-                result.error,
-                extra=fields,
-            )
+        if result.error_kind is Failure.SERVER_DOWN:  # the dispatcher says so, once
             doc.give_back(result.page)
             return
         if result.error_kind is Failure.SERVER_ERROR:

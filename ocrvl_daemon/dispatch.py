@@ -6,7 +6,8 @@ flight relative to its own adaptive bound (each endpoint has its `ConcurrencyCon
 by its own `/metrics`). An endpoint that is not ready, or whose page came back "server down",
 is left out; the pages it had go back to their documents for the others (`reclaim`), and an
 answer it still sends for one of them is ignored (`owns`): each page is checkpointed once.
-It rejoins once ready again.
+It rejoins once ready again. An outage is logged once when it begins and once when the
+endpoint answers again, with the requests that failed in between.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ocrvl_daemon.server_probe import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-# An endpoint whose request failed as "server down" takes no pages for this long (when there
-# are others to take them): its own probe may take longer to notice it is gone.
+# An endpoint whose request failed as "server down" takes no pages for this long: its own
+# probe may take longer to notice it is gone, and its pages would fail again at once.
 SUSPEND_SECONDS = 5.0
 RATE_WINDOW = 60.0  # seconds of answers a pages/s figure is taken over
 
@@ -62,6 +63,10 @@ class ServerHandle(Protocol):
         """The newest `/metrics` sample, for the concurrency search (`want`: fetch when due)."""
         ...
 
+    def note_unreachable(self, reason: str) -> None:
+        """A request found no server there (`reason`): it is down now, not once a probe says."""
+        ...
+
 
 @dataclass(frozen=True)
 class EndpointLoad:
@@ -94,6 +99,9 @@ class Endpoint:
         self.answered = 0  # requests that came back (for hang detection)
         self.answers: deque[float] = deque(maxlen=256)  # when pages were recognised
         self.suspended_until = 0.0
+        # While its requests find no server: since when (monotonic), and how many failed.
+        self.down_since: float | None = None
+        self.failed_while_down = 0
 
     @property
     def url(self) -> str:
@@ -154,21 +162,37 @@ class Dispatcher:
         owner = self._owner.get(key)
         return owner is None or not url or owner.url == url
 
-    def answered(self, key: PageKey, now: float, recognised: bool, server_down: bool) -> None:
-        """The awaited answer for `key` came back; `server_down`: its endpoint is gone."""
+    def answered(self, key: PageKey, now: float, recognised: bool,
+                 server_down: str | None = None) -> None:
+        """The awaited answer for `key` came back; `server_down`: why its endpoint is gone."""
         endpoint = self._owner.pop(key, None)
         if endpoint is None:
             return
         endpoint.pages.discard(key)
-        if server_down:
-            if len(self.endpoints) > 1 and now >= endpoint.suspended_until:
-                log.warning("%s at %s did not answer; sending its pages to the others for "
-                            "%.0f s", endpoint.handle.name, endpoint.url, SUSPEND_SECONDS)
-                endpoint.suspended_until = now + SUSPEND_SECONDS
+        if server_down is not None:
+            self._went_down(endpoint, now, server_down)
             return
+        if endpoint.down_since is not None:
+            log.info("%s at %s answers again after %.0f s; %d failed request(s) in between",
+                     endpoint.handle.name, endpoint.url, now - endpoint.down_since,
+                     endpoint.failed_while_down)
+            endpoint.down_since = None
         endpoint.answered += 1
         if recognised:
             endpoint.answers.append(time.monotonic())
+
+    def _went_down(self, endpoint: Endpoint, now: float, reason: str) -> None:
+        """A request to `endpoint` found no server: its pages wait (or go to the others) for
+        SUSPEND_SECONDS, and it is said once per outage."""
+        endpoint.suspended_until = now + SUSPEND_SECONDS
+        endpoint.failed_while_down += 1
+        if endpoint.down_since is not None:
+            return
+        endpoint.down_since, endpoint.failed_while_down = now, 1
+        others = " go to the others" if len(self.endpoints) > 1 else " wait for it"
+        log.warning("%s at %s did not answer (%s); its pages%s", endpoint.handle.name,
+                    endpoint.url, reason, others)
+        endpoint.handle.note_unreachable(reason)
 
     def release(self, key: PageKey) -> None:
         """Page `key` is no longer in flight anywhere (its worker stopped, its job ended)."""

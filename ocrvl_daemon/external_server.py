@@ -19,6 +19,15 @@ class ExternalServer(ServerSupervisor):
     def _first_phase(self) -> str:
         return f"waiting for {self._server.base_url}"
 
+    def note_unreachable(self, reason: str) -> None:
+        """A request found no server: it is down from now, not after UNHEALTHY_PROBES probes
+        (status would say ready meanwhile); the probes find it up again."""
+        with self._cond:
+            if self._state is not ServerState.READY:
+                return
+            self._last_error = reason
+        self._set(ServerState.STARTING, self._first_phase())
+
     def _refused(self, exc: ServerConfigError) -> None:
         """The server answers but cannot serve this configuration (another model name,
         another API key). FAILED, said once; probing goes on, so fixing the server is

@@ -252,6 +252,10 @@ class ServerSupervisor:
         poller = self._metrics
         return poller.latest(want) if poller is not None else None
 
+    def note_unreachable(self, reason: str) -> None:
+        """A request found no server at the URL (`reason`). A managed server's process is
+        watched, which tells more: nothing to do here (`ExternalServer` acts on it)."""
+
     # what the modes differ in
 
     def _first_phase(self) -> str:

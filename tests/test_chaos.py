@@ -9,6 +9,7 @@ nothing missing or duplicated, nothing half-written, no process left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -24,8 +25,8 @@ from test_daemon import Setup, wait_for_markdown
 from ocrvl_daemon.managed_server import PIDFILE_NAME
 from ocrvl_daemon.process_group import GroupRecord
 from testkit.documents import make_pdf
-from testkit.harness import wait_until
-from testkit.runner import DaemonProcess
+from testkit.harness import free_port, start_fake_server, wait_until
+from testkit.runner import DaemonProcess, run_ocrvl, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -210,3 +211,49 @@ def test_a_thousand_small_pdfs_at_once_in_bounded_memory_without_leaking(tmp_pat
         docs = setup.status()["documents"]
         assert len(docs) == count + 1 and all(d["state"] == "done" for d in docs)
     assert isinstance(daemon, DaemonProcess) and daemon.proc.returncode == 0
+
+
+def test_an_external_server_killed_mid_book_is_reported_once_and_status_says_it_is_down(
+        tmp_path: Path):
+    port = free_port()
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    config = write_config(
+        tmp_path / "config.yaml",
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+        pipeline={"adaptive_concurrency": False, "max_concurrency": 4},
+        server={"mode": "external", "url": f"http://127.0.0.1:{port}/v1",
+                "health_interval": 5})
+    server = start_fake_server(port, *SLOW_SERVER)
+    try:
+        with DaemonProcess(config) as daemon:
+            daemon.wait_ready()
+            make_pdf(tmp_path / "book.pdf", 40).rename(inbox / "book.pdf")
+            wait_until(lambda: "book.pdf: 40 pages queued" in daemon.log(), 60,
+                       what="the book to start")
+            server.stop()
+            killed_at = len(daemon.log())
+
+            def server_state() -> str:
+                done = run_ocrvl("status", "--json", "--config", config, timeout=60)
+                return str(json.loads(done.stdout)["server"]["state"])
+
+            # Its probes alone take 3 x health_interval (15 s) to call it down.
+            wait_until(lambda: server_state() != "ready", 10,
+                       what="`ocrvl status` to stop saying `server: ready` after the kill")
+            outage_lines = wait_until(
+                lambda: [line for line in daemon.log()[killed_at:].splitlines()
+                         if "book.pdf p." in line or "did not answer" in line] or None,
+                10, what="a line saying the server went away")
+            server = start_fake_server(port, *SLOW_SERVER)
+            wait_until(lambda: (inbox / "book.md").exists(), 120, what="the book to finish")
+            during = daemon.log()[killed_at:]
+        lines = [line for line in during.splitlines()
+                 if "book.pdf p." in line or "did not answer" in line or "answers again" in line]
+        assert len(lines) <= 2, (
+            f"the outage took {len(lines)} log lines, not one when it began and one when it "
+            "ended:\n" + "\n".join(lines[:20]))
+        assert outage_lines and re.search(r"answers again after .* \d+ failed request", during), (
+            f"the end of the outage is not said with a count:\n{during[-3000:]}")
+    finally:
+        server.stop()

@@ -51,6 +51,9 @@ class ReadyServer:
     def metrics(self, want: bool = True) -> None:
         return None
 
+    def note_unreachable(self, reason: str) -> None:
+        pass
+
 
 class Policy:
     """A converter over a real store and real PDFs, with page results given by hand to its
