@@ -240,8 +240,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """`ocrvl status`."""
     from ocrvl_daemon.status import render_status
 
-    config, _ = _load(args)
-    print(render_status(config, as_json=args.json, everything=args.all))
+    config, path = _load(args)
+    print(render_status(config, as_json=args.json, everything=args.all, config_path=path))
     return int(ExitCode.OK)
 
 
@@ -249,10 +249,10 @@ def cmd_retry(args: argparse.Namespace) -> int:
     """`ocrvl retry`."""
     from ocrvl_daemon.status import retry
 
-    config, _ = _load(args)
+    config, path = _load(args)
     _setup_fallback_logging()
     return int(retry(config, args.pdfs, failed=args.failed, pages=args.pages,
-                     flagged=args.flagged))
+                     flagged=args.flagged, config_path=path))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

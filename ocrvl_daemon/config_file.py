@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from ocrvl_daemon.config import Config, expand_path
 from ocrvl_daemon.config_errors import config_error
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.names import shell_quote
 
 DEFAULT_CONFIG_PATH = Path("~/.config/ocrvl/config.yaml")
 CONFIG_ENV = "OCRVL_CONFIG"
@@ -62,6 +63,18 @@ def resolve_config_path(explicit: str | Path | None) -> Path | None:
         return path
     default = expand_path(DEFAULT_CONFIG_PATH)
     return default if _is_file(default) else None
+
+
+def advice_command(command: str, config_path: Path | None) -> str:
+    """`ocrvl COMMAND` as advice to paste: with `--config` when a plain one would read
+    another file than `config_path`."""
+    try:
+        default = resolve_config_path(None)
+    except ConfigError:
+        default = None
+    if config_path is None or config_path == default:
+        return f"ocrvl {command}"
+    return f"ocrvl {command} --config {shell_quote(config_path.absolute())}"
 
 
 def load_config(

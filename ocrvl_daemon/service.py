@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon.atomic_file import write_atomic
+from ocrvl_daemon.config_file import advice_command
 from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
 from ocrvl_daemon.gpu import is_wsl
 
@@ -97,6 +98,21 @@ def written_by_ocrvl(text: str) -> bool:
     """Whether `text` is a unit ocrvl wrote and nobody changed since."""
     first, _, body = text.partition("\n")
     return first == MARKER + _digest(body)
+
+
+def start_command(config_path: Path | None) -> str:
+    """How to start the daemon here: the service where a user manager runs it, else
+    `ocrvl run` (said why, so nobody is sent to a `systemctl --user` that cannot work)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    # systemctl --user talks to the manager through this socket: no socket, no manager.
+    manager = (shutil.which("systemctl") is not None and runtime is not None
+               and Path(runtime, "systemd", "private").exists())
+    run = f"`{advice_command('run', config_path)}`"
+    if not manager:
+        return f"{run} (no systemd user manager is reachable here for the service)"
+    if not (user_unit_dir() / UNIT_NAME).exists():
+        return f"{run}, or install the service: `ocrvl install-service`"
+    return "`systemctl --user start ocrvl`"
 
 
 def user_unit_dir() -> Path:

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config import Config, folder_problem
+from ocrvl_daemon.config_file import advice_command
 from ocrvl_daemon.daemon_state import read_runtime_file
-from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
+from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, UsageError
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.names import shell_quote, shown
-from ocrvl_daemon.output import OutputPlace, output_place, shortened_names
+from ocrvl_daemon.output import (
+    OutputPlace,
+    output_place,
+    outputs_for,
+    read_header,
+    shortened_names,
+)
 from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
+from ocrvl_daemon.service import start_command
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.units import format_duration
@@ -30,16 +41,34 @@ RECENT_DONE = 10
 STALE_SECONDS = 30.0
 
 
-def _job_view(store: Store, job: Job, place: OutputPlace) -> dict[str, Any]:
+def _page_total(job: Job, place: OutputPlace) -> int | None:
+    """The document's page count: as recorded when it started, else from ocrvl's Markdown
+    (a document found converted already), else from the PDF itself (one not started yet)."""
+    if job.page_count:
+        return job.page_count
+    if job.state is JobState.DONE:
+        header = read_header(outputs_for(job.path, place)[0]) or {}
+        pages = header.get("pages", "")
+        return int(pages) if pages.isdigit() else None
+    with contextlib.suppress(OcrvlError, OSError):
+        return page_count(job.path)
+    return None
+
+
+def _job_view(store: Store, job: Job, place: OutputPlace, alive: bool) -> dict[str, Any]:
+    total = _page_total(job, place)
     done = (
         store.count_pages(job.sha256, job.model)
         if job.state is not JobState.DONE
-        else (job.page_count or 0)
+        else (total or 0)
     )
-    total = job.page_count
+    # A dead daemon converts nothing: its "running" documents wait for its next start.
+    state = "stopped" if job.state is JobState.RUNNING and not alive else job.state.value
     view: dict[str, Any] = {
         "path": shown(job.path),
-        "state": job.state.value,
+        # Lossless, for a name that is not UTF-8 (`path` shows its bytes escaped).
+        "path_b64": base64.b64encode(os.fsencode(job.path)).decode("ascii"),
+        "state": state,
         "pages_done": done,
         "pages_total": total,
         "attempts": job.attempts,
@@ -128,23 +157,28 @@ def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:
     return view
 
 
+def _daemon_alive(daemon: dict[str, Any]) -> bool:
+    """Whether the daemon that wrote runtime file `daemon` still runs."""
+    return (
+        "updated" in daemon
+        and time.time() - float(daemon["updated"]) < STALE_SECONDS
+        and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
+    )
+
+
 def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], list[Path]]:
     """The status, and each listed document's path as it is (for the commands shown with it)."""
     store = open_store(config)
     try:
         daemon = read_runtime_file(config.state_dir)
-        alive = (
-            "updated" in daemon
-            and time.time() - float(daemon["updated"]) < STALE_SECONDS
-            and psutil.pid_exists(int(daemon["pid"]))  # killed since its last word
-        )
+        alive = _daemon_alive(daemon)
         # A dead daemon's last rate would promise ETAs nobody is working towards.
         rate = float(daemon.get("pages_per_s") or 0.0) if alive else 0.0
         jobs = store.jobs()
         listed = jobs if everything else _recent(jobs)
         listed_ids = {j.id for j in listed}
         place = output_place(config)
-        views = {j.id: _job_view(store, j, place) for j in jobs
+        views = {j.id: _job_view(store, j, place, alive) for j in jobs
                  if j.state in (JobState.RUNNING, JobState.QUEUED) or j.id in listed_ids}
         _add_etas(jobs, views, rate)
     finally:
@@ -159,14 +193,20 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
         "server": _server_view(daemon, alive),
         # Each endpoint pages go to: name, url, state, in_flight, pages_per_s, bound...
         "servers": (daemon.get("servers") or []) if alive else [],
+        "inbox_problems": [{"path": shown(path), "problem": problem}
+                           for path in config.inbox.paths
+                           if (problem := folder_problem(path)) is not None],
         "documents": [views[j.id] for j in listed],
         "documents_not_shown": len(jobs) - len(listed),
     }, [j.path for j in listed]
 
 
-def render_status(config: Config, *, as_json: bool, everything: bool = False) -> str:
-    """The status as text (one screen) or JSON; recent documents unless `everything`."""
+def render_status(config: Config, *, as_json: bool, everything: bool = False,
+                  config_path: Path | None = None) -> str:
+    """The status as text (one screen) or JSON; recent documents unless `everything`.
+    The commands it suggests read `config_path`, the file `config` came from."""
     status, paths = _collect_status(config, everything)
+    again = advice_command("retry", config_path)
     if as_json:
         return json.dumps(status, indent=2)
     daemon, server = status["daemon"], status["server"]
@@ -181,8 +221,9 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         if len(status["servers"]) > 1:
             lines += _endpoint_lines(status["servers"])
         else:
+            outlook = _server_outlook(server, config.server.mode == "external", config_path)
             lines.append(f"server: {state}{_phase(server)} at {server.get('url', '?')}"
-                         f"{_server_outlook(server)}")
+                         f"{outlook}")
         if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
@@ -191,7 +232,7 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
         if daemon.get("engine_error"):
             lines.append(f"engine: {daemon['engine_error']}")
     else:
-        lines.append("daemon: not running (start it with `systemctl --user start ocrvl`)")
+        lines.append(f"daemon: not running (start it with {start_command(config_path)})")
         last = server.get("last_known")
         if last:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(server["last_known_at"]))
@@ -199,6 +240,9 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
                          f"at {when}, when the daemon last reported)")
             if last.get("last_error"):
                 lines.append(f"  last error: {last['last_error']}")
+    for inbox in status["inbox_problems"]:
+        lines.append(f"inbox {inbox['path']}: {inbox['problem']}: no PDF is picked up there "
+                     "(fix: correct inbox.paths, or the folder)")
     docs = status["documents"]
     if not docs:
         lines.append("no documents yet")
@@ -209,6 +253,8 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
             extra = f", ETA {format_duration(doc['eta_seconds'])}"
         if "retry_in_seconds" in doc:
             extra += f", retry in {format_duration(doc['retry_in_seconds'])}"
+        if doc["state"] == "stopped":
+            extra += " (resumes when the daemon starts)"
         lines.append(f"{doc['state']:>7}  {pages:>14}  {doc['path']}{extra}")
         if doc["error"] and doc["state"] != "done":
             lines.append(f"         reason: {doc['error']}")
@@ -222,11 +268,11 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False) ->
             if doc[key]:
                 pages_list = ",".join(map(str, doc[key]))
                 hint = (f"retrying cannot help: {repair_fix(path)}" if key == "damaged_pages"
-                        else f"redo: {retry_command(path, pages_list)}")  # fmt: skip
+                        else f"redo: {retry_command(path, pages_list, again)}")  # fmt: skip
                 if key == "flagged_pages":
                     verdicts = "".join(f"{v}: {','.join(map(str, doc[f'{v}_pages']))}; "
                                        for v in ("bad", "suspect") if doc[f"{v}_pages"])
-                    hint = f"{verdicts}redo: ocrvl retry --flagged {shell_quote(path)}"
+                    hint = f"{verdicts}redo: {again} --flagged {shell_quote(path)}"
                 lines.append(f"         {what}: {pages_list} ({hint})")
     if status["documents_not_shown"]:
         lines.append(f"... and {status['documents_not_shown']} older converted documents "
@@ -243,14 +289,16 @@ def _phase(server: dict[str, Any]) -> str:
     return f", {phase}" if phase and server.get("state") != "ready" else ""
 
 
-def _server_outlook(server: dict[str, Any]) -> str:
+def _server_outlook(server: dict[str, Any], external: bool, config_path: Path | None) -> str:
     """What happens next to a server that is not ready: retried for ever, or never."""
     if server.get("state") == "restarting":
         return (f" (failed {server.get('attempt') or 1} time(s) in a row; the daemon keeps "
                 "trying: fix the cause below to end the wait)")
     if server.get("state") == "failed":
-        return (" (the daemon does not retry it: fix the cause below, then restart the "
-                "daemon)")
+        if external:  # it is probed on: a fixed server is used at once
+            return " (the daemon keeps checking it: fix the server or the config as below)"
+        return (" (the daemon does not start it again: fix the cause below, then stop the "
+                f"daemon and start it again with {start_command(config_path)})")
     return ""
 
 
@@ -265,10 +313,21 @@ def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _known_job(store: Store, given: Path) -> Job | None:
+    """The daemon's job for `given`, a path as the user has it or as `status` shows it
+    (bytes that are not UTF-8 escaped as \\xff)."""
+    path = given.expanduser().absolute()
+    job = store.job_for_path(path)
+    if job is None:
+        job = next((j for j in store.jobs() if shown(j.path) == str(path)), None)
+    return job
+
+
 def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
-          flagged: bool = False) -> ExitCode:
+          flagged: bool = False, config_path: Path | None = None) -> ExitCode:
     """Queue documents again; with `pages`, drop only those checkpoints; with `flagged`,
-    only the flagged pages (of `pdfs`, or of every document)."""
+    only the flagged pages (of `pdfs`, or of every document). `config_path`: the file
+    `config` came from, for the command it suggests."""
     if not pdfs and not failed and not flagged:
         raise UsageError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
     if pages:
@@ -287,7 +346,7 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
             targets += [j for j in store.jobs(JobState.DONE)
                         if store.flagged_pages(j.sha256, j.model) and j not in targets]
         for given in pdfs:
-            job = store.job_for_path(given.expanduser().absolute())
+            job = _known_job(store, given)
             if job is None:
                 raise InputFileError(
                     f"{given} is not known to the daemon.",
@@ -319,7 +378,10 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
                 store.drop_pages(job.sha256, job.model)
             store.requeue(job.id)
             what = f"pages {','.join(str(p + 1) for p in redo)} of " if redo else ""
-            log.info("queued %s%s again", what, job.path)
+            log.info("queued %s%s again", what, shown(job.path))
     finally:
         store.close()
+    if targets and not _daemon_alive(read_runtime_file(config.state_dir)):
+        log.info("the daemon is not running: they are converted once it starts (start it "
+                 "with %s)", start_command(config_path))
     return ExitCode.OK

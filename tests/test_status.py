@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -14,7 +15,8 @@ import pytest
 
 from ocrvl_daemon.daemon_state import write_runtime_file
 from ocrvl_daemon.status import finish_times
-from ocrvl_daemon.store import Store
+from ocrvl_daemon.store import PageFailure, Store
+from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.runner import (
     DaemonProcess,
@@ -204,3 +206,86 @@ def test_a_daemon_whose_server_port_is_taken_says_in_status_that_it_keeps_trying
     assert "server: restarting, next try in 0.5s" in text, text
     assert f"port {port} on 127.0.0.1 is taken by another program" in text, text
     assert "set server.port to a free port" in text, text
+
+
+def test_status_json_has_a_lossless_path_and_retry_takes_the_escaped_name_back(state, tmp_path):
+    config, store = state
+    path = tmp_path / os.fsdecode(b"caf\xe9.pdf")
+    job = store.enqueue(path, "sha", 1, 1.0, MODEL)
+    store.set_failed(job.id, "boom", permanent=True)
+    doc = json.loads(status_of(config, "--json").stdout)["documents"][0]
+    assert doc["path"] == str(tmp_path / "caf\\xe9.pdf"), doc
+    assert base64.b64decode(doc["path_b64"]) == os.fsencode(path), doc
+    result = run_ocrvl("retry", "--config", config, doc["path"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert store.job(job.id).state.value == "queued", "retry did not take the shown name"
+
+
+def test_a_dead_daemons_running_document_is_not_shown_running(state):
+    config, store = state
+    job = store.enqueue(Path("/books/big.pdf"), "sha", 1, 1.0, MODEL)
+    store.set_running(job.id, 247)
+    daemon_said(store, dead_pid(), {"state": "ready"})
+    text = status_of(config).stdout
+    line = next(line for line in text.splitlines() if "big.pdf" in line)
+    assert "running" not in line and "stopped" in line, text
+    assert "resumes when the daemon starts" in line, text
+    assert json.loads(status_of(config, "--json").stdout)["documents"][0]["state"] == "stopped"
+
+
+def test_a_page_count_that_is_known_is_shown_not_a_question_mark(state, tmp_path):
+    config, store = state
+    queued = make_pdf(tmp_path / "queued.pdf", 3)
+    store.enqueue(queued, "sha-q", 1, 1.0, MODEL)
+    found_done = make_pdf(tmp_path / "found.pdf", 1)
+    found_done.with_suffix(".md").write_text(
+        f'<!-- ocrvl source="found.pdf" sha256="sha-d" model="{MODEL}" pages="5" -->\n',
+        encoding="utf-8")
+    store.set_done(store.enqueue(found_done, "sha-d", 1, 1.0, MODEL).id)
+    text = status_of(config).stdout
+    assert "0/3 pages" in text and "5/5 pages" in text and "/?" not in text, text
+
+
+def test_retry_while_the_daemon_is_stopped_says_it_waits_for_the_next_start(state):
+    config, store = state
+    job = store.enqueue(Path("/books/a.pdf"), "sha", 1, 1.0, MODEL)
+    store.set_failed(job.id, "boom", permanent=True)
+    result = run_ocrvl("retry", "--config", config, "--failed", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "the daemon is not running: they are converted once it starts" in result.stderr
+
+
+def test_status_advice_keeps_the_config_file_and_needs_no_user_manager(state, tmp_path):
+    config, store = state
+    job = store.enqueue(Path("/books/a.pdf"), "sha", 1, 1.0, MODEL)
+    store.save_page("sha", MODEL, 1, "", {}, failure=PageFailure.RETRYABLE)
+    store.set_done(job.id)
+    result = run_ocrvl("status", "--config", config, timeout=60,
+                       XDG_RUNTIME_DIR=str(tmp_path / "no-user-manager"))
+    text = result.stdout
+    assert f"start it with `ocrvl run --config {config}` (no systemd user manager" in text, text
+    assert "systemctl" not in text, text
+    assert f"redo: ocrvl retry --config {config} --pages 2 /books/a.pdf" in text, text
+
+
+def test_a_ready_server_is_said_ready_once(state):
+    config, store = state
+    daemon_said(store, os.getpid(), {"state": "ready", "phase": "ready"})
+    text = status_of(config).stdout
+    assert "server: ready at http://127.0.0.1:8118/v1" in text.splitlines(), text
+
+
+def test_status_shows_an_inbox_that_cannot_be_created(tmp_path: Path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    config = write_config(tmp_path / "config.yaml", inbox={"paths": [str(blocker / "inbox")]})
+    text = status_of(config).stdout
+    assert (f"inbox {blocker / 'inbox'}: cannot be created: {blocker} is not a folder: no PDF "
+            "is picked up there") in text, text
+
+
+def test_a_failed_managed_server_says_it_is_not_started_again(state):
+    config, store = state
+    daemon_said(store, os.getpid(), {"state": "failed", "last_error": "no vllm"})
+    text = status_of(config).stdout
+    assert "the daemon does not start it again: fix the cause below" in text, text
