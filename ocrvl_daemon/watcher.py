@@ -222,7 +222,9 @@ class InboxWatcher:
     def _add_root(self, configured: Path) -> None:
         path = _absolute(configured)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            if not path.is_dir():
+                path.mkdir(parents=True, exist_ok=True)
+                log.info("created the inbox folder %s", path)
         except OSError as exc:
             log.warning("cannot create inbox %s: %s; will watch it once it exists", path, exc)
         root = _Root(path=path, real=path)

@@ -366,3 +366,16 @@ def test_polling_auto_follows_the_filesystem(
     assert logged(caplog, f"watching {inbox} (polling every 0.2 s"), "a 9p inbox is not polled"
     pdf = make_pdf(inbox / "from-windows.pdf")
     h.wait_for(pdf)
+
+
+def test_a_missing_inbox_is_created_with_a_log_line(tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    missing = tmp_path / "new" / "inbox"
+    watcher = InboxWatcher(inbox_config([missing]))
+    watcher.start()
+    try:
+        assert missing.is_dir()
+        assert logged(caplog, f"created the inbox folder {missing}") == 1
+    finally:
+        watcher.stop()
