@@ -16,6 +16,7 @@ from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.scheduler import DocumentPages
 from ocrvl_daemon.store import Job, JobState, Store
+from ocrvl_daemon.units import counted
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,11 @@ def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
     store.set_running(job.id, count)
     pending = [p for p in range(count) if p not in done]
     if done:
-        log.info("%s: %d pages, resuming with %d already done", path.name, count, len(done))
+        log.info("%s: %s, resuming with %d already done", path.name, counted(count, "page"),
+                 len(done))
     else:
-        log.info("%s: %d pages queued", path.name, count, extra=doc_fields(path, None, job.id))
+        log.info("%s: %s queued", path.name, counted(count, "page"),
+                 extra=doc_fields(path, None, job.id))
     return job, DocumentPages(job.id, count, pending, done=count - len(pending))
 
 

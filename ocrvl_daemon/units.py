@@ -18,3 +18,8 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def counted(count: int, noun: str) -> str:
+    """1 page, 3 pages."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

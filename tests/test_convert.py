@@ -350,3 +350,11 @@ def test_a_file_given_twice_is_converted_and_counted_once(tmp_path: Path,
                        pdf, tmp_path / "." / "book.pdf")
     assert result.returncode == 0, result.stderr
     assert "1 of 1 converted" in result.stderr, result.stderr
+
+
+def test_a_one_page_document_is_one_page_queued(tmp_path: Path, fake_server: FakeServerProcess):
+    pdf = make_pdf(tmp_path / "letter.pdf", 1)
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf)
+    assert result.returncode == 0, result.stderr
+    assert "letter.pdf: 1 page queued" in result.stderr, result.stderr
