@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to create it (default: %(default)s)",
     )
     setup.add_argument("--dry-run", action="store_true", help="print the exact plan only")
+    for command in sub.choices.values():
+        # An unknown option is answered with the usage of the command it was given to.
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -160,7 +163,9 @@ def _server_url(value: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ocrvl` command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Callable[[argparse.Namespace], int] = COMMANDS[args.command]
     try:
         return handler(args)

@@ -109,6 +109,13 @@ def test_2_bad_command_line(tmp_path: Path, args: list[str], says: str):
         store.close()
 
 
+def test_2_an_unknown_option_shows_the_usage_of_its_command(tmp_path: Path):
+    result = run_ocrvl("run", "--bogus", timeout=60)
+    assert result.returncode == ExitCode.USAGE, result.stderr
+    assert result.stderr.startswith("usage: ocrvl run "), result.stderr
+    assert "ocrvl run: error: unrecognized arguments: --bogus" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("where", ["under-a-file", "under-proc"])
 def test_3_a_state_dir_that_cannot_be_created_names_the_key_the_path_and_the_fix(
     tmp_path: Path, where: str
