@@ -47,6 +47,74 @@ def make_pdf(path: Path, pages: int, *, height: int = 600, seed: int = 0) -> Pat
     return path
 
 
+LAYOUT_DPI = 144  # `make_layout_pdf` pages are drawn at 2 px a point, as ocrvl renders them
+LAYOUT_PAGE = (1224, 1584)  # US Letter at LAYOUT_DPI
+
+
+def make_layout_pdf(path: Path, pages: int, *, seed: int = 0) -> Path:
+    """A raster PDF of book pages with a layout: a title (page 1) or a heading, paragraphs, a
+    ruled table, a centred formula, a figure and a page number, each block apart from the next
+    by a blank gap (what `testkit.layout_model`'s stand-in splits a page at)."""
+    from PIL import ImageFont
+
+    rng = random.Random(seed)
+    words = ("ink", "page", "scan", "book", "line", "word", "paper", "margin", "verse", "note")
+
+    def font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+        return ImageFont.load_default(size=size)
+
+    def sentence(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    images = []
+    for i in range(pages):
+        img = Image.new("RGB", LAYOUT_PAGE, "white")
+        draw = ImageDraw.Draw(img)
+        y = 110
+        if i == 0:
+            title = f"The Book of {path.stem} ({seed})"
+            draw.text((LAYOUT_PAGE[0] // 2, y), title, fill="black", font=font(44), anchor="mt")
+        else:
+            draw.text((110, y), f"Chapter {i + 1}", fill="black", font=font(30))
+        y += 100
+        for block in ("text", "table", "formula", "figure", "heading", "text"):
+            if block == "text":
+                for _ in range(4):
+                    draw.text((110, y), sentence(11), fill="black", font=font(24))
+                    y += 30
+            elif block == "heading":
+                draw.text((110, y), f"{i + 1}.{rng.randint(1, 9)} {sentence(2)}", fill="black",
+                          font=font(30))
+                y += 34
+            elif block == "table":
+                rows, top, cell_h = 4, y, 46
+                for r in range(rows + 1):
+                    draw.line((110, top + r * cell_h, 1110, top + r * cell_h), fill="black",
+                              width=4)
+                for x in (110, 443, 776, 1110):
+                    draw.line((x, top, x, top + rows * cell_h), fill="black", width=4)
+                for r in range(rows):
+                    for c in range(3):
+                        draw.text((130 + 333 * c, top + r * cell_h + 10), sentence(2),
+                                  fill="black", font=font(22))
+                y += rows * cell_h
+            elif block == "formula":
+                draw.text((LAYOUT_PAGE[0] // 2, y), f"E = m c^2 + {rng.randint(2, 99)} / x",
+                          fill="black", font=font(30), anchor="mt")
+                y += 34
+            else:
+                draw.rectangle((300, y, 924, y + 260), fill=(40 + i * 9 % 60, 40, 60))
+                y += 260
+            y += 48
+        draw.text((LAYOUT_PAGE[0] // 2, 1500), str(i + 1), fill="black", font=font(24),
+                  anchor="mt")
+        images.append(img)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, "PDF", save_all=True, append_images=images[1:],
+                   resolution=float(LAYOUT_DPI))
+    return path
+
+
 def make_encrypted_pdf(path: Path, password: str = "secret") -> Path:
     """A one-page PDF that needs a password to open."""
     from pypdf import PdfReader, PdfWriter

@@ -1,0 +1,129 @@
+"""`ocrvl convert` with layout detection on, the users' default, end to end and offline.
+
+The layout model is the stand-in of `testkit.layout_model` (PP-DocLayoutV3's architecture
+with random weights, reduced with `--small`; its blocks follow the page's ink), loaded by
+PaddleX's default engine from `$PADDLE_PDX_CACHE_HOME`. The pages of `make_layout_pdf`
+hold a title or heading, paragraphs, a ruled table, a centred formula, a figure and a page
+number: 8 blocks, 7 of them sent to the server, each with the prompt of its kind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testkit.documents import LAYOUT_PAGE, make_layout_pdf
+from testkit.harness import free_port, start_fake_server
+from testkit.runner import ocrvl_env, run_ocrvl, write_config
+
+PAGES = 2
+# Each page's blocks in reading order (page 1 opens with the book's title).
+FIRST_PAGE = ["doc_title", "text", "table", "display_formula", "image", "paragraph_title",
+              "text", "number"]
+LATER_PAGE = ["paragraph_title", *FIRST_PAGE[1:]]
+PROMPTS = {"OCR:": 5, "Table Recognition:": 1, "Formula Recognition:": 1}  # a page's requests
+FIGURE_LEFT, FIGURE_RIGHT = 300, 924  # where make_layout_pdf draws the figure (page pixels)
+
+
+@pytest.fixture(scope="module")
+def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3."""
+    cache = tmp_path_factory.mktemp("paddlex-cache")
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache
+
+
+@pytest.fixture(scope="module")
+def converted(layout_cache: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[Path, list[dict[str, Any]]]:
+    """A layout-on conversion of a 2-page book: its folder and the server's request log."""
+    folder = tmp_path_factory.mktemp("layout-on")
+    book = make_layout_pdf(folder / "book.pdf", PAGES)
+    log = folder / "requests.jsonl"
+    config = write_config(folder / "config.yaml", pipeline={"use_layout_detection": True},
+                          output={"formats": ["markdown", "json"]})
+    with start_fake_server(free_port(), "--request-log", str(log)) as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
+                           PADDLE_PDX_CACHE_HOME=str(layout_cache))
+        assert result.returncode == 0, result.stderr[-3000:]
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    return folder, requests
+
+
+def pages_json(folder: Path) -> list[dict[str, Any]]:
+    return list(json.loads((folder / "book.json").read_text(encoding="utf-8"))["pages"])
+
+
+@pytest.mark.slow
+def test_every_block_is_one_request_with_its_kinds_prompt(
+        converted: tuple[Path, list[dict[str, Any]]]) -> None:
+    folder, requests = converted
+    assert len(requests) == PAGES * sum(PROMPTS.values()), (
+        f"{len(requests)} requests for {PAGES} pages: not one per block (1 per page means "
+        "layout detection fell back to whole pages)")
+    assert Counter(r["prompt"] for r in requests) == {k: PAGES * n for k, n in PROMPTS.items()}
+    width, height = LAYOUT_PAGE
+    assert all(r["status"] == 200 and r["w"] * r["h"] < width * height / 4 for r in requests), \
+        "a request carried a whole page, not a block"
+    markdown = (folder / "book.md").read_text(encoding="utf-8")
+    # Page numbers are read, and left out of the Markdown (PaddleX's markdown_ignore_labels).
+    assert markdown.count("fake-ocr ") == len(requests) - PAGES, \
+        "an answer is missing from the Markdown"
+
+
+@pytest.mark.slow
+def test_blocks_come_out_in_reading_order_with_their_boxes(
+        converted: tuple[Path, list[dict[str, Any]]]) -> None:
+    folder, _ = converted
+    pages = pages_json(folder)
+    assert len(pages) == PAGES
+    for page in pages:
+        labels = [b["label"] for b in page["blocks"]]
+        assert labels in (FIRST_PAGE, LATER_PAGE), f"page {page['number']}: {labels}"
+        assert page["size"] == list(LAYOUT_PAGE)
+        tops = [b["bbox"][1] for b in page["blocks"]]
+        assert tops == sorted(tops), "blocks are not in reading order"
+        (figure,) = [b for b in page["blocks"] if b["label"] == "image"]
+        left, _, right, _ = figure["bbox"]
+        assert abs(left - FIGURE_LEFT) <= 16 and abs(right - FIGURE_RIGHT) <= 16, figure
+    markdown = (folder / "book.md").read_text(encoding="utf-8")
+    first = markdown.split("<!-- page 2 -->")[0]
+    order = [first.index(s) for s in ("fake-ocr OCR", "fake-ocr Table", "fake-ocr Formula",
+                                      "book_images/")]
+    assert order == sorted(order), "the page's Markdown is not in reading order"
+
+
+@pytest.mark.slow
+def test_figures_are_cut_out_and_linked_relative_to_the_markdown(
+        converted: tuple[Path, list[dict[str, Any]]]) -> None:
+    folder, _ = converted
+    markdown = (folder / "book.md").read_text(encoding="utf-8")
+    links = re.findall(r'src="([^"]+)"|\]\(([^)]+)\)', markdown)
+    paths = [a or b for a, b in links]
+    assert len(paths) == PAGES, markdown
+    for path in paths:
+        assert path.startswith("book_images/") and (folder / path).is_file(), path
+    assert sorted(p["images"] for p in pages_json(folder)) == [[p] for p in sorted(paths)]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="engine_process.serve puts its layout lock on PaddleX's auto-parallel "
+                          "wrapper, not on the pipeline that calls the model: pages running at "
+                          "once can get each other's layout", strict=False)
+def test_each_page_is_laid_out_from_its_own_image(
+        converted: tuple[Path, list[dict[str, Any]]]) -> None:
+    folder, _ = converted
+    labels = [[b["label"] for b in page["blocks"]] for page in pages_json(folder)]
+    assert labels == [FIRST_PAGE] + [LATER_PAGE] * (PAGES - 1)
+    blank = re.findall(r"fake-ocr \w+ \d+x\d+ mean=255 ", (folder / "book.md").read_text())
+    assert not blank, "blocks cut from where their page has no ink"
