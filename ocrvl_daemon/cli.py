@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "retry",
         parents=[common],
         help="queue the daemon's failed documents again",
-        description="Queue the daemon's documents again: the given PDFs, or every failed "
-        "one with --failed. With --pages, redo only those pages; with --flagged, only the "
-        "pages flagged suspect or bad (of the given PDFs, or of every document). (A file "
-        "converted with `ocrvl convert` is redone with `ocrvl convert` again.)",
+        description="Queue the daemon's documents again: the given PDFs (as given, or as "
+        "`ocrvl status` shows them), and with --failed every failed one too. With --pages, "
+        "redo only those pages; with --flagged, only the pages flagged suspect or bad (of "
+        "the given PDFs, or of every document). The options combine. Queued documents are "
+        "converted by the running daemon, or once it starts. (A file converted with `ocrvl "
+        "convert` is redone with `ocrvl convert` again.)",
     )
     retry.add_argument("pdfs", nargs="*", metavar="PDF", type=Path)
     retry.add_argument("--failed", action="store_true", help="every failed document")

@@ -351,7 +351,8 @@ def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
                 raise InputFileError(
                     f"{given} is not known to the daemon.",
                     "put it in an inbox folder; it is picked up by itself (a file converted "
-                    f"with `ocrvl convert` is redone with `ocrvl convert {shell_quote(given)}`)",
+                    f"with `ocrvl convert` is redone with "
+                    f"`{advice_command('convert', config_path)} {shell_quote(given)}`)",
                 )
             targets.append(job)
         if not targets:

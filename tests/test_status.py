@@ -289,3 +289,11 @@ def test_a_failed_managed_server_says_it_is_not_started_again(state):
     daemon_said(store, os.getpid(), {"state": "failed", "last_error": "no vllm"})
     text = status_of(config).stdout
     assert "the daemon does not start it again: fix the cause below" in text, text
+
+
+def test_retry_of_a_file_the_daemon_does_not_know_suggests_convert_with_the_config(state):
+    config, _ = state
+    result = run_ocrvl("retry", "--config", config, "/books/unknown.pdf", timeout=60)
+    assert result.returncode == 4, result.stderr
+    assert f"`ocrvl convert --config {config} /books/unknown.pdf`" in result.stderr, \
+        result.stderr
