@@ -13,6 +13,7 @@ or failed for good.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from ocrvl_daemon.jobs import DAEMON_RETRY, RetryPolicy
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import (
     KeptBecause,
+    Later,
     PageQuality,
     Redo,
     RedoLedger,
@@ -251,6 +253,8 @@ class Converter:
             full = self._take_result(result) or full
         if full is not None:
             raise full
+        for doc in list(self.active.values()):
+            self._release_held(doc)
         for job_id in [j for j, d in self.active.items() if d.finished]:
             self._finish(job_id)
 
@@ -277,30 +281,19 @@ class Converter:
         self.dispatcher.answered(
             key, self._now, result.error is None,
             result.error or "no answer" if result.error_kind is Failure.SERVER_DOWN else None)
-        fields = _fields(job, result.page)
         if result.error is None:
             ledger = self._ledgers[job.id]
             ledger.count(result.page, result.tokens)
             cut_off = result.truncated_at is not None
             quality = assess(result.markdown, "length" if cut_off else result.finish_reason,
                              result.tokens, result.looping, result.has_ink, result.repetition)
-            decision: Redo | KeptBecause | None = None
+            decision: Redo | KeptBecause | Later | None = None
             if result.truncated_at is not None:
+                others_out = bool(doc.pending) or len(doc.in_flight) > 1
                 decision = ledger.decide(result.page, result.truncated_at, result.token_ceiling,
-                                         result.looping)
-                if isinstance(decision, Redo):
-                    ledger.best(result.page, quality, result)
-                    how = (f"it loops; sending it again with repetition_penalty "
-                           f"{decision.repetition_penalty}" if result.looping else
-                           f"redoing it once with {decision.max_new_tokens}")
-                    log.warning("%s p.%d: answer cut off at %d tokens; %s", job.path.name,
-                                result.page + 1, result.truncated_at, how, extra=fields)
-                    doc.give_back(result.page)
-                    return
-            # A page that stays bad keeps its best answer.
-            quality, result = ledger.best(result.page, quality, result)
-            self._checkpoint(doc, job, result, quality,
-                             self._quality_note(job, result, quality, decision))
+                                         result.looping, others_out)
+            ledger.best(result.page, quality, result)
+            self._redo_or_keep(doc, job, result.page, decision, result.looping)
             return
         kept = self._ledgers[job.id].kept(result.page)
         if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
@@ -324,6 +317,35 @@ class Converter:
             return
         self._page_failed(doc, result.page, result.error or "unknown error")
 
+    def _redo_or_keep(self, doc: DocumentPages, job: Job, page: int,
+                      decision: Redo | KeptBecause | Later | None, looping: bool) -> None:
+        """Apply the ledger's decision for `page` (whose last answer was cut off and
+        `looping`, if `decision` is set; its answers are in the ledger): send it again, hold
+        it until the document's other pages are in, or keep its best answer."""
+        kept = self._ledgers[job.id].kept(page)
+        assert kept is not None, "the ledger keeps every answer of a page until it settles"
+        quality, answer = kept
+        if isinstance(decision, Redo):
+            how = (f"it loops; sending it again with repetition_penalty "
+                   f"{decision.repetition_penalty}" if looping else
+                   f"redoing it once with {decision.max_new_tokens}")
+            log.warning("%s p.%d: answer cut off; %s", job.path.name, page + 1, how,
+                        extra=_fields(job, page))
+            doc.give_back(page)
+        elif isinstance(decision, Later):
+            doc.rest(page, math.inf)  # `_release_held` sends it once the others are in
+        else:  # a page that stays bad keeps its best answer
+            self._checkpoint(doc, job, answer, quality,
+                             self._quality_note(job, answer, quality, decision))
+
+    def _release_held(self, doc: DocumentPages) -> None:
+        """Pages held for a second loop-breaking retry go, once every other page is in."""
+        ledger = self._ledgers[doc.job_id]
+        if not ledger.held or doc.pending or doc.in_flight:
+            return
+        for page in sorted(ledger.held):
+            self._redo_or_keep(doc, self._jobs[doc.job_id], page, ledger.release(page), True)
+
     def _checkpoint(self, doc: DocumentPages, job: Job, result: PageResult,
                     quality: PageQuality, note: str | None) -> None:
         """Save the answer kept for a page, with its quality record (and `note` if flagged)."""
@@ -340,6 +362,7 @@ class Converter:
             layout={"size": list(result.size), "blocks": result.blocks},
         )
         doc.in_flight.discard(result.page)
+        doc.resting.pop(result.page, None)
         doc.done += 1
         self.completed_pages += 1
         self._recent.append(time.monotonic())

@@ -10,9 +10,10 @@ A cut-off answer is either a page that needs more tokens (a long table) or a mod
 a loop. More tokens help only the first: a cut-off page that does not loop is redone at most
 once, with at most REDO_GROWTH times its first limit (never above what the server's
 `max-model-len` allows). A loop is sent again, at most LOOP_RETRIES times, with vLLM's
-loop-breaking sampling parameter (`repetition_penalty` > 1) and the same limit. Every redo
-starts the page from scratch, so the redos of a document may take about REDO_SHARE of the
-tokens its pages took the first time. A page that stays bad keeps its best answer, flagged.
+loop-breaking sampling parameter (`repetition_penalty` > 1) and the same limit; every
+looping page gets its first retry before any page gets a second. Every redo starts the page
+from scratch, so the redos of a document may generate about REDO_SHARE of the tokens its
+pages generated the first time. A page that stays bad keeps its best answer, flagged.
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ def assess(text: str, finish_reason: str | None, output_tokens: int, looping: bo
     return PageQuality(finish_reason, output_tokens, rep, empty, share, verdict, reason)
 
 
+class Later(Enum):
+    """A page's next loop-breaking retry waits until the document's other pages are in: each
+    looping page gets its first retry before any page gets a second."""
+
+    AFTER_FIRST_RETRIES = "after-first-retries"
+
+
 class KeptBecause(str, Enum):
     """Why an answer that is cut off or loops is kept as it is."""
 
@@ -165,33 +173,41 @@ class Redo:
 
 @dataclass
 class RedoLedger:
-    """The tokens one document's pages took, first time and redone, and how each was redone."""
+    """The tokens one document's pages generated, first time and redone, and how each was
+    redone."""
 
     first_pass: int = 0
     extra: int = 0
     redos: dict[int, Redo] = field(default_factory=dict)  # page -> how it is sent now
     loop_tries: dict[int, int] = field(default_factory=dict)
+    # Pages whose next loop-breaking retry waits (`Later`): page -> its `decide` arguments.
+    held: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _answers: int = 0  # first-pass answers counted
     _grown: set[int] = field(default_factory=set)  # pages redone with more tokens
-    _out: set[int] = field(default_factory=set)  # redos not answered yet
+    _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
 
     @property
     def cap(self) -> int:
-        """The extra tokens this document's redos may take (about; see `decide`)."""
+        """The extra tokens this document's redos may generate (about; see `decide`)."""
         return int(REDO_SHARE * self.first_pass)
 
     def count(self, page: int, tokens: int) -> None:
-        """The answer of `page` took `tokens` (its first time, or a redo)."""
+        """The answer of `page` generated `tokens` (its first time, or a redo)."""
         if page in self._out:
-            self._out.discard(page)
+            del self._out[page]
             self.extra += tokens
         elif page not in self.redos:
             self.first_pass += tokens
+            self._answers += 1
 
-    def decide(self, page: int, cut_at: int, ceiling: int, looping: bool) -> Redo | KeptBecause:
+    def decide(self, page: int, cut_at: int, ceiling: int, looping: bool,
+               others_out: bool = False) -> Redo | KeptBecause | Later:
         """How to send `page` again, or why its answer, cut off at `cut_at`, stays.
 
         `ceiling`: the most new tokens the server allows a request (0: it does not say).
+        `others_out`: other pages of the document are still to come back, which may loop
+        and need their first retry: a second one waits for them (`Later`, then `release`).
         """
         before = self.redos.get(page)
         if looping:
@@ -199,7 +215,12 @@ class RedoLedger:
             tries = self.loop_tries.get(page, 0)
             if tries >= LOOP_RETRIES:
                 return KeptBecause.LOOP
+            if tries > 0 and others_out:
+                self.held[page] = (cut_at, ceiling)
+                return Later.AFTER_FIRST_RETRIES
             redo = Redo(cut_at, LOOP_PENALTIES[tries])
+            # A loop broken reads like the document's other pages.
+            expected = self.first_pass // max(1, self._answers)
         else:
             if page in self._grown:
                 return KeptBecause.CEILING if cut_at >= ceiling else KeptBecause.REDONE
@@ -208,18 +229,26 @@ class RedoLedger:
                 return KeptBecause.CEILING
             # A page that stopped looping keeps its penalty.
             redo = Redo(limit, before.repetition_penalty if before else None)
-        # Redos not answered yet count with the tokens they asked for, so pages cut off
-        # together cannot all start one before the first is counted.
-        asked = sum(self.redos[p].max_new_tokens for p in self._out)
-        if self.extra + asked >= REDO_SHARE * self.first_pass:
+            expected = cut_at  # it needed more than that
+        # What redos generated, and what those under way are expected to (not what they ask
+        # for: a loop broken stops far below its limit), so pages cut off together cannot
+        # all start one before the first is counted.
+        if self.extra + sum(self._out.values()) >= self.cap:
             return KeptBecause.BUDGET
         if looping:
             self.loop_tries[page] = self.loop_tries.get(page, 0) + 1
         else:
             self._grown.add(page)
         self.redos[page] = redo
-        self._out.add(page)
+        self._out[page] = expected
         return redo
+
+    def release(self, page: int) -> Redo | KeptBecause:
+        """The decision for a page held by `Later`, once the document's other pages are in."""
+        cut_at, ceiling = self.held.pop(page)
+        decision = self.decide(page, cut_at, ceiling, looping=True)
+        assert not isinstance(decision, Later)
+        return decision
 
     def best(self, page: int, quality: PageQuality, answer: Any) -> tuple[PageQuality, Any]:
         """The best answer of `page` so far, this one included: the better verdict, then one
@@ -238,7 +267,8 @@ class RedoLedger:
         """`page` is checkpointed: its earlier answers are no longer needed (and a redo of it
         that failed asks for no tokens any more)."""
         self._best.pop(page, None)
-        self._out.discard(page)
+        self._out.pop(page, None)
+        self.held.pop(page, None)
 
 
 def flag_note(page: int, quality: PageQuality, why: Redo | KeptBecause | None,

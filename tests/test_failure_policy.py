@@ -431,9 +431,9 @@ def test_redoing_cut_off_pages_stays_within_a_quarter_of_the_documents_tokens(tm
     assert len(first) == pages and set(asked.values()) == {1}, f"a page was asked twice: {asked}"
     assert {tokens for _, tokens in asked} <= {64, 128}, f"more than one redo per page: {asked}"
     first_pass = 64 * pages
-    # No redo starts once the redos (done or asked) reach 25% of the first pass: at most
-    # one redo's worth beyond it.
-    assert len(redone) >= 1 and 128 * (len(redone) - 1) < first_pass // 4, (
+    # No redo starts once what redos generated and what those under way are expected to (the
+    # 64 tokens each was cut off at) reach 25% of the first pass.
+    assert len(redone) >= 1 and 64 * (len(redone) - 1) < first_pass // 4, (
         f"{len(redone)} redos of 128 tokens for a first pass of {first_pass} tokens")
     assert md.count("and not redone: redoing this document's bad pages took 25%") == \
         pages - len(redone)
@@ -475,3 +475,55 @@ def test_the_daemon_keeps_retrying_a_read_only_output_folder_and_status_says_so(
     assert "no write permission" in shown and "retry in" in shown, (
         f"status does not say why the document waits and that it is retried:\n{shown}")
     policy.store.close()
+
+
+LOOP_LIMIT = 4096
+NORMAL_TOKENS = 700
+
+
+def loops(policy: Policy, job: Job, page: int) -> None:
+    """The page's answer repeats itself up to the token limit."""
+    policy.deliver(PageResult(job.id, page, markdown="la " * 3000, truncated_at=LOOP_LIMIT,
+                              looping=True, tokens=LOOP_LIMIT, finish_reason="length",
+                              has_ink=True))
+
+
+def reads_well(policy: Policy, job: Job, page: int) -> None:
+    policy.deliver(PageResult(job.id, page, markdown=f"text of page {page + 1}",
+                              tokens=NORMAL_TOKENS, finish_reason="stop", has_ink=True))
+
+
+def test_every_looping_page_gets_its_first_retry_within_the_redo_budget(policy: Policy):
+    """20 pages of ~700 tokens, 3 of them loop to the 4,096-token limit at once: the budget
+    (a quarter of what the first pass generated, ~6,000 tokens) counts what redos generate,
+    so it has room for all three first retries, not one and a half."""
+    book = make_pdf(policy.folder / "book.pdf", 20)
+    job = policy.queue(book)
+    policy.send()
+    looping = [3, 9, 15]
+    for page in range(20):
+        (loops if page in looping else reads_well)(policy, job, page)
+    assert sorted(p for _, p in policy.send()) == looping, (
+        "a looping page was kept without the loop-breaking retry the budget has room for")
+    for page in looping:
+        reads_well(policy, job, page)
+    md = book.with_suffix(".md").read_text("utf-8")
+    assert "not redone" not in md and md.count("text of page") == 20
+
+
+def test_no_page_gets_a_second_loop_retry_before_every_looping_page_had_its_first(
+        policy: Policy):
+    book = make_pdf(policy.folder / "book.pdf", 20)
+    job = policy.queue(book)
+    policy.send()
+    for page in range(20):
+        if page != 15:
+            (loops if page == 3 else reads_well)(policy, job, page)
+    assert [p for _, p in policy.send()] == [3]
+    loops(policy, job, 3)  # its first retry loops again, while page 16 is still out
+    assert policy.send() == [], "page 4 got a second retry before page 16 had its first"
+    loops(policy, job, 15)
+    assert [p for _, p in policy.send()] == [15], "page 16 did not get its first retry"
+    reads_well(policy, job, 15)
+    assert [p for _, p in policy.send()] == [3], (
+        "page 4's second retry did not follow once every page had its first")
