@@ -292,7 +292,9 @@ def serve() -> None:
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    inner = pipeline.paddlex_pipeline
+    # paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
+    # reads to it: a model set on the wrapper is never called, so lock the inner one's.
+    inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
     # Guards both models below (neither is thread-safe): one call into either at a time.
     lock = threading.Lock()
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):

@@ -117,9 +117,6 @@ def test_figures_are_cut_out_and_linked_relative_to_the_markdown(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="engine_process.serve puts its layout lock on PaddleX's auto-parallel "
-                          "wrapper, not on the pipeline that calls the model: pages running at "
-                          "once can get each other's layout", strict=False)
 def test_each_page_is_laid_out_from_its_own_image(
         converted: tuple[Path, list[dict[str, Any]]]) -> None:
     folder, _ = converted
