@@ -15,7 +15,9 @@ from ocrvl_daemon import gpu
 from ocrvl_daemon.cli import COMMANDS, build_parser
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.daemon import DRAIN_SECONDS
 from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.models import MAX_IMAGE_PIXELS
 from ocrvl_daemon.process_group import terminate_group
 from testkit.documents import make_pdf
 from testkit.harness import free_port
@@ -120,3 +122,23 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
     assert "<!-- page 2 -->" in markdown and "fake-ocr OCR" in markdown, markdown
     assert "Nothing blocks conversion" in output, "doctor finds a problem in the documented set-up"
     assert "none needed here" in output, "doctor did not run without a GPU"
+
+
+def test_readme_sample_answer_is_an_image_ocrvl_can_send():
+    width, height = map(int, re.search(r"fake-ocr OCR (\d+)x(\d+)", readme()).groups())
+    assert width * height <= MAX_IMAGE_PIXELS, "the sample is beyond the model's pixel limit"
+    assert width / height == pytest.approx(612 / 792, rel=0.01), "not a US Letter page"
+
+
+def test_readme_states_what_the_program_does():
+    text = " ".join(readme().split())
+    assert f"for up to {DRAIN_SECONDS:g} s" in text, "SIGTERM's wait for pages is not given"
+    reload_line = next(line for line in readme().splitlines() if "reload ocrvl" in line)
+    assert "hooks" in reload_line, "reload re-reads the hooks too"
+    assert "outside every inbox" in text, "what happens to symlinks is not said"
+    assert "`ocrvl retry [PDF...] [--failed] [--flagged] [--pages 3,7-9]`" in text, \
+        "retry's options combine"
+    assert "(the install part of set-up command 2;" in text
+    setup = shell_block(readme(), "ocrvl run")
+    assert "ocrvl setup-server && .venv/bin/ocrvl run" in setup, \
+        "set-up command 1 cannot convert on a first run"
