@@ -165,7 +165,7 @@ def test_each_bad_file_gets_one_clear_line_and_the_good_one_still_converts(tmp_p
     empty = make_empty_pdf(tmp_path / "empty.pdf")
     missing = tmp_path / "missing.pdf"
     result = convert(tmp_path, fake_server, good, not_pdf, encrypted, empty, missing)
-    assert result.returncode == 1
+    assert result.returncode == 4, "every file that failed is a bad input file: exit code 4"
     assert (tmp_path / "good.md").exists(), "one bad file stopped the good one"
     errors = [
         line
