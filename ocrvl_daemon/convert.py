@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from ocrvl_daemon import jobs, output, pdf
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle, pages_per_s
+from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle
 from ocrvl_daemon.engine import Failure, PageResult, PageTask
 from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
@@ -43,6 +43,7 @@ from ocrvl_daemon.page_quality import (
     flag_note,
 )
 from ocrvl_daemon.progress import DocumentProgress, Progress
+from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.request_gate import SHORT_OF_PAGES, YieldCap, slots_to_fill
 from ocrvl_daemon.scheduler import (
     MAX_ACTIVE_DOCUMENTS,
@@ -110,7 +111,7 @@ class Converter:
         # Pages given up on (placeholders) and kept with a warning, since this started.
         self.failed_pages = 0
         self.flagged_pages = 0
-        self._recent: deque[float] = deque(maxlen=256)
+        self._recent = RateMeter()  # pages recognised
         self._wake = True
         self._next_activation = 0.0
         self._now = time.monotonic()
@@ -365,7 +366,7 @@ class Converter:
         doc.resting.pop(result.page, None)
         doc.done += 1
         self.completed_pages += 1
-        self._recent.append(time.monotonic())
+        self._recent.tick(time.monotonic())
         log.debug("%s p.%d/%d done in %.1f s", job.path.name, result.page + 1, doc.page_count,
                   result.seconds, extra=fields)
 
@@ -529,7 +530,7 @@ class Converter:
 
     def progress(self) -> Progress:
         """Counts and rate for status lines."""
-        rate = pages_per_s(self._recent, time.monotonic())
+        rate = self._recent.rate(time.monotonic())
         current = None
         done = total = 0
         if self.active:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.server import ServerStatus
 from ocrvl_daemon.server_probe import ServerMetrics
 
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 # An endpoint whose request failed as "server down" takes no pages for this long: its own
 # probe may take longer to notice it is gone, and its pages would fail again at once.
 SUSPEND_SECONDS = 5.0
-RATE_WINDOW = 60.0  # seconds of answers a pages/s figure is taken over
 
 PageKey = tuple[int, int]  # (job id, 0-based page)
 
@@ -79,12 +78,6 @@ class EndpointLoad:
     bound: int
 
 
-def pages_per_s(times: deque[float], now: float) -> float:
-    """The rate of the events at `times` (monotonic) over the last minute."""
-    recent = [t for t in times if now - t <= RATE_WINDOW]
-    return len(recent) / max(1.0, min(RATE_WINDOW, now - recent[0])) if len(recent) > 1 else 0.0
-
-
 class Endpoint:
     """One server's bookkeeping: its pages in flight, answers, bound and suspension."""
 
@@ -97,7 +90,7 @@ class Endpoint:
         )
         self.pages: set[PageKey] = set()
         self.answered = 0  # requests that came back (for hang detection)
-        self.answers: deque[float] = deque(maxlen=256)  # when pages were recognised
+        self.answers = RateMeter()  # pages it recognised
         self.suspended_until = 0.0
         # While its requests find no server: since when (monotonic), and how many failed.
         self.down_since: float | None = None
@@ -179,7 +172,7 @@ class Dispatcher:
             endpoint.down_since = None
         endpoint.answered += 1
         if recognised:
-            endpoint.answers.append(time.monotonic())
+            endpoint.answers.tick(time.monotonic())
 
     def _went_down(self, endpoint: Endpoint, now: float, reason: str) -> None:
         """A request to `endpoint` found no server: its pages wait (or go to the others) for
@@ -231,7 +224,7 @@ class Dispatcher:
     def load(self) -> list[EndpointLoad]:
         """Each endpoint's pages in flight, rate and bound."""
         now = time.monotonic()
-        return [EndpointLoad(e.url, e.handle.name, len(e.pages), pages_per_s(e.answers, now),
+        return [EndpointLoad(e.url, e.handle.name, len(e.pages), e.answers.rate(now),
                              e.concurrency.limit) for e in self.endpoints]
 
     def reconfigure(self, config: Config) -> None:

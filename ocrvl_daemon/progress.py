@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +21,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.names import shown
+from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.units import format_duration, format_rate
 
 log = logging.getLogger(__name__)
 
-# Rates are measured over this much recent time: long enough to smooth the bursts in which
-# pages come back, short enough to follow a server that slowed down.
-RATE_WINDOW = 60.0
-# ...and over at least this long before a rate is given: pages come back in bursts.
-RATE_MIN_SPAN = 3.0
 # A terminal shows bars for this many documents at most; the overall bar counts them all.
 MAX_BARS = 8
 BAR_REFRESH_SECONDS = 0.2
@@ -58,36 +53,6 @@ class DocumentProgress:
     path: Path
     done: int
     total: int
-
-
-class RateMeter:
-    """Pages per second over the last RATE_WINDOW seconds, from a growing count.
-
-    Measured from the first change on: the wait before the first pages (a worker starting,
-    a server loading) says nothing about the rate.
-    """
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, int]] = deque()
-        self._first: int | None = None
-
-    def add(self, now: float, count: int) -> None:
-        """Record the count at `now` (only changes are kept)."""
-        if self._first is None:
-            self._first = count
-        if count == self._first:
-            return
-        if not self._samples or self._samples[-1][1] != count:
-            self._samples.append((now, count))
-        # The newest sample older than the window stays, as the base of the rate.
-        while len(self._samples) > 1 and self._samples[1][0] <= now - RATE_WINDOW:
-            self._samples.popleft()
-
-    def rate(self, now: float) -> float:
-        """Pages per second (0 while not known yet); falls while nothing advances."""
-        if len(self._samples) < 2 or now - self._samples[0][0] < RATE_MIN_SPAN:
-            return 0.0  # not known yet
-        return (self._samples[-1][1] - self._samples[0][1]) / (now - self._samples[0][0])
 
 
 def progress_line(name: str, done: int, total: int, rate: float) -> str:

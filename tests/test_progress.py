@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.progress import RateMeter, progress_line
+from ocrvl_daemon.progress import progress_line
+from ocrvl_daemon.rate import RateMeter
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, wait_until
 from testkit.runner import (
@@ -57,6 +58,14 @@ def test_rate_ignores_the_wait_before_the_first_pages_and_single_bursts():
     assert meter.rate(21.5) == 0.0, "a rate from one burst of pages is a guess"
     meter.add(25.0, 12)
     assert meter.rate(25.0) == pytest.approx(2.0)
+
+
+def test_a_server_answering_a_page_a_second_is_measured_at_one_page_per_second():
+    meter = RateMeter()
+    for second in range(30):
+        meter.tick(float(second))
+    assert meter.rate(29.0) == pytest.approx(1.0)
+    assert meter.rate(89.0) < 0.5, "a server that stopped answering keeps its old rate"
 
 
 @pytest.fixture
