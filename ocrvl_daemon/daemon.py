@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import load_config, resolve_config_path
+from ocrvl_daemon.config import Config, folder_problem
+from ocrvl_daemon.config_file import advice_command, load_config
 from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.daemon_state import (
     DaemonState,
@@ -45,7 +45,6 @@ from ocrvl_daemon.errors import (
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import MetricsEndpoint
-from ocrvl_daemon.names import shell_quote
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.server import ServerState, ServerStatus
 from ocrvl_daemon.server_set import ServerSet
@@ -91,7 +90,7 @@ class Daemon:
         # ones (`servers`) are started by the loop once that thread has ended.
         self._old_server: ServerSet | None = None
         self._old_server_stop: threading.Thread | None = None
-        self.again = _retry_command(config_path)
+        self.again = advice_command("retry", config_path)
 
     def run(self) -> ExitCode:
         """Run until SIGTERM (exit 0) or SIGINT (130), or a second one while stopping (130,
@@ -214,11 +213,9 @@ class Daemon:
         if not self._ready_sent:
             if server.state is ServerState.READY:
                 self._ready_sent = True
-                log.info(
-                    "ready: server up at %s, watching %s",
-                    server.url,
-                    ", ".join(map(str, self.config.inbox.paths)),
-                )
+                watched = [p for p in self.config.inbox.paths if folder_problem(p) is None]
+                log.info("ready: server up at %s, watching %s", server.url,
+                         ", ".join(map(str, watched)) or "no inbox (see the warnings above)")
                 self.notifier.ready()
             elif now - self._last_extend >= EXTEND_SECONDS / 3:
                 self._last_extend = now
@@ -362,14 +359,3 @@ class Daemon:
             if servers is not None:
                 servers.kill()
         log.info("stopped at once; pages in flight are redone next time")
-
-
-def _retry_command(config_path: Path | None) -> str:
-    """`ocrvl retry`, with `--config` when a plain `ocrvl retry` would read another file."""
-    try:
-        default = resolve_config_path(None)
-    except ConfigError:
-        default = None
-    if config_path is None or config_path == default:
-        return "ocrvl retry"
-    return f"ocrvl retry --config {shell_quote(config_path.absolute())}"

@@ -314,3 +314,19 @@ def test_an_idle_daemon_keeps_its_status_current_without_writing_the_job_store(s
             "an idle daemon wrote to its job store just to publish its status")
         assert setup.status()["daemon"]["running"] is True
     assert setup.status()["daemon"]["running"] is False, "a stopped daemon still shows running"
+
+
+def test_an_inbox_that_cannot_be_created_is_not_announced_as_watched(tmp_path: Path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    good = tmp_path / "inbox"
+    config = write_config(
+        tmp_path / "config.yaml", inbox={"paths": [str(good), str(blocker / "inbox")]},
+        pipeline={"use_layout_detection": False},
+        server=managed_fake_server(free_port()))
+    with DaemonProcess(config) as daemon:
+        daemon.wait_ready()
+        ready = next(line for line in daemon.log().splitlines() if "ready: server up" in line)
+    assert f"watching {good}" in ready and str(blocker) not in ready, ready
+    assert f"cannot create inbox {blocker / 'inbox'}" in daemon.log() or \
+        str(blocker / "inbox") in daemon.log(), "the daemon said nothing of the inbox it lacks"
