@@ -206,7 +206,7 @@ def _logging(config: Config) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`ocrvl run`."""
-    from ocrvl_daemon.daemon import Daemon
+    from ocrvl_daemon.commands.run import Daemon
 
     config, path = _load(args)
     _logging(config)
@@ -215,7 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """`ocrvl convert`."""
-    from ocrvl_daemon.oneshot import convert_files
+    from ocrvl_daemon.commands.convert import convert_files
 
     # --server-url is the one endpoint: the config's managed or external servers step aside.
     overrides = (
@@ -245,7 +245,7 @@ def _conversion_exit_code(failures: Iterable[OcrvlError]) -> ExitCode:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`ocrvl status`."""
-    from ocrvl_daemon.status import render_status
+    from ocrvl_daemon.commands.status import render_status
 
     config, path = _load(args)
     print(render_status(config, as_json=args.json, everything=args.all, config_path=path))
@@ -254,7 +254,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     """`ocrvl retry`."""
-    from ocrvl_daemon.status import retry
+    from ocrvl_daemon.commands.retry import retry
 
     config, path = _load(args)
     _setup_fallback_logging()
@@ -264,7 +264,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """`ocrvl doctor`."""
-    from ocrvl_daemon.doctor import render_json, render_text, run_doctor
+    from ocrvl_daemon.commands.doctor import render_json, render_text, run_doctor
 
     report = run_doctor(args.config)
     print(render_json(report) if args.json else render_text(report))
@@ -273,8 +273,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_install_service(args: argparse.Namespace) -> int:
     """`ocrvl install-service`."""
+    from ocrvl_daemon.commands.install_service import install_service
     from ocrvl_daemon.config_file import resolve_config_path
-    from ocrvl_daemon.service import install_service
 
     _setup_fallback_logging()
     _load(args)  # refuse to install a unit that would fail on an invalid config
@@ -284,7 +284,7 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 
 def cmd_setup_server(args: argparse.Namespace) -> int:
     """`ocrvl setup-server`."""
-    from ocrvl_daemon.setup_server import setup_server
+    from ocrvl_daemon.commands.setup_server import setup_server
 
     _setup_fallback_logging()
     config, path = _load(args)

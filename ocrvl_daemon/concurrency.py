@@ -45,7 +45,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ocrvl_daemon.server_probe import ServerMetrics
+from ocrvl_daemon.server.probe import ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pydantic import (
 
 from ocrvl_daemon.config_errors import KeyProblem
 from ocrvl_daemon.errors import UnsetVariableError
-from ocrvl_daemon.models import (
+from ocrvl_daemon.model_registry import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
     MAX_IMAGE_PIXELS,

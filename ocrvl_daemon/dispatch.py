@@ -21,8 +21,8 @@ from typing import Protocol
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.rate import RateMeter
-from ocrvl_daemon.server import ServerStatus
-from ocrvl_daemon.server_probe import ServerMetrics
+from ocrvl_daemon.server.probe import ServerMetrics
+from ocrvl_daemon.server.supervisor import ServerStatus
 
 log = logging.getLogger(__name__)
 

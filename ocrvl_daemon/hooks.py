@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ocrvl_daemon.config import HOOK_PLACEHOLDERS, HooksConfig
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.process_group import ProcessGroup
+from ocrvl_daemon.server.process_group import ProcessGroup
 from ocrvl_daemon.store import Job, PageFailure, Store
 
 log = logging.getLogger(__name__)

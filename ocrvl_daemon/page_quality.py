@@ -106,11 +106,6 @@ class PageQuality:
         data["bad_chars"] = round(self.bad_chars, 4)
         return data
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PageQuality:
-        """A record read back from `to_json`."""
-        return cls(**{**data, "verdict": Verdict(data["verdict"])})
-
     @property
     def merit(self) -> tuple[int, bool]:
         """What makes one answer of a page better than another (higher is better)."""

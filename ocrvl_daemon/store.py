@@ -202,13 +202,12 @@ class Store:
             row = db.execute("SELECT * FROM jobs WHERE path = ?", (os.fsencode(path),)).fetchone()
         return _job(row)
 
-    def requeue(self, job_id: int, *, reset_attempts: bool = True) -> None:
-        """Put a job back in the queue (used by `ocrvl retry`)."""
-        extra = ", attempts=0" if reset_attempts else ""
+    def requeue(self, job_id: int) -> None:
+        """Put a job back in the queue with its attempts reset (used by `ocrvl retry`)."""
         with self._tx() as db:
             db.execute(
-                f"UPDATE jobs SET state='queued', last_error=NULL, not_before=0, "
-                f"finished=NULL, updated=?{extra} WHERE id=?",
+                "UPDATE jobs SET state='queued', last_error=NULL, not_before=0, "
+                "finished=NULL, updated=?, attempts=0 WHERE id=?",
                 (time.time(), job_id),
             )
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter, ServerHandle
-from ocrvl_daemon.engine import PageResult, PageTask
-from ocrvl_daemon.engine_pool import EnginePool
+from ocrvl_daemon.driver import Converter, ServerHandle
 from ocrvl_daemon.jobs import open_store
-from ocrvl_daemon.request_gate import YieldCap
 from ocrvl_daemon.store import Store
+from ocrvl_daemon.worker.client import PageResult, PageTask
+from ocrvl_daemon.worker.pool import EnginePool
+from ocrvl_daemon.worker.request_gate import YieldCap
 
 
 class StandInWorker:

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from test_daemon import Setup, wait_for_markdown
 
-from ocrvl_daemon.managed_server import PIDFILE_NAME
-from ocrvl_daemon.process_group import GroupRecord
+from ocrvl_daemon.server.managed import PIDFILE_NAME
+from ocrvl_daemon.server.process_group import GroupRecord
 from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.runner import DaemonProcess, run_ocrvl, write_config
@@ -86,7 +86,7 @@ def session_processes(sessions: set[int], port: int) -> list[str]:
             cmdline = proc.info["cmdline"] or []
             ours = os.getsid(proc.pid) in sessions or (
                 "testkit.fake_server" in cmdline and str(port) in cmdline) or (
-                "from ocrvl_daemon.engine_process import serve; serve()" in cmdline
+                "from ocrvl_daemon.worker.main import serve; serve()" in cmdline
                 and cmdline[-1] in {str(s) for s in sessions})
             if ours and proc.pid != os.getpid():
                 left.append(f"{proc.pid}: {' '.join(cmdline)}")

@@ -9,8 +9,8 @@ import pytest
 
 from ocrvl_daemon.concurrency import ConcurrencyController, feed_margin
 from ocrvl_daemon.config_file import validate_config
-from ocrvl_daemon.server_metrics import MetricsPoller
-from ocrvl_daemon.server_probe import ServerMetrics, ServerProbe, parse_metrics
+from ocrvl_daemon.server.metrics_poller import MetricsPoller
+from ocrvl_daemon.server.probe import ServerMetrics, ServerProbe, parse_metrics
 
 TOKENS_PER_PAGE = 1000.0
 

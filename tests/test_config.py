@@ -11,7 +11,11 @@ import pytest
 
 from ocrvl_daemon.config_file import load_config, validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.models import DEFAULT_MAX_NEW_TOKENS, IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.model_registry import (
+    DEFAULT_MAX_NEW_TOKENS,
+    IMAGE_TOKEN_BUDGET,
+    PROMPT_TOKEN_BUDGET,
+)
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET

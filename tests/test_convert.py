@@ -14,9 +14,9 @@ import pytest
 
 from ocrvl_daemon.config import PipelineConfig
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.launchers import vllm_serve_command
-from ocrvl_daemon.models import MAX_IMAGE_PIXELS
+from ocrvl_daemon.model_registry import MAX_IMAGE_PIXELS
 from ocrvl_daemon.output import read_header
+from ocrvl_daemon.server.launchers import vllm_serve_command
 from testkit.documents import (
     make_damaged_page_pdf,
     make_empty_pdf,
@@ -170,7 +170,7 @@ def test_each_bad_file_gets_one_clear_line_and_the_good_one_still_converts(tmp_p
     errors = [
         line
         for line in result.stderr.splitlines()
-        if " ERROR " in line and "ocrvl_daemon.oneshot" in line
+        if " ERROR " in line and "ocrvl_daemon.commands.convert" in line
     ]
     assert len(errors) == 4, result.stderr
     text = "\n".join(errors)

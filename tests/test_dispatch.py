@@ -20,14 +20,14 @@ from stand_in_worker import converter_with_stand_in
 from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.dispatch import SUSPEND_SECONDS
-from ocrvl_daemon.engine import Failure, PageResult
-from ocrvl_daemon.engine_pool import EnginePool
-from ocrvl_daemon.external_server import ExternalServer
+from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.jobs import enqueue_file, open_store
-from ocrvl_daemon.server_probe import ServerMetrics
+from ocrvl_daemon.server.external import ExternalServer
+from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.store import JobState, Store
+from ocrvl_daemon.worker.client import Failure, PageResult
+from ocrvl_daemon.worker.pool import EnginePool
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, start_fake_server, wait_until
 

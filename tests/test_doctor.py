@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
-from ocrvl_daemon import doctor, gpu, layout_model
+from ocrvl_daemon.commands import doctor
+from ocrvl_daemon.commands.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.doctor import Check, DoctorReport, render_json, render_text, run_doctor
-from ocrvl_daemon.launchers import vllm_serve_command
+from ocrvl_daemon.server import gpu
+from ocrvl_daemon.server.launchers import vllm_serve_command
+from ocrvl_daemon.worker import layout_model
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
 from testkit.plain_server import plain_openai_server, serving
 

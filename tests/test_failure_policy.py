@@ -20,15 +20,16 @@ import yaml
 from stand_in_worker import StandInWorker
 from test_daemon import Setup, wait_for_markdown
 
-from ocrvl_daemon import jobs, output, status
+from ocrvl_daemon import jobs, output
+from ocrvl_daemon.commands import retry, status
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter
-from ocrvl_daemon.engine import Failure, PageResult
-from ocrvl_daemon.engine_pool import WORKER_RESTART_SECONDS, EnginePool
+from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.store import Job, JobState
+from ocrvl_daemon.worker.client import Failure, PageResult
+from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until
 
@@ -163,7 +164,7 @@ def test_a_page_that_keeps_failing_becomes_a_placeholder_and_can_be_redone(polic
     assert "text of page 3" in md, "the book stopped at the bad page"
     assert policy.view(book)["failed_pages"] == [2]
 
-    status.retry(policy.config, [book], failed=False, pages="2")
+    retry.retry(policy.config, [book], failed=False, pages="2")
     policy.activate()
     assert policy.send() == [(job.id, 1)], "only the failed page may be redone"
     policy.answer(job, 1)
@@ -213,8 +214,8 @@ def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked(
         shown = status.render_status(policy.config, as_json=False)
         assert "pages damaged in the PDF: 2 (retrying cannot help: repair the file" in shown
         assert "--pages" not in shown, "status offered `ocrvl retry` for a damaged page"
-        with caplog.at_level(logging.INFO, logger="ocrvl_daemon.status"):
-            status.retry(policy.config, [], failed=True, pages=None)
+        with caplog.at_level(logging.INFO, logger="ocrvl_daemon.commands.retry"):
+            retry.retry(policy.config, [], failed=True, pages=None)
         assert "nothing to retry" in caplog.text, "`ocrvl retry --failed` said nothing"
         policy.activate()
         assert policy.send() == [], "`ocrvl retry --failed` sent a damaged page again"
@@ -342,7 +343,7 @@ def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
     assert "permission denied" in policy.view(locked)["error"]
     assert "chmod u+r" in note_of(locked)
     # Once readable, `ocrvl retry` identifies it afresh and converts it.
-    status.retry(policy.config, [locked], failed=False, pages=None)
+    retry.retry(policy.config, [locked], failed=False, pages=None)
     policy.activate()
     assert [p for _, p in policy.send()] == [0]
 

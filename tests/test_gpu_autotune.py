@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import autotune, gpu
-from ocrvl_daemon.autotune import (
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.server import autotune, gpu
+from ocrvl_daemon.server.autotune import (
     BATCHED_TOKENS,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
@@ -21,9 +22,8 @@ from ocrvl_daemon.autotune import (
     save_remembered,
     suggestion,
 )
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.vllm_diagnosis import is_oom, oom_cause
+from ocrvl_daemon.server.gpu import GpuReading
+from ocrvl_daemon.server.vllm_diagnosis import is_oom, oom_cause
 from testkit.fake_server import (
     FAIL_KINDS,
     FIXED_FAILURES,

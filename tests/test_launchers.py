@@ -15,7 +15,7 @@ import yaml
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
-from ocrvl_daemon.launchers import (
+from ocrvl_daemon.server.launchers import (
     BACKEND_CONFIG_NAME,
     check_launcher,
     prepare_launch,

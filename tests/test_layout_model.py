@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import layout_model
-from ocrvl_daemon.models import MODELS
+from ocrvl_daemon.model_registry import MODELS
+from ocrvl_daemon.worker import layout_model
 
 # Run in a fresh interpreter: paddlex reads its environment variables when imported.
 PADDLEX_FACTS = """\

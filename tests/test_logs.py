@@ -14,8 +14,8 @@ from typing import IO, Any
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
 from ocrvl_daemon.logs import PriorityFormatter, doc_fields, set_level, setup_logging
+from ocrvl_daemon.worker.client import EngineWorker, PageResult, PageTask
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.plain_server import plain_openai_server
@@ -200,6 +200,6 @@ def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
     assert results[0].truncated_at == 1024, f"the answer was not seen as cut off: {results[0]}"
     lines = _lines(writer, reader)
     warnings = [line for line in lines if "cannot read max_model_len" in line]
-    assert warnings and all(line.startswith("<4>ocrvl_daemon.engine_process: ")
+    assert warnings and all(line.startswith("<4>ocrvl_daemon.worker.main: ")
                             for line in warnings), (
         f"the worker's warning did not reach the daemon's log as a warning: {lines}")

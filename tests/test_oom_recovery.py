@@ -16,19 +16,19 @@ from typing import Any
 
 import pytest
 
-from ocrvl_daemon.autotune import (
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.server.autotune import (
     BATCHED_TOKENS,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     TUNING_FILE,
     UTILIZATION,
 )
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
-from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
-from ocrvl_daemon.managed_server import ManagedServer
-from ocrvl_daemon.process_group import group_members
-from ocrvl_daemon.server import ServerState, ServerStatus, ServerSupervisor
+from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
+from ocrvl_daemon.server.managed import ManagedServer
+from ocrvl_daemon.server.process_group import group_members
+from ocrvl_daemon.server.supervisor import ServerState, ServerStatus, ServerSupervisor
 from testkit.harness import free_port, wait_until
 from testkit.runner import managed_fake_server
 
@@ -77,7 +77,7 @@ def launches(changes: list[ServerStatus]) -> int:
 
 def messages(caplog: pytest.LogCaptureFixture, level: int, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "ocrvl_daemon.managed_server" and r.levelno == level
+            if r.name == "ocrvl_daemon.server.managed" and r.levelno == level
             and text in r.getMessage()]
 
 

@@ -22,8 +22,6 @@ import yaml
 from test_daemon import Setup, wait_for_markdown
 from test_failure_policy import Policy
 
-from ocrvl_daemon.engine import PageResult
-from ocrvl_daemon.engine_process import has_ink
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output import Page, write_document
 from ocrvl_daemon.page_quality import (
@@ -35,6 +33,8 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
+from ocrvl_daemon.worker.client import PageResult
+from ocrvl_daemon.worker.main import has_ink
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
 from testkit.runner import run_ocrvl
@@ -137,7 +137,7 @@ def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
     book = make_pdf(policy.folder / "book.pdf", 1)
     job = policy.queue(book)
     policy.send()
-    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.convert"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.driver"):
         policy.deliver(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
     fields = [(getattr(r, "OCRVL_PAGE", None), getattr(r, "OCRVL_VERDICT", None),
                getattr(r, "OCRVL_REASON", None)) for r in caplog.records]

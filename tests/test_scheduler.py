@@ -10,9 +10,7 @@ import pytest
 from stand_in_worker import converter_with_stand_in
 from test_failure_policy import ReadyServer
 
-from ocrvl_daemon.engine import PageResult
 from ocrvl_daemon.jobs import enqueue_file
-from ocrvl_daemon.request_gate import SHORT_EXTRA, YieldCap, ready_margin
 from ocrvl_daemon.scheduler import (
     SMALL_DOCUMENT_PAGES,
     DocumentPages,
@@ -20,6 +18,8 @@ from ocrvl_daemon.scheduler import (
     pick_yielding,
     yield_room,
 )
+from ocrvl_daemon.worker.client import PageResult
+from ocrvl_daemon.worker.request_gate import SHORT_EXTRA, YieldCap, ready_margin
 from testkit.documents import make_pdf
 
 

@@ -21,15 +21,15 @@ from typing import Any
 import psutil
 import pytest
 
-from ocrvl_daemon import autotune
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
-from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading, read_gpus
-from ocrvl_daemon.managed_server import BackoffPolicy
-from ocrvl_daemon.process_group import group_members
-from ocrvl_daemon.server import ServerState, ServerStatus
-from ocrvl_daemon.server_set import ServerSet
+from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading, read_gpus
+from ocrvl_daemon.server.managed import BackoffPolicy
+from ocrvl_daemon.server.process_group import group_members
+from ocrvl_daemon.server.replicas import ServerSet
+from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.runner import (

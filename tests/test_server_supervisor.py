@@ -22,17 +22,17 @@ import yaml
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ServerConfigError
-from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
-from ocrvl_daemon.managed_server import BackoffPolicy
-from ocrvl_daemon.process_group import group_members
-from ocrvl_daemon.server import (
+from ocrvl_daemon.server.external import ExternalServer
+from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
+from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer
+from ocrvl_daemon.server.process_group import group_members
+from ocrvl_daemon.server.supervisor import (
     ServerState,
     ServerStatus,
     ServerSupervisor,
     StallDetector,
-    supervisor_for,
 )
-from ocrvl_daemon.vllm_diagnosis import diagnose, parse_phase
+from ocrvl_daemon.server.vllm_diagnosis import diagnose, parse_phase
 from testkit.fake_server import FIXED_FAILURES
 from testkit.harness import (
     fake_server_command,
@@ -75,8 +75,9 @@ def supervise() -> Iterator[Callable[..., ServerSupervisor]]:
             if "on_change" in kwargs:
                 kwargs["on_change"](status)
 
-        sup = supervisor_for(config, on_change=remember,
-                             backoff=kwargs.get("backoff", BackoffPolicy(**FAST_BACKOFF)))
+        sup: ServerSupervisor = (
+            ExternalServer(config, remember) if config.server.mode == "external" else
+            ManagedServer(config, remember, kwargs.get("backoff", BackoffPolicy(**FAST_BACKOFF))))
         started.append((sup, pids))
         sup.start()
         return sup
@@ -282,7 +283,7 @@ def test_wrong_model_name_fails_without_retry(tmp_path: Path, supervise: Any) ->
     assert "SomeOtherModel" in message and MODEL in message and "--served-model-name" in message
     assert status.restart_count == 0
     with pytest.raises(ServerConfigError):
-        sup.raise_for_failure()
+        raise sup.error  # type: ignore[misc]
 
 
 def test_port_taken_is_diagnosed_and_retried(tmp_path: Path, supervise: Any) -> None:
@@ -320,7 +321,7 @@ def test_crash_loop_is_reported_loudly_and_retried(tmp_path: Path, supervise: An
     assert "No available memory for the cache blocks" in loud()[0].getMessage()
     assert "Nothing ocrvl may change is left to lower" in loud()[0].getMessage()
     # The server's own lines went to the child logger, line by line.
-    assert any(r.name == "ocrvl_daemon.managed_server.vllm"
+    assert any(r.name == "ocrvl_daemon.server.managed.vllm"
                and "EngineCore failed" in r.getMessage() for r in caplog.records)
 
 
@@ -343,8 +344,8 @@ def test_stop_leaves_no_process_of_the_group(tmp_path: Path, supervise: Any) -> 
 SUPERVISOR_SCRIPT = textwrap.dedent("""
     import sys, time
     from ocrvl_daemon.config_file import load_config
-    from ocrvl_daemon.server import supervisor_for
-    sup = supervisor_for(load_config(sys.argv[1])[0])
+    from ocrvl_daemon.server.managed import ManagedServer
+    sup = ManagedServer(load_config(sys.argv[1])[0])
     sup.start()
     if not sup.wait_ready(30):
         sys.exit(3)
@@ -455,7 +456,7 @@ def test_external_server_readiness_follows_the_server(tmp_path: Path, supervise:
 def test_an_external_server_already_up_is_ready_at_the_first_probe(
         tmp_path: Path, supervise: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # A start-up poll this long would leave `ocrvl convert --server-url` waiting for it.
-    monkeypatch.setattr("ocrvl_daemon.external_server.STARTUP_POLL", 600.0)
+    monkeypatch.setattr("ocrvl_daemon.server.external.STARTUP_POLL", 600.0)
     port = free_port()
     with start_fake_server(port):
         config = validate_config({

@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from ocrvl_daemon import service
-from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
-from ocrvl_daemon.service import (
+from ocrvl_daemon.commands import install_service as service
+from ocrvl_daemon.commands.install_service import (
     MARKER,
     UNIT_NAME,
     exec_quote,
@@ -23,6 +22,7 @@ from ocrvl_daemon.service import (
     unit_template,
     written_by_ocrvl,
 )
+from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = [["systemctl", "--user", "daemon-reload"], ["systemctl", "--user", "enable", UNIT_NAME]]

@@ -10,13 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import gpu
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.errors import DependencyError, ExitCode
-from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.launchers import vllm_serve_command
-from ocrvl_daemon.setup_server import (
+from ocrvl_daemon.commands.setup_server import (
     FLASH_ATTN_VERSION,
     Step,
     build_jobs,
@@ -27,6 +21,12 @@ from ocrvl_daemon.setup_server import (
     set_config_key,
     setup_server,
 )
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.errors import DependencyError, ExitCode
+from ocrvl_daemon.server import gpu
+from ocrvl_daemon.server.gpu import GpuReading
+from ocrvl_daemon.server.launchers import vllm_serve_command
 
 GIB = 1024**3
 RTX4060 = GpuReading(0, "GPU-4060", "NVIDIA GeForce RTX 4060", 8188, 1024, 7164, "560.94",

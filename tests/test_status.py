@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ocrvl_daemon.commands.status import finish_times
 from ocrvl_daemon.daemon_state import write_runtime_file
-from ocrvl_daemon.status import finish_times
 from ocrvl_daemon.store import PageFailure, Store
 from testkit.documents import make_pdf
 from testkit.harness import wait_until

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from systemd_user import UserManager, cgroup_pids, cgroup_roots, unavailable_reason, user_manager
 
-from ocrvl_daemon.service import UNIT_NAME, install_service
+from ocrvl_daemon.commands.install_service import UNIT_NAME, install_service
 from testkit.documents import make_pdf
 from testkit.harness import answers_health, free_port, process_alive
 from testkit.runner import PACKAGE_ROOT, managed_fake_server, write_config
@@ -144,7 +144,7 @@ def test_ocrvl_service_starts_converts_reloads_and_stops_cleanly(manager: UserMa
     running = set().union(*(cgroup_pids(path) for path in service_cgroups))
     names = {pid: " ".join(cmdline(pid)) for pid in running}
     servers = [pid for pid in running if "testkit.fake_server" in cmdline(pid)]
-    engines = [pid for pid in running if "ocrvl_daemon.engine_process import serve" in names[pid]]
+    engines = [pid for pid in running if "ocrvl_daemon.worker.main import serve" in names[pid]]
     assert main_pid in running and servers and engines, \
         f"expected ocrvl, the model server and an engine worker in the unit's cgroup: " \
         f"{names}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.systemd import (
+from ocrvl_daemon.sd_notify import (
     Notifier,
     child_env,
     monotonic_usec,

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from ocrvl_daemon.config import InboxConfig
-from ocrvl_daemon.filesystems import filesystem_type, needs_polling, parse_mountinfo
-from ocrvl_daemon.watcher import InboxWatcher, opens_as_pdf
+from ocrvl_daemon.inbox.filesystems import filesystem_type, needs_polling, parse_mountinfo
+from ocrvl_daemon.inbox.watcher import InboxWatcher, opens_as_pdf
 from testkit.harness import wait_until
 
 STABLE = 0.3
@@ -199,7 +199,7 @@ def test_symlinks(start: Callable[..., Harness], inbox: Path, tmp_path: Path,
     (inbox / "out.pdf").symlink_to(outside / "secret.pdf")
     (inbox / "outdir").symlink_to(outside, target_is_directory=True)
     (inbox / "alias.pdf").symlink_to(target)
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
     h = start(rescan_seconds=RESCAN)
     h.wait_for(inbox / "alias.pdf")
     h.settle(2 * STABLE)
@@ -213,7 +213,7 @@ def test_symlinks(start: Callable[..., Harness], inbox: Path, tmp_path: Path,
 
 def test_polling_mode(start: Callable[..., Harness], inbox: Path,
                       caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
     h = start(polling=True, poll_interval=0.2)
     assert logged(caplog, f"watching {inbox} (polling every 0.2 s"), "the inbox is not polled"
     pdf = make_pdf(inbox / "polled.pdf")
@@ -260,7 +260,7 @@ def test_parse_mountinfo_skips_garbage() -> None:
 
 def test_inbox_removed_and_recreated(start: Callable[..., Harness], inbox: Path,
                                      caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
     h = start()
     before = make_pdf(inbox / "before.pdf")
     h.wait_for(before)
@@ -320,7 +320,7 @@ def test_encrypted_pdf_counts_as_pdf(tmp_path: Path) -> None:
 
 def test_reconfigure_live(start: Callable[..., Harness], inbox: Path, tmp_path: Path,
                           caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
     h = start()
     observer = h.watcher._roots[0].observer
     make_pdf(inbox / "draft.pdf")
@@ -360,8 +360,8 @@ def test_polling_auto_follows_the_filesystem(
     start: Callable[..., Harness], inbox: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
-    monkeypatch.setattr("ocrvl_daemon.watcher.filesystem_type", lambda path: "9p")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
+    monkeypatch.setattr("ocrvl_daemon.inbox.watcher.filesystem_type", lambda path: "9p")
     h = start(polling="auto", poll_interval=0.2)
     assert logged(caplog, f"watching {inbox} (polling every 0.2 s"), "a 9p inbox is not polled"
     pdf = make_pdf(inbox / "from-windows.pdf")
@@ -370,7 +370,7 @@ def test_polling_auto_follows_the_filesystem(
 
 def test_a_missing_inbox_is_created_with_a_log_line(tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="ocrvl_daemon.watcher")
+    caplog.set_level("INFO", logger="ocrvl_daemon.inbox.watcher")
     missing = tmp_path / "new" / "inbox"
     watcher = InboxWatcher(inbox_config([missing]))
     watcher.start()

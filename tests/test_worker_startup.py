@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine_process import pipeline_kwargs
+from ocrvl_daemon.worker.main import pipeline_kwargs
 from testkit.documents import make_pdf
 from testkit.runner import PACKAGE_ROOT, run_ocrvl, write_config
 
@@ -55,7 +55,7 @@ def test_engine_worker_does_not_import_peft_transformers_torch_or_scikit_learn(
 
 DEFERRED_SKLEARN = """
 import sys
-from ocrvl_daemon.paddlex_import import import_paddleocr_vl
+from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 PaddleOCRVL = import_paddleocr_vl()
 PaddleOCRVL(use_layout_detection=False, vl_rec_backend="vllm-server",
             vl_rec_server_url="http://127.0.0.1:9/v1", device="cpu")

@@ -26,8 +26,8 @@ from typing import Any
 
 from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
 from bench.gpu.vllm_server import managed_vllm, model_dir_parser
-from ocrvl_daemon import autotune
-from ocrvl_daemon.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
+from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
 from testkit.documents import make_pdf
 from testkit.harness import free_port
 from testkit.runner import ocrvl_argv, ocrvl_env, write_config

@@ -63,7 +63,7 @@ from bench.run import (  # noqa: E402
     start_daemon,
 )
 from ocrvl_daemon.config import PipelineConfig  # noqa: E402
-from ocrvl_daemon.models import (  # noqa: E402
+from ocrvl_daemon.model_registry import (  # noqa: E402
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
     MAX_IMAGE_PIXELS,

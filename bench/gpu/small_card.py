@@ -28,9 +28,9 @@ from typing import Any
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
-from ocrvl_daemon import autotune
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.gpu import GpuReading, read_gpu
+from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from testkit.documents import make_pdf
 from testkit.harness import free_port
 

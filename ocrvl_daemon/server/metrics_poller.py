@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ocrvl_daemon.server_probe import ServerMetrics, ServerProbe
+from ocrvl_daemon.server.probe import ServerMetrics, ServerProbe
 
 log = logging.getLogger(__name__)
 

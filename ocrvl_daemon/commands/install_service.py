@@ -25,7 +25,7 @@ from typing import Any
 from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config_file import advice_command
 from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
-from ocrvl_daemon.gpu import is_wsl
+from ocrvl_daemon.server.gpu import is_wsl
 
 UNIT_NAME = "ocrvl.service"
 MARKER = "# Written by ocrvl install-service; sha256="

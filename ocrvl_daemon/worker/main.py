@@ -28,12 +28,12 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import Failure, PageResult, PageTask, _Channel
-from ocrvl_daemon.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
-from ocrvl_daemon.process_group import die_with_parent
-from ocrvl_daemon.request_gate import GatedRequest, RequestGate
-from ocrvl_daemon.server_probe import bearer_header
+from ocrvl_daemon.server.probe import bearer_header
+from ocrvl_daemon.server.process_group import die_with_parent
+from ocrvl_daemon.worker.client import Failure, PageResult, PageTask, _Channel
+from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
+from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,9 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.convert import Converter
-from ocrvl_daemon.engine_pool import EnginePool
+from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
-from ocrvl_daemon.launchers import vllm_serve_command
-from ocrvl_daemon.managed_server import BackoffPolicy
 from ocrvl_daemon.progress import (
     ProgressBars,
     ProgressLog,
@@ -33,9 +30,12 @@ from ocrvl_daemon.progress import (
     RunTally,
     shows_bars,
 )
-from ocrvl_daemon.server_set import ServerSet
+from ocrvl_daemon.server.launchers import vllm_serve_command
+from ocrvl_daemon.server.managed import BackoffPolicy
+from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.store import JobState, Store
+from ocrvl_daemon.worker.pool import EnginePool
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import advice_command, load_config
-from ocrvl_daemon.convert import Converter
 from ocrvl_daemon.daemon_state import (
     DaemonState,
     EndpointState,
@@ -35,6 +34,7 @@ from ocrvl_daemon.daemon_state import (
     format_status,
     write_runtime_file,
 )
+from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import (
     ConfigError,
     ExitCode,
@@ -42,17 +42,17 @@ from ocrvl_daemon.errors import (
     ServerConfigError,
     StateFullError,
 )
+from ocrvl_daemon.inbox.watcher import InboxWatcher
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import MetricsEndpoint
 from ocrvl_daemon.progress import ProgressLog
-from ocrvl_daemon.server import ServerState, ServerStatus
-from ocrvl_daemon.server_set import ServerSet
+from ocrvl_daemon.sd_notify import Notifier
+from ocrvl_daemon.server.replicas import ServerSet
+from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
 from ocrvl_daemon.store import JobState
-from ocrvl_daemon.systemd import Notifier
-from ocrvl_daemon.watcher import InboxWatcher
 
 log = logging.getLogger(__name__)
 

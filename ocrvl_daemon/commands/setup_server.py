@@ -29,8 +29,8 @@ from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import Config, expand_path
 from ocrvl_daemon.config_file import DEFAULT_CONFIG_PATH
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
-from ocrvl_daemon.gpu import GpuReading, read_gpu
-from ocrvl_daemon.launchers import VLLM_REQUIREMENT, external_server_setup
+from ocrvl_daemon.server.gpu import GpuReading, read_gpu
+from ocrvl_daemon.server.launchers import VLLM_REQUIREMENT, external_server_setup
 
 log = logging.getLogger(__name__)
 

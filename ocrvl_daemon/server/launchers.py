@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from ocrvl_daemon.autotune import TunedArgs, plan_vllm_args
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
-from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.systemd import child_env
+from ocrvl_daemon.sd_notify import child_env
+from ocrvl_daemon.server.autotune import TunedArgs, plan_vllm_args
+from ocrvl_daemon.server.gpu import GpuReading
 
 log = logging.getLogger(__name__)
 

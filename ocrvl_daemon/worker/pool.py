@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.engine import EngineWorker, PageResult, PageTask
-from ocrvl_daemon.request_gate import YieldCap
 from ocrvl_daemon.scheduler import DocumentPages
+from ocrvl_daemon.worker.client import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError
-from ocrvl_daemon.models import MODELS
+from ocrvl_daemon.model_registry import MODELS
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,6 @@ from collections.abc import Iterator, Sequence
 from ocrvl_daemon import jobs, output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle
-from ocrvl_daemon.engine import Failure, PageResult, PageTask
-from ocrvl_daemon.engine_pool import EnginePool
 from ocrvl_daemon.errors import (
     InputVanishedError,
     OcrvlError,
@@ -44,7 +42,6 @@ from ocrvl_daemon.page_quality import (
 )
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.rate import RateMeter
-from ocrvl_daemon.request_gate import SHORT_OF_PAGES, YieldCap, slots_to_fill
 from ocrvl_daemon.scheduler import (
     MAX_ACTIVE_DOCUMENTS,
     DocumentPages,
@@ -54,6 +51,9 @@ from ocrvl_daemon.scheduler import (
     yielding,
 )
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
+from ocrvl_daemon.worker.client import Failure, PageResult, PageTask
+from ocrvl_daemon.worker.pool import EnginePool
+from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap, slots_to_fill
 
 log = logging.getLogger(__name__)
 

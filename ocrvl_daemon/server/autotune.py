@@ -20,11 +20,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ocrvl_daemon import vllm_diagnosis
 from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import AUTO, Config
-from ocrvl_daemon.gpu import GpuReading
-from ocrvl_daemon.models import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.model_registry import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.server import vllm_diagnosis
+from ocrvl_daemon.server.gpu import GpuReading
 
 log = logging.getLogger(__name__)
 

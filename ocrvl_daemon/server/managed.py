@@ -31,12 +31,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ocrvl_daemon import autotune, launchers, vllm_diagnosis
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
-from ocrvl_daemon.gpu import GpuReading, read_gpu
-from ocrvl_daemon.process_group import ProcessGroup, kill_leftover
-from ocrvl_daemon.server import (
+from ocrvl_daemon.server import autotune, launchers, vllm_diagnosis
+from ocrvl_daemon.server.gpu import GpuReading, read_gpu
+from ocrvl_daemon.server.probe import ServerProbe
+from ocrvl_daemon.server.process_group import ProcessGroup, kill_leftover
+from ocrvl_daemon.server.supervisor import (
     STARTUP_POLL,
     UNHEALTHY_PROBES,
     ServerState,
@@ -44,8 +45,7 @@ from ocrvl_daemon.server import (
     ServerSupervisor,
     StallDetector,
 )
-from ocrvl_daemon.server_probe import ServerProbe
-from ocrvl_daemon.vllm_diagnosis import Diagnosis, diagnose, parse_phase
+from ocrvl_daemon.server.vllm_diagnosis import Diagnosis, diagnose, parse_phase
 
 log = logging.getLogger(__name__)
 server_log = log.getChild("vllm")  # the server's own output, line by line (a child per replica)
@@ -220,7 +220,7 @@ class ManagedServer(ServerSupervisor):
         group = self._group
         assert group is not None
         with self._cond:
-            self._ready_at, self._ready_since = time.monotonic(), time.time()
+            self._ready_at = time.monotonic()
         log.info("server ready at %s (pid %d)", self._server.base_url, group.pid)
         self._set(ServerState.READY, "ready")
         if self._lowered is not None:
@@ -399,7 +399,7 @@ class ManagedServer(ServerSupervisor):
         with self._cond:
             self._last_error, self._diagnosis = error, diagnosis
             self._restart_count += 1
-            self._ready_at = self._ready_since = None
+            self._ready_at = None
         cause = f"; likely cause: {diagnosis}" if diagnosis else ""
         if not stepped and self._backoff.exhausted():
             raise ServerError(

@@ -151,12 +151,6 @@ def _read_all(env: Mapping[str, str] | None, problems: list[str]) -> list[GpuRea
         return []
 
 
-def parse_nvidia_smi(text: str, device: str) -> GpuReading | None:
-    """Pick `device` (index or UUID prefix) out of nvidia-smi's CSV; None if it is not listed."""
-    return next((r for r in parse_nvidia_smi_all(text) if _matches(device, r.index, r.uuid)),
-                None)
-
-
 def parse_nvidia_smi_all(text: str) -> list[GpuReading]:
     """Every GPU in nvidia-smi's CSV."""
     readings = []

@@ -27,9 +27,9 @@ from typing import IO, Any
 import psutil
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.process_group import stop_process_group
-from ocrvl_daemon.request_gate import YieldCap
-from ocrvl_daemon.systemd import child_env
+from ocrvl_daemon.sd_notify import child_env
+from ocrvl_daemon.server.process_group import stop_process_group
+from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class EngineWorker:
 
     def start(self) -> None:
         """Start the process; it reports readiness through `collect`."""
-        argv = [sys.executable, "-c", "from ocrvl_daemon.engine_process import serve; serve()",
+        argv = [sys.executable, "-c", "from ocrvl_daemon.worker.main import serve; serve()",
                 str(os.getpid())]
         # Its own process group, like the server's, so that a stop ends whatever it started;
         # it dies with the daemon all the same (serve asks for a parent-death SIGKILL).

@@ -1,4 +1,4 @@
-"""`ocrvl status` and `ocrvl retry`: read and nudge the daemon's store while it runs."""
+"""`ocrvl status`: what the daemon is doing and where each document stands."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import psutil
 
+from ocrvl_daemon.commands.install_service import start_command
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import advice_command
 from ocrvl_daemon.daemon_state import read_runtime_file
-from ocrvl_daemon.errors import ExitCode, InputFileError, OcrvlError, UsageError
+from ocrvl_daemon.errors import OcrvlError
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.names import shell_quote, shown
 from ocrvl_daemon.output import (
@@ -26,9 +27,8 @@ from ocrvl_daemon.output import (
     read_header,
     shortened_names,
 )
-from ocrvl_daemon.pdf import page_count, parse_pages, repair_fix, retry_command
+from ocrvl_daemon.pdf import page_count, repair_fix, retry_command
 from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
-from ocrvl_daemon.service import start_command
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.units import format_duration
@@ -157,7 +157,7 @@ def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:
     return view
 
 
-def _daemon_alive(daemon: dict[str, Any]) -> bool:
+def daemon_alive(daemon: dict[str, Any]) -> bool:
     """Whether the daemon that wrote runtime file `daemon` still runs."""
     return (
         "updated" in daemon
@@ -171,7 +171,7 @@ def _collect_status(config: Config, everything: bool) -> tuple[dict[str, Any], l
     store = open_store(config)
     try:
         daemon = read_runtime_file(config.state_dir)
-        alive = _daemon_alive(daemon)
+        alive = daemon_alive(daemon)
         # A dead daemon's last rate would promise ETAs nobody is working towards.
         rate = float(daemon.get("pages_per_s") or 0.0) if alive else 0.0
         jobs = store.jobs()
@@ -311,78 +311,3 @@ def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:
         if e.get("last_error"):
             lines.append(f"  last error: {e['last_error']}")
     return lines
-
-
-def _known_job(store: Store, given: Path) -> Job | None:
-    """The daemon's job for `given`, a path as the user has it or as `status` shows it
-    (bytes that are not UTF-8 escaped as \\xff)."""
-    path = given.expanduser().absolute()
-    job = store.job_for_path(path)
-    if job is None:
-        job = next((j for j in store.jobs() if shown(j.path) == str(path)), None)
-    return job
-
-
-def retry(config: Config, pdfs: list[Path], *, failed: bool, pages: str | None,
-          flagged: bool = False, config_path: Path | None = None) -> ExitCode:
-    """Queue documents again; with `pages`, drop only those checkpoints; with `flagged`,
-    only the flagged pages (of `pdfs`, or of every document). `config_path`: the file
-    `config` came from, for the command it suggests."""
-    if not pdfs and not failed and not flagged:
-        raise UsageError("Nothing to retry.", "name PDFs, or use --failed or --flagged")
-    if pages:
-        parse_pages(pages)  # a malformed list is refused before the store is even opened
-    store = open_store(config)
-    try:
-        targets: list[Job] = []
-        if failed:
-            targets += store.jobs(JobState.FAILED)
-            targets += [
-                j
-                for j in store.jobs()
-                if store.failed_pages(j.sha256, j.model) and j not in targets
-            ]
-        if flagged and not pdfs:
-            targets += [j for j in store.jobs(JobState.DONE)
-                        if store.flagged_pages(j.sha256, j.model) and j not in targets]
-        for given in pdfs:
-            job = _known_job(store, given)
-            if job is None:
-                raise InputFileError(
-                    f"{given} is not known to the daemon.",
-                    "put it in an inbox folder; it is picked up by itself (a file converted "
-                    f"with `ocrvl convert` is redone with "
-                    f"`{advice_command('convert', config_path)} {shell_quote(given)}`)",
-                )
-            targets.append(job)
-        if not targets:
-            log.info("nothing to retry: no document or page failed or is flagged (pages "
-                     "damaged in the PDF are left out: only a repaired file can help them)")
-        # Every page list is checked before anything is queued again.
-        chosen: dict[int, list[int]] = {}
-        for job in targets:
-            if pages:
-                count = job.page_count or page_count(job.path)
-                chosen[job.id] = parse_pages(pages, count, job.path)
-            elif flagged:
-                chosen[job.id] = store.flagged_pages(job.sha256, job.model)
-            else:
-                chosen[job.id] = store.failed_pages(job.sha256, job.model)
-        for job in targets:
-            redo = chosen[job.id]
-            if flagged and not pages and not redo:
-                log.info("%s has no flagged pages", job.path)
-                continue
-            if redo:
-                store.drop_pages(job.sha256, job.model, redo)
-            elif job.state is JobState.DONE:
-                store.drop_pages(job.sha256, job.model)
-            store.requeue(job.id)
-            what = f"pages {','.join(str(p + 1) for p in redo)} of " if redo else ""
-            log.info("queued %s%s again", what, shown(job.path))
-    finally:
-        store.close()
-    if targets and not _daemon_alive(read_runtime_file(config.state_dir)):
-        log.info("the daemon is not running: they are converted once it starts (start it "
-                 "with %s)", start_command(config_path))
-    return ExitCode.OK

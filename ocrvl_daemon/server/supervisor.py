@@ -1,11 +1,11 @@
 """The model server as the daemon sees it: its state, a status snapshot, and the supervisor.
 
-`supervisor_for(config)` gives the supervisor `server.mode` asks for: `managed_server`
-launches and restarts a vLLM (or compatible) process group, `external_server` only watches
-`server.url`. Both run on their own thread and share what this module defines: the state
-machine, `status()`, readiness waits, hang detection and the one `/metrics` scrape that
-feeds both hang detection and the converter's concurrency search. Work may be dispatched
-only while `is_ready()`.
+Two supervisors build on it: `managed.ManagedServer` launches and restarts a vLLM (or
+compatible) process group, `external.ExternalServer` only watches `server.url`
+(`replicas.ServerSet` picks them as `server.mode` asks). Both run on their own thread and
+share what this module defines: the state machine, `status()`, readiness waits, hang
+detection and the one `/metrics` scrape that feeds both hang detection and the converter's
+concurrency search. Work may be dispatched only while `is_ready()`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerError
-from ocrvl_daemon.server_metrics import DEFAULT_INTERVAL, FETCH_TIMEOUT, MetricsPoller
-from ocrvl_daemon.server_probe import PROBE_SECONDS, ServerMetrics, ServerProbe
-from ocrvl_daemon.vllm_diagnosis import Diagnosis
-
-if TYPE_CHECKING:
-    from ocrvl_daemon.managed_server import BackoffPolicy
+from ocrvl_daemon.server.metrics_poller import DEFAULT_INTERVAL, FETCH_TIMEOUT, MetricsPoller
+from ocrvl_daemon.server.probe import PROBE_SECONDS, ServerMetrics, ServerProbe
+from ocrvl_daemon.server.vllm_diagnosis import Diagnosis
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +51,6 @@ class ServerStatus:
     last_error: str | None
     diagnosis: Diagnosis | None
     url: str
-    ready_since: float | None  # time.time() when it became ready
 
 
 class StallDetector:
@@ -87,18 +82,6 @@ class _Stopping(Exception):
     """stop() was called; unwind to the supervisor thread's cleanup."""
 
 
-def supervisor_for(config: Config, on_change: Callable[[ServerStatus], None] | None = None,
-                   backoff: BackoffPolicy | None = None) -> ServerSupervisor:
-    """The supervisor `server.mode` asks for (`backoff`: a managed server's restart delays)."""
-    # Both build on ServerSupervisor below: imported here so that imports run one way.
-    from ocrvl_daemon.external_server import ExternalServer
-    from ocrvl_daemon.managed_server import ManagedServer
-
-    if config.server.mode == "external":
-        return ExternalServer(config, on_change)
-    return ManagedServer(config, on_change, backoff)
-
-
 class ServerSupervisor:
     """Keeps the server ready on a background thread; subclasses say how (`_keep`).
 
@@ -121,7 +104,7 @@ class ServerSupervisor:
         # The one /metrics scrape for hang detection and the converter's concurrency search;
         # replaced only by start(), before the thread that reads it runs.
         self._metrics: MetricsPoller | None = None
-        # _cond protects what status() reports (_state ... _ready_since), the stall detectors
+        # _cond protects what status() reports (_state ... _diagnosis), the stall detectors
         # and _error; waiters on it are woken at every change of state.
         self._cond = threading.Condition()
         self._error: ServerError | None = None
@@ -134,7 +117,6 @@ class ServerSupervisor:
         self._last_error: str | None = None
         self._diagnosis: Diagnosis | None = None
         self._ready_at: float | None = None  # monotonic
-        self._ready_since: float | None = None  # wall clock
 
     # public interface
 
@@ -228,17 +210,12 @@ class ServerSupervisor:
                                 or self._stopping.is_set() or self._thread is None, timeout)
             return self._state is ServerState.READY
 
-    def raise_for_failure(self) -> None:
-        """Raise the ServerError that made the supervisor give up, if any."""
-        if self._error is not None:
-            raise self._error
-
     def status(self) -> ServerStatus:
         """A consistent snapshot."""
         with self._cond:
             return ServerStatus(
                 self._state, self._phase, self._pid(), self._attempt, self._restart_count,
-                self._last_error, self._diagnosis, self._server.base_url, self._ready_since)
+                self._last_error, self._diagnosis, self._server.base_url)
 
     def note_progress(self, in_flight: int, completed_total: int) -> None:
         """Client-side progress, for servers without `/metrics`: requests the client has in

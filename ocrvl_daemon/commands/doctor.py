@@ -23,15 +23,16 @@ from typing import Literal
 import httpx
 from packaging.version import InvalidVersion, Version
 
-from ocrvl_daemon import autotune, gpu, launchers, layout_model
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ConfigError
-from ocrvl_daemon.launchers import server_env
-from ocrvl_daemon.managed_server import port_in_use
-from ocrvl_daemon.process_group import GroupRecord, group_members
-from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
-from ocrvl_daemon.server_set import PIDFILE_GLOB
+from ocrvl_daemon.server import autotune, gpu, launchers
+from ocrvl_daemon.server.launchers import server_env
+from ocrvl_daemon.server.managed import port_in_use
+from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
+from ocrvl_daemon.server.process_group import GroupRecord, group_members
+from ocrvl_daemon.server.replicas import PIDFILE_GLOB
+from ocrvl_daemon.worker import layout_model
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -448,7 +449,7 @@ def _inbox_checks(config: Config) -> list[Check]:
 
 def _filesystem_check(config: Config, path: Path) -> Check | None:
     try:
-        from ocrvl_daemon import filesystems  # written alongside; absent in older trees
+        from ocrvl_daemon.inbox import filesystems  # written alongside; absent in older trees
     except ImportError:
         return None
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from ocrvl_daemon.errors import ServerConfigError
-from ocrvl_daemon.server import STARTUP_POLL, UNHEALTHY_PROBES, ServerState, ServerSupervisor
-from ocrvl_daemon.server_probe import ENDPOINT_ABSENT, ServerProbe
+from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, ServerProbe
+from ocrvl_daemon.server.supervisor import (
+    STARTUP_POLL,
+    UNHEALTHY_PROBES,
+    ServerState,
+    ServerSupervisor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,6 @@ class ExternalServer(ServerSupervisor):
                 failed_probes = 0
                 if not ready:
                     with self._cond:
-                        self._ready_since = time.time()
                         self._error = None
                     log.info("external server ready at %s", self._server.base_url)
                     self._set(ServerState.READY, "ready")
