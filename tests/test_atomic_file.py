@@ -74,6 +74,7 @@ def test_a_writer_killed_mid_write_leaves_the_old_or_new_content_never_a_part(
     assert temporaries(tmp_path) == [], "the killed writer's temporary was not cleaned up"
 
 
+@pytest.mark.quick
 def test_a_failing_write_keeps_the_old_content_and_leaves_no_temporary(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC shows up at fsync on real filesystems."""
@@ -91,6 +92,7 @@ def test_a_failing_write_keeps_the_old_content_and_leaves_no_temporary(
     assert temporaries(tmp_path) == [], "a failed write left its temporary behind"
 
 
+@pytest.mark.quick
 def test_a_rename_that_fails_leaves_no_temporary(tmp_path: Path) -> None:
     target = tmp_path / "book.md"
     target.mkdir()
@@ -101,6 +103,7 @@ def test_a_rename_that_fails_leaves_no_temporary(tmp_path: Path) -> None:
     assert temporaries(tmp_path) == [], "a failed rename left its temporary behind"
 
 
+@pytest.mark.quick
 def test_text_and_bytes_are_written_and_a_file_keeps_its_permissions(tmp_path: Path) -> None:
     secret = tmp_path / "config.yaml"
     write_atomic(secret, "server:\n  api_key: ü\n")

@@ -30,6 +30,7 @@ from testkit.runner import run_ocrvl, write_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.quick
 def test_answer_lengths_are_drawn_per_page_and_realistic() -> None:
     lengths = AnswerLengths.parse(DEFAULT)
     pages = range(400, 2400)  # prompt lengths: one per page size
@@ -42,11 +43,13 @@ def test_answer_lengths_are_drawn_per_page_and_realistic() -> None:
     assert sum(n > 1500 for n in first) > 50, "some pages should be dense"
 
 
+@pytest.mark.quick
 def test_answer_lengths_spec_error_names_the_format() -> None:
     with pytest.raises(ValueError, match="MEDIAN:SIGMA:SEED"):
         AnswerLengths.parse("500")
 
 
+@pytest.mark.quick
 def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() -> None:
     dummy = ServeOptions(model="/tmp/m", dummy=True, lengths="300:0.5:1", port=8000,
                          pythonpath="/tmp/site")  # fmt: skip
@@ -62,6 +65,7 @@ def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() 
     assert "--load-format" not in real.argv() and "--logits-processors" not in real.argv()
 
 
+@pytest.mark.quick
 def test_rounds_run_their_contenders_in_a_balanced_order_so_none_always_follows_b2() -> None:
     four = ["capacity", "b2", "convert", "run"]
     orders = [round_order(four, k) for k in range(1, 6)]
@@ -74,6 +78,7 @@ def test_rounds_run_their_contenders_in_a_balanced_order_so_none_always_follows_
     assert round_order(["capacity", "convert"], 2) == ["convert", "capacity"]
 
 
+@pytest.mark.quick
 def test_dummy_model_dir_has_the_real_special_token_ids(tmp_path: Path) -> None:
     out = write_model_dir(tmp_path / "model")
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]

@@ -79,6 +79,7 @@ class SyntheticServer:
             self.limits.append(self.ctl.limit)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("metrics", [True, False])
 @pytest.mark.parametrize("start", [8, 64, 200])
 def test_climbs_to_the_peak_and_settles_near_it(start: int, metrics: bool) -> None:
@@ -93,6 +94,7 @@ def test_climbs_to_the_peak_and_settles_near_it(start: int, metrics: bool) -> No
     assert ctl.limit == held  # a steady workload keeps the limit
 
 
+@pytest.mark.quick
 def test_default_start_at_the_maximum_probes_down_and_comes_back() -> None:
     ctl = ConcurrencyController(4, 64, True)
     assert ctl.limit == 64
@@ -106,6 +108,7 @@ def test_default_start_at_the_maximum_probes_down_and_comes_back() -> None:
     assert set(srv.limits) == {64} | probes, sorted(set(srv.limits))
 
 
+@pytest.mark.quick
 def test_from_the_maximum_a_winning_small_step_down_goes_on_to_a_lower_peak() -> None:
     ctl = ConcurrencyController(4, 64, True)
     srv = SyntheticServer(ctl, peaked(24, 6.0, fall=0.3))  # e.g. prefill-bound past 24
@@ -114,6 +117,7 @@ def test_from_the_maximum_a_winning_small_step_down_goes_on_to_a_lower_peak() ->
     assert 16 <= ctl.limit <= 36, srv.limits[::50]
 
 
+@pytest.mark.quick
 def test_a_short_queue_is_not_worth_a_probe_and_a_long_one_is() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(128))
@@ -126,6 +130,7 @@ def test_a_short_queue_is_not_worth_a_probe_and_a_long_one_is() -> None:
     assert ctl.limit > 64, "with a long queue the search climbs towards the peak at 128"
 
 
+@pytest.mark.quick
 def test_finds_a_low_peak_from_a_bound_set_far_above_it() -> None:
     ctl = ConcurrencyController(1, 256, True)
     srv = SyntheticServer(ctl, peaked(16, 4.0))
@@ -134,6 +139,7 @@ def test_finds_a_low_peak_from_a_bound_set_far_above_it() -> None:
     assert 11 <= ctl.limit <= 24
 
 
+@pytest.mark.quick
 def test_never_leaves_bounds_and_non_adaptive_is_fixed() -> None:
     ctl = ConcurrencyController(20, 30, True)
     srv = SyntheticServer(ctl, peaked(64))
@@ -148,6 +154,7 @@ def test_never_leaves_bounds_and_non_adaptive_is_fixed() -> None:
     assert set(srv.limits) == {48}
 
 
+@pytest.mark.quick
 def test_no_measuring_without_demand() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=16)
     srv = SyntheticServer(ctl, peaked(64))
@@ -157,6 +164,7 @@ def test_no_measuring_without_demand() -> None:
     assert ctl.rate is None
 
 
+@pytest.mark.quick
 def test_backs_off_on_preemptions_and_stays_below() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
@@ -169,6 +177,7 @@ def test_backs_off_on_preemptions_and_stays_below() -> None:
     assert ctl.limit <= math.floor(before * 0.75)
 
 
+@pytest.mark.quick
 def test_backs_off_when_the_kv_cache_is_nearly_full() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=128)
     srv = SyntheticServer(ctl, peaked(256))  # throughput alone would say "more"
@@ -182,6 +191,7 @@ def test_backs_off_when_the_kv_cache_is_nearly_full() -> None:
     assert ctl.limit <= 72  # no growth back above the back-off point in this search
 
 
+@pytest.mark.quick
 def test_backoff_never_goes_below_the_minimum() -> None:
     ctl = ConcurrencyController(10, 64, True, initial=12)
     srv = SyntheticServer(ctl, peaked(64))
@@ -190,6 +200,7 @@ def test_backoff_never_goes_below_the_minimum() -> None:
     assert min(srv.limits) == 10
 
 
+@pytest.mark.quick
 def test_does_not_grow_past_the_servers_running_cap() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, lambda n: 11.2 * min(n, 48) / 48)
@@ -200,6 +211,7 @@ def test_does_not_grow_past_the_servers_running_cap() -> None:
     assert max(srv.limits[50:]) <= 48 + feed_margin(48)
 
 
+@pytest.mark.quick
 def test_a_request_waiting_for_the_next_step_is_not_a_cap() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(128))
@@ -210,6 +222,7 @@ def test_a_request_waiting_for_the_next_step_is_not_a_cap() -> None:
     assert max(srv.limits) > 64 + feed_margin(64), "the search never went past the false cap"
 
 
+@pytest.mark.quick
 def test_searches_again_when_the_workload_changes() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
@@ -221,6 +234,7 @@ def test_searches_again_when_the_workload_changes() -> None:
     assert ctl.limit >= 110, srv.limits[-3000::200]
 
 
+@pytest.mark.quick
 def test_reconfigured_bounds_are_respected() -> None:
     ctl = ConcurrencyController(4, 256, True, initial=64)
     srv = SyntheticServer(ctl, peaked(64))
@@ -230,6 +244,7 @@ def test_reconfigured_bounds_are_respected() -> None:
     assert max(srv.limits[-200:]) <= 32
 
 
+@pytest.mark.quick
 def test_the_search_starts_at_max_concurrency() -> None:
     """A book of a few hundred pages is over before a search could climb: the bound a user
     sets is the bound a book gets from its first page."""
@@ -241,6 +256,7 @@ def test_the_search_starts_at_max_concurrency() -> None:
     assert set(srv.limits) == {128}
 
 
+@pytest.mark.quick
 def test_a_max_concurrency_raised_on_reload_is_used_at_once() -> None:
     ctl = ConcurrencyController(4, 64, True)
     srv = SyntheticServer(ctl, peaked(160))
@@ -254,6 +270,7 @@ def test_a_max_concurrency_raised_on_reload_is_used_at_once() -> None:
     assert ctl.limit == 128 and ctl.phase == "hold"
 
 
+@pytest.mark.quick
 def test_parse_vllm_metrics() -> None:
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
@@ -299,6 +316,7 @@ def test_poller_reads_the_fake_servers_metrics_and_survives_404() -> None:
             missing.close()
 
 
+@pytest.mark.quick
 def test_no_window_while_the_server_has_not_received_the_work_yet() -> None:
     """At a cold start the client is still rendering pages: the server runs far fewer than the
     limit, and a window measured then would make the limit look bad."""

@@ -78,6 +78,7 @@ BAD_CONFIGS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("data", "expected"), BAD_CONFIGS)
 def test_config_error_names_key_value_and_fix(data, expected):
     with pytest.raises(ConfigError) as caught:
@@ -87,6 +88,7 @@ def test_config_error_names_key_value_and_fix(data, expected):
         assert fragment in message, f"{fragment!r} missing from: {message}"
 
 
+@pytest.mark.quick
 def test_defaults_are_the_documented_contract():
     config = validate_config({})
     assert config.inbox.paths == [Path("~/ocr-inbox").expanduser()]
@@ -103,6 +105,7 @@ def test_defaults_are_the_documented_contract():
     assert config.state_dir == Path("~/.local/state/ocrvl").expanduser()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (8, 2), (16, 4), (64, 4)])
 def test_auto_engine_workers_take_a_quarter_of_the_cores_from_1_to_4(
     monkeypatch, cores, workers):
@@ -111,11 +114,13 @@ def test_auto_engine_workers_take_a_quarter_of_the_cores_from_1_to_4(
     assert validate_config({"pipeline": {"workers": 3}}).pipeline.worker_count == 3
 
 
+@pytest.mark.quick
 def test_model_name_decides_the_pipeline_version():
     for name, version in [("PaddleOCR-VL-0.9B", "v1"), ("PaddleOCR-VL-1.5-0.9B", "v1.5")]:
         assert validate_config({"model": {"name": name}}).model.vl_model.pipeline_version == version
 
 
+@pytest.mark.quick
 def test_home_and_env_vars_are_expanded_in_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("BOOKS", str(tmp_path))
     config = validate_config({"inbox": {"paths": ["$BOOKS/in", "~/x"]}, "state_dir": "$BOOKS/s"})
@@ -123,6 +128,7 @@ def test_home_and_env_vars_are_expanded_in_paths(monkeypatch, tmp_path):
     assert config.state_dir == tmp_path / "s"
 
 
+@pytest.mark.quick
 def test_lookup_order_flag_then_env_then_home_then_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("OCRVL_CONFIG", raising=False)
@@ -202,6 +208,7 @@ def _status_as_another_user(
     ],
     ids=["inbox", "state_dir", "api_key", "python"],
 )
+@pytest.mark.quick
 def test_an_unset_variable_in_the_config_is_an_error_naming_it(
     monkeypatch: pytest.MonkeyPatch, data: dict[str, object], key: str
 ):

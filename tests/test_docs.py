@@ -48,6 +48,7 @@ def _keys(data: dict, prefix: str = "") -> set[str]:
     return keys
 
 
+@pytest.mark.quick
 def test_config_example_lists_every_key_with_its_default():
     example = yaml.safe_load((REPO / "config.example.yaml").read_text(encoding="utf-8"))
     defaults = Config().model_dump(mode="json")
@@ -56,6 +57,7 @@ def test_config_example_lists_every_key_with_its_default():
         "a default in config.example.yaml is not the real default"
 
 
+@pytest.mark.quick
 def test_readme_commands_exist_and_take_config():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^\| `ocrvl ([a-z-]+)", readme, re.M))
@@ -66,6 +68,7 @@ def test_readme_commands_exist_and_take_config():
         assert "--config" in sub.format_help(), f"`ocrvl {name}` does not take --config"
 
 
+@pytest.mark.quick
 def test_readme_test_command_is_what_ci_runs():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
@@ -74,6 +77,7 @@ def test_readme_test_command_is_what_ci_runs():
     assert command in ci, ".ci/run does not run the README's test command"
 
 
+@pytest.mark.quick
 def test_readme_vllm_serve_line_is_the_generated_one():
     """The line users run on a GPU machine is what ocrvl's managed launcher runs (and what
     `ocrvl doctor` prints) for the default config, flag for flag."""
@@ -85,6 +89,7 @@ def test_readme_vllm_serve_line_is_the_generated_one():
     assert "server: {mode: external, url: http://GPUHOST:8118/v1}" in readme()
 
 
+@pytest.mark.quick
 def test_no_gpu_set_up_is_in_help_and_config_example():
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     doctor = subparsers.choices["doctor"]  # type: ignore[attr-defined]

@@ -47,6 +47,7 @@ def listing(folder: Path) -> set[bytes]:
     return set(os.listdir(os.fsencode(folder)))
 
 
+@pytest.mark.quick
 def test_shown_escapes_only_bytes_that_are_not_utf8() -> None:
     assert shown(named(Path("/in"), ODD)) == "/in/\\xff\\xfebook.pdf"
     assert shown("/in/Ünïcödé – 日本語.pdf") == "/in/Ünïcödé – 日本語.pdf"
@@ -62,6 +63,7 @@ def test_a_quoted_name_is_the_same_bytes_in_bash(raw: bytes) -> None:
     assert out == raw, f"bash reads {quoted} as {out!r}, not {raw!r}"
 
 
+@pytest.mark.quick
 def test_a_name_too_long_for_a_companion_is_shortened_the_same_way_every_time() -> None:
     stem = long_stem(251)
     name = fit_name(stem, "_images", 255)

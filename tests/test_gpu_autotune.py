@@ -150,6 +150,7 @@ def test_hidden_or_absent_device_means_no_gpu(tmp_path: Path, visible: str) -> N
     ("4.4.0-19041-Microsoft", True),
     ("6.1.0-28-amd64", False),
 ])
+@pytest.mark.quick
 def test_detects_wsl(osrelease: str, wsl: bool) -> None:
     assert gpu.is_wsl(osrelease) is wsl
 
@@ -181,6 +182,7 @@ def test_t4_plan(tmp_path: Path) -> None:
     assert values[MAX_MODEL_LEN] == BUDGET_ROUNDED
 
 
+@pytest.mark.quick
 def test_no_gpu_falls_back_to_safe_values() -> None:
     tuned = plan_vllm_args(Config.model_validate({}), None, None)
     assert tuned.values[UTILIZATION] == 0.80
@@ -189,6 +191,7 @@ def test_no_gpu_falls_back_to_safe_values() -> None:
     assert any("no GPU was found" in r for r in tuned.reasons)
 
 
+@pytest.mark.quick
 def test_utilization_never_exceeds_the_free_share() -> None:
     # WSL2 and newer drivers can report less free memory than total - used.
     tight = card(8188, 1024, free=6500)
@@ -196,18 +199,21 @@ def test_utilization_never_exceeds_the_free_share() -> None:
     assert value <= 6500 / 8188
 
 
+@pytest.mark.quick
 def test_busy_gpu_is_warned_about() -> None:
     tuned = plan_vllm_args(Config.model_validate({}), card(8188, 4700), None)
     assert tuned.values[UTILIZATION] == 0.5
     assert any("refuse to start" in w for w in tuned.warnings)
 
 
+@pytest.mark.quick
 def test_max_model_len_follows_max_new_tokens() -> None:
     config = Config.model_validate({"model": {"max_new_tokens": 8192}})
     values = plan_vllm_args(config, card(8188, 1024), None).values
     assert values[MAX_MODEL_LEN] == 9728  # 8192 + 1344 rounded up to 256
 
 
+@pytest.mark.quick
 def test_explicit_values_win() -> None:
     config = Config.model_validate({"server": {"vllm_args": {
         "gpu-memory-utilization": 0.6, "max-num-seqs": 12, "max-num-batched-tokens": 8192}}})
@@ -219,6 +225,7 @@ def test_explicit_values_win() -> None:
     assert any("set in the config" in r for r in tuned.reasons)
 
 
+@pytest.mark.quick
 def test_explicit_utilization_sizes_the_auto_num_seqs() -> None:
     low = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.5}}})
     small = plan_vllm_args(low, card(8188, 0), None).values[MAX_NUM_SEQS]
@@ -226,6 +233,7 @@ def test_explicit_utilization_sizes_the_auto_num_seqs() -> None:
     assert 8 <= small < large
 
 
+@pytest.mark.quick
 def test_remembered_values_lower_the_plan_but_not_below_the_budget() -> None:
     remembered = {UTILIZATION: 0.7, MAX_NUM_SEQS: 16, MAX_MODEL_LEN: 1000,
                   BATCHED_TOKENS: 5632}
@@ -237,12 +245,14 @@ def test_remembered_values_lower_the_plan_but_not_below_the_budget() -> None:
     assert any(autotune.TUNING_FILE in r for r in tuned.reasons)
 
 
+@pytest.mark.quick
 def test_remembered_values_do_not_touch_explicit_ones() -> None:
     config = Config.model_validate({"server": {"vllm_args": {"max-num-seqs": 64}}})
     tuned = plan_vllm_args(config, card(8188, 1024), {MAX_NUM_SEQS: 8})
     assert tuned.values[MAX_NUM_SEQS] == 64
 
 
+@pytest.mark.quick
 def test_remembered_round_trip_keyed_by_gpu_and_model(tmp_path: Path) -> None:
     a4060, other = card(8188, 1024), GpuReading(0, "GPU-other", "Other", 8188, 0, 8188, "1",
                                                  (8, 6), "nvml")
@@ -257,6 +267,7 @@ def test_remembered_round_trip_keyed_by_gpu_and_model(tmp_path: Path) -> None:
     assert [p.name for p in state.iterdir()] == [autotune.TUNING_FILE]
 
 
+@pytest.mark.quick
 def test_corrupt_tuning_file_is_ignored(tmp_path: Path) -> None:
     (tmp_path / autotune.TUNING_FILE).write_text("{not json")
     assert load_remembered(tmp_path, card(8188, 0), "PaddleOCR-VL-1.6-0.9B") is None
@@ -267,12 +278,14 @@ def test_corrupt_tuning_file_is_ignored(tmp_path: Path) -> None:
 
 # --- out-of-memory recovery -----------------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text", [CACHE_BLOCKS, FREE_MEMORY, CUDA_OOM, estimated(40336)])
 def test_recognises_vllm_oom(text: str) -> None:
     assert is_oom(text)
     assert oom_cause(text) == text.splitlines()[0]
 
 
+@pytest.mark.quick
 def test_other_failures_are_not_oom() -> None:
     assert not is_oom("OSError: PaddlePaddle/PaddleOCR-VL is not a valid model identifier\n"
                       + ENGINE_FAILED)
@@ -286,6 +299,7 @@ def _walk(start: dict, config: Config, text: str) -> list[dict]:
     return steps
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text", [CUDA_OOM, CACHE_BLOCKS, FREE_MEMORY, estimated(3000),
                                   estimated(40336)])
 def test_recovery_ends_and_stays_within_bounds(text: str) -> None:
@@ -304,6 +318,7 @@ def test_recovery_ends_and_stays_within_bounds(text: str) -> None:
         assert step[MAX_NUM_SEQS] >= 8
 
 
+@pytest.mark.quick
 def test_cuda_oom_lowers_batch_then_length_then_utilization() -> None:
     config = Config.model_validate({})
     start = plan_vllm_args(config, card(8188, 1024), None).values
@@ -331,6 +346,7 @@ REAL_START_INFO = ("(EngineCore pid=1708) INFO 12-01 23:09:40 [gpu_worker.py:851
                    "activation, 0.05 GiB for non-torch memory, and 0.31 GiB for CUDAGraph memory.")
 
 
+@pytest.mark.quick
 def test_real_vllm_free_memory_failure_is_read_and_lowers_to_the_free_share() -> None:
     assert is_oom(REAL_FREE_MEMORY), "vLLM 0.26's free-memory refusal was not seen as out of memory"
     current = {UTILIZATION: 0.94, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 256, BATCHED_TOKENS: 16384}
@@ -338,17 +354,20 @@ def test_real_vllm_free_memory_failure_is_read_and_lowers_to_the_free_share() ->
     assert after == {**current, UTILIZATION: 0.67}  # 96.83 / 139.8 - 0.02, rounded down
 
 
+@pytest.mark.quick
 def test_a_successful_starts_free_memory_line_is_not_a_failure() -> None:
     assert not is_oom(REAL_START_INFO + "\n" + ENGINE_FAILED), \
         "the start-up INFO line about free memory was taken for an out-of-memory failure"
 
 
+@pytest.mark.quick
 def test_free_memory_error_jumps_to_the_reported_share() -> None:
     current = {UTILIZATION: 0.81, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 88, BATCHED_TOKENS: 16384}
     after = next_after_oom(current, Config.model_validate({}), FREE_MEMORY)
     assert after == {**current, UTILIZATION: 0.62}  # 5.12 / 7.99 - 0.02, rounded down
 
 
+@pytest.mark.quick
 def test_cache_blocks_error_never_lowers_utilization() -> None:
     config = Config.model_validate({})
     start = plan_vllm_args(config, card(8188, 1024), None).values
@@ -357,6 +376,7 @@ def test_cache_blocks_error_never_lowers_utilization() -> None:
     assert steps[-1][MAX_NUM_SEQS] == 8
 
 
+@pytest.mark.quick
 def test_estimated_length_is_taken_when_it_fits_the_budget() -> None:
     current = {UTILIZATION: 0.9, MAX_MODEL_LEN: 65536, MAX_NUM_SEQS: 64, BATCHED_TOKENS: 16384}
     after = next_after_oom(current, Config.model_validate({}), estimated(40336))
@@ -365,6 +385,7 @@ def test_estimated_length_is_taken_when_it_fits_the_budget() -> None:
     assert after == {**current, MAX_MODEL_LEN: BUDGET}  # rounding down would undercut it
 
 
+@pytest.mark.quick
 def test_explicit_values_are_not_lowered_but_suggested() -> None:
     config = Config.model_validate({"server": {"vllm_args": {
         "gpu-memory-utilization": 0.81, "max-model-len": 5632, "max-num-seqs": 88,
@@ -379,6 +400,7 @@ def test_explicit_values_are_not_lowered_but_suggested() -> None:
     assert "gpu-memory-utilization: 0.62" in free
 
 
+@pytest.mark.quick
 def test_auto_keys_recover_first_then_explicit_ones_are_suggested() -> None:
     config = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.8}}})
     start = plan_vllm_args(config, card(8188, 1024), None).values
@@ -387,6 +409,7 @@ def test_auto_keys_recover_first_then_explicit_ones_are_suggested() -> None:
     assert "gpu-memory-utilization: 0.75" in suggestion(steps[-1], config, CUDA_OOM)
 
 
+@pytest.mark.quick
 def test_recovers_against_the_fake_servers_vram_model() -> None:
     # The reading said 1 GiB was in use; by start-up another program holds 3.5 GiB.
     config = Config.model_validate({})
@@ -405,11 +428,13 @@ def test_recovers_against_the_fake_servers_vram_model() -> None:
     assert args[UTILIZATION] == 0.54  # 4.5/8.0 free - 0.02
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", FAIL_KINDS)
 def test_fake_servers_failures_are_oom(kind: str) -> None:
     assert is_oom(FIXED_FAILURES[kind])
 
 
+@pytest.mark.quick
 def test_suggestion_when_nothing_is_left() -> None:
     current = {UTILIZATION: 0.5, MAX_MODEL_LEN: BUDGET, MAX_NUM_SEQS: 8, BATCHED_TOKENS: BUDGET}
     text = suggestion(current, Config.model_validate({}), CUDA_OOM)

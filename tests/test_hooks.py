@@ -198,6 +198,7 @@ def test_a_file_name_or_error_never_runs_as_code_in_a_shell_hook(tmp_path, shell
     assert (tmp_path / "error").read_text() == "failed: `touch PWNED` $(touch PWNED)\n"
 
 
+@pytest.mark.quick
 def test_placeholders_outside_a_shell_script_are_whole_values():
     values = HookValues(pdf="x$(id).pdf", pages="3")
     assert values.expand(["notify-send", "{pdf}: {pages} pages", "{pdf}"]) == [
@@ -217,6 +218,7 @@ def test_placeholders_outside_a_shell_script_are_whole_values():
         (["surely-not-a-program-ocrvl"], "not an executable found on PATH"),
     ],
 )
+@pytest.mark.quick
 def test_a_bad_hook_is_refused_at_load_naming_the_key_and_the_fix(hook, needle):
     with pytest.raises(ConfigError) as err:
         validate_config({"hooks": {"on_done": hook}})

@@ -44,6 +44,7 @@ def flag_value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+@pytest.mark.quick
 def test_vllm_argv_from_server_python_with_recipe_defaults(tmp_path: Path) -> None:
     python = fake_venv(tmp_path, "vllm")
     spec = prepare_launch(make_config(tmp_path, python=str(python), port=9001))
@@ -65,6 +66,7 @@ def test_vllm_argv_from_server_python_with_recipe_defaults(tmp_path: Path) -> No
     assert spec.env["PATH"].split(os.pathsep)[0] == str(python.parent)
 
 
+@pytest.mark.quick
 def test_vllm_serve_line_for_another_machine_is_what_the_managed_launcher_runs(
         tmp_path: Path) -> None:
     python = fake_venv(tmp_path, "vllm")
@@ -82,6 +84,7 @@ def test_vllm_serve_line_for_another_machine_is_what_the_managed_launcher_runs(
     assert flag_value(on_port, "--host") == "127.0.0.1" and flag_value(on_port, "--port") == "8000"
 
 
+@pytest.mark.quick
 def test_user_vllm_args_override_recipe_defaults(tmp_path: Path) -> None:
     python = fake_venv(tmp_path, "vllm")
     config = make_config(tmp_path, python=str(python), vllm_args={
@@ -106,6 +109,7 @@ def test_user_vllm_args_override_recipe_defaults(tmp_path: Path) -> None:
     assert json.loads(flag_value(argv, "--compilation-config")) == {"level": 0}
 
 
+@pytest.mark.quick
 def test_vllm_without_script_runs_the_module(tmp_path: Path) -> None:
     python = fake_venv(tmp_path)
     config = validate_config({"state_dir": str(tmp_path), "server": {"python": str(python)},
@@ -114,6 +118,7 @@ def test_vllm_without_script_runs_the_module(tmp_path: Path) -> None:
     assert argv[:5] == [str(python), "-m", "vllm.entrypoints.cli.main", "serve", "/models/vl"]
 
 
+@pytest.mark.quick
 def test_missing_vllm_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
@@ -124,6 +129,7 @@ def test_missing_vllm_is_a_config_error(tmp_path: Path, monkeypatch: pytest.Monk
         prepare_launch(make_config(tmp_path, python=str(tmp_path / "nope" / "python")))
 
 
+@pytest.mark.quick
 def test_genai_server_argv_and_backend_config(tmp_path: Path) -> None:
     python = fake_venv(tmp_path, "paddleocr")
     config = validate_config({
@@ -155,6 +161,7 @@ def test_genai_server_without_flash_attn_names_the_fix(tmp_path: Path) -> None:
     assert "ocrvl setup-server" in str(err.value)
 
 
+@pytest.mark.quick
 def test_command_placeholders_and_vllm_args(tmp_path: Path) -> None:
     config = make_config(
         tmp_path, launcher="command", host="127.0.0.2", port=9003,
@@ -169,6 +176,7 @@ def test_command_placeholders_and_vllm_args(tmp_path: Path) -> None:
     assert flag_value(argv, "--max-num-seqs") == "4"
 
 
+@pytest.mark.quick
 def test_a_served_name_is_what_the_managed_server_serves(tmp_path: Path) -> None:
     python = fake_venv(tmp_path, "vllm")
     served = {"model": {"served_name": "books-ocr"}, "state_dir": str(tmp_path / "state")}
@@ -179,22 +187,26 @@ def test_a_served_name_is_what_the_managed_server_serves(tmp_path: Path) -> None
     assert prepare_launch(command).argv == ["true", "books-ocr"]
 
 
+@pytest.mark.quick
 def test_command_without_vllm_args_placeholder_gets_no_flags(tmp_path: Path) -> None:
     config = make_config(tmp_path, launcher="command", command=["true", "{port}"])
     assert prepare_launch(config).argv == ["true", "8118"]
 
 
+@pytest.mark.quick
 def test_missing_command_program_is_a_config_error(tmp_path: Path) -> None:
     config = make_config(tmp_path, launcher="command", command=["no-such-server-program"])
     with pytest.raises(ServerConfigError, match="no-such-server-program"):
         prepare_launch(config)
 
 
+@pytest.mark.quick
 def test_reserved_flag_in_vllm_args_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"server\.vllm_args\.port.*server\.port"):
         make_config(tmp_path, launcher="command", command=["true"], vllm_args={"port": 1234})
 
 
+@pytest.mark.quick
 def test_env_strips_systemd_variables_and_adds_server_env(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
@@ -211,6 +223,7 @@ def test_env_strips_systemd_variables_and_adds_server_env(
     assert "s3cret" not in spec.argv
 
 
+@pytest.mark.quick
 def test_vllm_flags_spelling() -> None:
     assert vllm_flags({"a": True, "b": False, "enable-prefix-caching": False, "c": None,
                        "d": [1, 2], "e": 0.5}) == [

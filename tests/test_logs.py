@@ -63,6 +63,7 @@ def _no_systemd_python(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "systemd", None)  # `import systemd.journal` fails
 
 
+@pytest.mark.quick
 def test_priority_prefixes_on_the_journal_stream(pipe: tuple[IO[str], IO[str]],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     writer, reader = pipe
@@ -90,6 +91,7 @@ def test_priority_prefixes_on_the_journal_stream(pipe: tuple[IO[str], IO[str]],
     assert all(line.startswith("<3>") for line in traceback)  # journald splits lines
 
 
+@pytest.mark.quick
 def test_invocation_id_alone_means_systemd_unless_a_terminal(
         pipe: tuple[IO[str], IO[str]], monkeypatch: pytest.MonkeyPatch) -> None:
     writer, _ = pipe
@@ -102,6 +104,7 @@ def test_invocation_id_alone_means_systemd_unless_a_terminal(
     assert not isinstance(handler.formatter, PriorityFormatter)
 
 
+@pytest.mark.quick
 def test_human_format_outside_systemd(pipe: tuple[IO[str], IO[str]],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     writer, reader = pipe
@@ -113,6 +116,7 @@ def test_human_format_outside_systemd(pipe: tuple[IO[str], IO[str]],
     assert re.fullmatch(r"\d\d:\d\d:\d\d WARNING ocrvl_daemon\.test: disk full", line), line
 
 
+@pytest.mark.quick
 def test_levels_and_no_duplicate_handlers() -> None:
     stream = io.StringIO()
     setup_logging("INFO", stream=stream)
@@ -129,12 +133,14 @@ def test_levels_and_no_duplicate_handlers() -> None:
         set_level("LOUD")
 
 
+@pytest.mark.quick
 def test_doc_fields() -> None:
     assert doc_fields(Path("/in/a.pdf")) == {"OCRVL_PDF": "/in/a.pdf"}
     assert doc_fields(Path("/in/a.pdf"), page=0, job=5) == {
         "OCRVL_PDF": "/in/a.pdf", "OCRVL_PAGE": 0, "OCRVL_JOB": 5}
 
 
+@pytest.mark.quick
 def test_journal_handler_sends_fields(pipe: tuple[IO[str], IO[str]],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     journal = pytest.importorskip("systemd.journal",
@@ -156,6 +162,7 @@ def test_journal_handler_sends_fields(pipe: tuple[IO[str], IO[str]],
         "/in/book.pdf", 7, 3)
 
 
+@pytest.mark.quick
 def test_a_name_that_is_not_utf8_is_logged_escaped(pipe: tuple[IO[str], IO[str]],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     odd = Path(os.fsdecode(b"/in/\xff\xfebook.pdf"))

@@ -42,6 +42,7 @@ def scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         ("metrics.example.org:9118", False, "not a loopback address"),
     ],
 )
+@pytest.mark.quick
 def test_a_bad_or_public_metrics_address_is_refused_naming_the_key_and_the_fix(
         listen, allow_remote, needle):
     with pytest.raises(ConfigError) as err:
@@ -49,11 +50,13 @@ def test_a_bad_or_public_metrics_address_is_refused_naming_the_key_and_the_fix(
     assert "metrics.listen" in str(err.value) and needle in str(err.value), str(err.value)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("listen", ["127.0.0.1:9118", "localhost:9118", "[::1]:9118"])
 def test_loopback_addresses_are_accepted(listen):
     assert validate_config({"metrics": {"listen": listen}}).metrics.listen == listen
 
 
+@pytest.mark.quick
 def test_a_public_address_is_accepted_when_allowed():
     config = validate_config({"metrics": {"listen": "0.0.0.0:9118", "allow_remote": True}})
     assert config.metrics.address == ("0.0.0.0", 9118)

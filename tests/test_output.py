@@ -47,6 +47,7 @@ def book(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.quick
 def test_a_complete_write_has_header_pages_and_images(book: Path) -> None:
     write_document(book, "ab" * 32, MODEL, 3, pages(3, image_every=2))
     md, images, _ = outputs_for(book)
@@ -60,6 +61,7 @@ def test_a_complete_write_has_header_pages_and_images(book: Path) -> None:
     assert not leftovers(book.parent)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("where", "code"), [("fsync", errno.ENOSPC), ("replace", errno.EROFS),
                                              ("replace", errno.EACCES)])
 def test_a_failing_disk_leaves_no_partial_file_and_is_retried(
@@ -84,6 +86,7 @@ def test_a_failing_disk_leaves_no_partial_file_and_is_retried(
     assert not leftovers(book.parent), "temporary files were left behind"
 
 
+@pytest.mark.quick
 def test_low_free_space_pauses_output_before_writing_anything(
         book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = shutil.disk_usage(book.parent)
@@ -95,6 +98,7 @@ def test_low_free_space_pauses_output_before_writing_anything(
     assert sorted(p.name for p in book.parent.iterdir()) == ["book.pdf"]
 
 
+@pytest.mark.quick
 def test_temporaries_of_a_killed_run_are_cleaned_up_by_the_next_write(book: Path) -> None:
     md, images, _ = outputs_for(book)
     (book.parent / f".{md.name}{TMP_MARK}-new-99999").write_text("half a book")
@@ -105,6 +109,7 @@ def test_temporaries_of_a_killed_run_are_cleaned_up_by_the_next_write(book: Path
     assert not leftovers(book.parent)
 
 
+@pytest.mark.quick
 def test_a_directory_where_the_markdown_goes_is_not_ours(book: Path) -> None:
     """Stands in for a read-only output folder in daemon tests (root can write anywhere)."""
     outputs_for(book)[0].mkdir()
@@ -135,6 +140,7 @@ def test_ten_thousand_pages_go_through_store_and_assembly_in_bounded_memory(
     assert peak < 8 * 2**20, f"assembly held {peak / 2**20:.1f} MiB"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["../x.pdf", "a\nb.pdf", "$(rm -rf ~).pdf", "-rf .pdf",
                                   "..pdf", "q'\"`.pdf", "книга.PDF"])
 def test_outputs_are_computed_from_the_pdf_path_and_stay_beside_it(
@@ -147,6 +153,7 @@ def test_outputs_are_computed_from_the_pdf_path_and_stay_beside_it(
         assert out.name.startswith(pdf_path.stem)
 
 
+@pytest.mark.quick
 def test_names_that_look_like_shell_or_paths_are_written_beside_the_pdf(tmp_path: Path) -> None:
     folder = tmp_path / "inbox"
     folder.mkdir()
@@ -159,6 +166,7 @@ def test_names_that_look_like_shell_or_paths_are_written_beside_the_pdf(tmp_path
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
 
 
+@pytest.mark.quick
 def test_error_notes_say_what_to_do_and_go_away(book: Path) -> None:
     output.write_error_note(book, "it is broken.", "fix it", redo=f"ocrvl retry {book}")
     text = outputs_for(book)[2].read_text("utf-8")
@@ -176,6 +184,7 @@ def image_links(md: Path) -> list[bytes]:
                                                           md.read_text("utf-8"))]
 
 
+@pytest.mark.quick
 def test_a_name_that_is_not_utf8_keeps_its_raw_stem_and_its_links_resolve(
         tmp_path: Path) -> None:
     book = tmp_path / os.fsdecode(b"\xff\xfebook.pdf")
@@ -195,6 +204,7 @@ def test_a_name_that_is_not_utf8_keeps_its_raw_stem_and_its_links_resolve(
     assert f"ocrvl retry $'{tmp_path}/\\xff\\xfebook.pdf'" in note, note
 
 
+@pytest.mark.quick
 def test_companions_too_long_for_the_filesystem_get_a_short_name_and_still_work(
         tmp_path: Path) -> None:
     limit = name_max(tmp_path)
@@ -214,6 +224,7 @@ def test_companions_too_long_for_the_filesystem_get_a_short_name_and_still_work(
     assert images.name in (output.shortened_names(book) or "")
 
 
+@pytest.mark.quick
 def test_a_name_with_no_room_for_md_fails_clearly_naming_the_limit(tmp_path: Path) -> None:
     limit = name_max(tmp_path)
     scan = tmp_path / ("n" * limit)  # `ocrvl convert` takes any file; `.md` cannot be added
@@ -224,6 +235,7 @@ def test_a_name_with_no_room_for_md_fails_clearly_naming_the_limit(tmp_path: Pat
     assert sorted(os.listdir(tmp_path)) == [scan.name]
 
 
+@pytest.mark.quick
 def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """NTFS under WSL2 counts characters, so it may hold more or fewer bytes than it says."""
@@ -244,6 +256,7 @@ def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
     assert "rename the PDF to a shorter name" in str(caught.value)
 
 
+@pytest.mark.quick
 def test_a_gigantic_page_is_rendered_within_the_pixel_budget(tmp_path: Path) -> None:
     poster = make_gigantic_page_pdf(tmp_path / "poster.pdf")
     budget = 25_000_000
@@ -253,6 +266,7 @@ def test_a_gigantic_page_is_rendered_within_the_pixel_budget(tmp_path: Path) -> 
     assert image.shape[0] > 4000, "scaled down further than needed"
 
 
+@pytest.mark.quick
 def test_an_unreadable_file_is_a_permanent_input_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """EACCES cannot be produced as root, so `open` is made to raise it."""

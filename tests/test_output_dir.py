@@ -28,6 +28,7 @@ def files_in(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")}
 
 
+@pytest.mark.quick
 def test_outputs_mirror_the_sub_folder_below_the_inbox_that_holds_the_pdf(tmp_path):
     inbox, out = tmp_path / "inbox", tmp_path / "out"
     one = OutputPlace(out, (inbox,))
@@ -43,6 +44,7 @@ def test_outputs_mirror_the_sub_folder_below_the_inbox_that_holds_the_pdf(tmp_pa
     assert outputs_for(inbox / "d.pdf")[0] == inbox / "d.md", "the default moved"
 
 
+@pytest.mark.quick
 def test_output_dir_that_cannot_be_used_is_refused_at_load_naming_the_key(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -44,6 +44,7 @@ SCHEMA = json.loads(resources.files("ocrvl_daemon").joinpath("data/document.sche
 LOOPED = "fake-ocr OCR 800x1200 " + "the value of the row is " * 80
 
 
+@pytest.mark.quick
 def test_each_failure_gets_its_verdict_and_reason():
     text = "A page of ordinary text, with numbers 12 and 1900, as OCR reads it."
     assert assess(text, "stop", 40, False, True).verdict is Verdict.OK
@@ -60,6 +61,7 @@ def test_each_failure_gets_its_verdict_and_reason():
     assert assess(LOOPED, "length", 256, True, True).repetition >= 8
 
 
+@pytest.mark.quick
 def test_ink_on_a_page_is_any_dark_line_in_any_colour_and_not_scanner_noise():
     """An empty answer counts as a failure only on a page with ink: what has ink is decided
     on the rendered image, from its darkest channel."""
@@ -76,6 +78,7 @@ def test_ink_on_a_page_is_any_dark_line_in_any_colour_and_not_scanner_noise():
     assert has_ink(blue), "a coloured line is ink too"
 
 
+@pytest.mark.quick
 def test_a_loop_is_sent_again_twice_with_a_penalty_then_kept():
     ledger = RedoLedger()
     for page in range(20):
@@ -99,6 +102,7 @@ def test_a_loop_is_sent_again_twice_with_a_penalty_then_kept():
         "a redo started although the document's redos took their share")
 
 
+@pytest.mark.quick
 def test_a_page_that_stays_bad_keeps_its_best_answer(tmp_path: Path):
     policy = Policy(tmp_path)
     book = make_pdf(policy.folder / "book.pdf", 1)
@@ -116,6 +120,7 @@ def test_a_page_that_stays_bad_keeps_its_best_answer(tmp_path: Path):
     policy.store.close()
 
 
+@pytest.mark.quick
 def test_a_redo_that_fails_keeps_the_first_answer(tmp_path: Path):
     policy = Policy(tmp_path, page_retries=3)
     book = make_pdf(policy.folder / "book.pdf", 1)
@@ -131,6 +136,7 @@ def test_a_redo_that_fails_keeps_the_first_answer(tmp_path: Path):
     policy.store.close()
 
 
+@pytest.mark.quick
 def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
         tmp_path: Path, caplog: pytest.LogCaptureFixture):
     policy = Policy(tmp_path)
@@ -220,6 +226,7 @@ def test_loops_cut_offs_and_empty_pages_are_retried_to_fit_and_flagged_everywher
         assert all(len(again[width[p]]) == 1 for p in range(loop)), "retried a good page"
 
 
+@pytest.mark.quick
 def test_a_page_that_crashes_the_worker_is_found_and_only_it_counts_attempts(tmp_path: Path):
     policy = Policy(tmp_path, page_retries=3)
     pages, culprit = 64, 41
@@ -248,6 +255,7 @@ def test_a_page_that_crashes_the_worker_is_found_and_only_it_counts_attempts(tmp
     policy.store.close()
 
 
+@pytest.mark.quick
 def test_a_json_file_ocrvl_did_not_write_is_never_replaced(tmp_path: Path):
     book = make_pdf(tmp_path / "book.pdf", 1)
     book.with_suffix(".json").write_text('{"mine": true}\n')

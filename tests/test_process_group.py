@@ -125,6 +125,7 @@ def test_leftover_check_never_kills_a_foreign_group(tmp_path: Path, groups: list
         foreign.wait()
 
 
+@pytest.mark.quick
 def test_unreadable_pidfile_is_ignored(tmp_path: Path) -> None:
     pidfile = tmp_path / "server.pid"
     pidfile.write_text("{not json")

@@ -43,12 +43,14 @@ def progress_lines(log: str, name: str) -> list[tuple[int, int]]:
     return [(int(m[2]), int(m[3])) for m in LINE.finditer(log) if m[1] == name]
 
 
+@pytest.mark.quick
 def test_progress_line_reads_like_the_readme_promises():
     assert progress_line("book.pdf", 212, 480, 1.6) == \
         "book.pdf: p. 212/480 (44%) · 1.6 p/s · ETA 2m48s"
     assert progress_line("book.pdf", 3, 480, 0.0) == "book.pdf: p. 3/480 (0%)"
 
 
+@pytest.mark.quick
 def test_rate_ignores_the_wait_before_the_first_pages_and_single_bursts():
     meter = RateMeter()
     meter.add(0.0, 0)

@@ -50,6 +50,7 @@ def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
     assert gate.open == 0, "a place was not given back"
 
 
+@pytest.mark.quick
 def test_a_letters_request_passes_the_book_pages_already_waiting() -> None:
     """Waiting requests go fewest-pages-of-their-document-in-flight first, then in order."""
     gate = RequestGate(1)
@@ -192,6 +193,7 @@ def test_beside_a_letter_a_books_young_requests_above_the_cap_wait_until_the_cap
     assert gate.open == 0 and gate.waiting == 0
 
 
+@pytest.mark.quick
 def test_a_cancelled_request_gives_its_place_back_and_is_not_sent_again() -> None:
     gate, server = RequestGate(1), Server()
     request = server.request(gate, "book p.1", 64)

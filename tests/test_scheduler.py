@@ -32,6 +32,7 @@ def finish(d: DocumentPages, page: int) -> None:
     d.done += 1
 
 
+@pytest.mark.quick
 def test_a_small_document_behind_a_big_book_gets_the_next_free_slots() -> None:
     book, letter = doc(1, 600), doc(2, 2)
     first = pick_pages([book], 64)
@@ -46,6 +47,7 @@ def test_a_small_document_behind_a_big_book_gets_the_next_free_slots() -> None:
     assert letter.in_flight == {0, 1} and not letter.pending
 
 
+@pytest.mark.quick
 def test_one_free_slot_goes_to_the_document_with_fewest_pages_in_flight() -> None:
     book, letter = doc(1, 600), doc(2, 2)
     pick_pages([book], 8)
@@ -57,6 +59,7 @@ def test_one_free_slot_goes_to_the_document_with_fewest_pages_in_flight() -> Non
     assert chosen == (letter, 1)
 
 
+@pytest.mark.quick
 def test_two_books_interleave_evenly_pages_in_order() -> None:
     a, b = doc(1, 100), doc(2, 100)
     chosen = pick_pages([a, b], 40)
@@ -67,6 +70,7 @@ def test_two_books_interleave_evenly_pages_in_order() -> None:
         assert pages == sorted(pages) == list(range(20))
 
 
+@pytest.mark.quick
 def test_many_small_documents_share_slots_shortest_first_then_oldest() -> None:
     docs = [doc(i, 2 + (i % 3)) for i in range(10)]
     chosen = pick_pages(docs, 10)
@@ -75,6 +79,7 @@ def test_many_small_documents_share_slots_shortest_first_then_oldest() -> None:
     assert [d.job_id for d, _ in chosen[:4]] == [0, 3, 6, 9]
 
 
+@pytest.mark.quick
 def test_bounds_never_more_than_slots_or_pending() -> None:
     docs = [doc(1, 3), doc(2, 1)]
     assert pick_pages(docs, -5) == []
@@ -85,6 +90,7 @@ def test_bounds_never_more_than_slots_or_pending() -> None:
     assert pick_pages([], 10) == []
 
 
+@pytest.mark.quick
 def test_give_back_requeues_in_order_once() -> None:
     d = doc(1, 5)
     pick_pages([d], 3)
@@ -103,6 +109,7 @@ def test_give_back_requeues_in_order_once() -> None:
     assert d.finished and d.done == 5
 
 
+@pytest.mark.quick
 def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
     limit = 64
     book, letter = doc(1, 600), doc(2, 2)
@@ -128,6 +135,7 @@ def test_a_book_yields_to_a_letter_until_the_letter_is_done() -> None:
         "once the letter is done the book must get the whole bound back")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("limit", "room"), [(8, 2), (64, 16), (128, 16), (256, 16)])
 def test_beside_a_letter_a_book_keeps_a_quarter_of_the_bound_at_most_16_pages(
     limit: int, room: int
@@ -140,6 +148,7 @@ def test_beside_a_letter_a_book_keeps_a_quarter_of_the_bound_at_most_16_pages(
         "a bigger batch slows the letter whatever the bound")
 
 
+@pytest.mark.quick
 def test_letters_that_fill_the_yielded_share_hold_the_book_back_entirely() -> None:
     limit = 64
     share = yield_room(limit)
@@ -157,6 +166,7 @@ def test_letters_that_fill_the_yielded_share_hold_the_book_back_entirely() -> No
         "a place freed under the yielded share must go to the book")
 
 
+@pytest.mark.quick
 def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
     limit = 64
     a, b = doc(1, 300), doc(2, 300)
@@ -176,6 +186,7 @@ def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
         "a book at its last pages must finish first: the other book yields to it")
 
 
+@pytest.mark.quick
 def test_fairness_over_a_whole_run() -> None:
     """Simulate a server with 16 slots: the letter dropped mid-book finishes within ~1 round."""
     book = doc(1, 600)

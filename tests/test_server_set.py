@@ -129,6 +129,7 @@ def first(changes: list[tuple[float, str, ServerStatus]], name: str,
 # --- configuration ---------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_a_url_listed_twice_is_refused_naming_it() -> None:
     message = config_error({"mode": "external",
                             "urls": ["http://gpu-a:8118", "http://gpu-b:8118/v1",
@@ -136,6 +137,7 @@ def test_a_url_listed_twice_is_refused_naming_it() -> None:
     assert "server.urls" in message and "http://gpu-a:8118/v1 twice" in message, message
 
 
+@pytest.mark.quick
 def test_url_and_urls_together_are_refused() -> None:
     message = config_error({"mode": "external", "url": "http://gpu-a:8118/v1",
                             "urls": ["http://gpu-b:8118/v1"]})
@@ -147,6 +149,7 @@ def test_url_and_urls_together_are_refused() -> None:
     ({"mode": "external", "url": "http://gpu-a:8118/v1", "gpus": [0]}, "server.gpus"),
     ({"mode": "managed", "urls": ["http://gpu-a:8118/v1"]}, "server.urls"),
 ])
+@pytest.mark.quick
 def test_keys_of_the_other_mode_are_refused(server: dict[str, Any], key: str) -> None:
     message = config_error(server)
     assert key in message and "mode" in message, message
@@ -157,12 +160,14 @@ def test_keys_of_the_other_mode_are_refused(server: dict[str, Any], key: str) ->
     ({"gpus": [0, 0]}, "server.gpus"), ({"gpus": []}, "server.gpus"),
     ({"gpus": ["first"]}, "server.gpus"),
 ])
+@pytest.mark.quick
 def test_bad_replicas_and_gpus_are_refused_naming_the_key(server: dict[str, Any],
                                                          key: str) -> None:
     message = config_error(server)
     assert f"Config key {key} =" in message, message
 
 
+@pytest.mark.quick
 def test_several_urls_are_normalised_and_the_first_is_the_base_url() -> None:
     server = validate_config({"server": {"mode": "external", "urls": [
         "http://gpu-a:8118", "https://gpu-b/v1/"]}}).server
@@ -170,6 +175,7 @@ def test_several_urls_are_normalised_and_the_first_is_the_base_url() -> None:
     assert server.base_url == "http://gpu-a:8118/v1"
 
 
+@pytest.mark.quick
 def test_replicas_auto_rule() -> None:
     assert autotune.auto_replicas(None) == 1, "without a GPU reading: one server"
     for small in (8 * GIB, 12 * GIB, 24 * GIB, 32 * GIB):
@@ -218,6 +224,7 @@ def test_a_gpu_that_is_not_there_is_refused(tmp_path: Path) -> None:
         ServerSet(managed(tmp_path, H200, H200, gpus=[0, 3]))
 
 
+@pytest.mark.quick
 def test_each_replica_gets_its_share_of_the_card() -> None:
     config = validate_config({"server": {"replicas": 2}})
     card = GpuReading(0, "GPU-x", H200[0], H200[1], 1024, H200[1] - 1024, "560", (9, 0), "nvml")
@@ -230,6 +237,7 @@ def test_each_replica_gets_its_share_of_the_card() -> None:
     assert autotune.plan_vllm_args(explicit, card).values[autotune.UTILIZATION] == 0.3
 
 
+@pytest.mark.quick
 def test_remembered_settings_are_kept_per_replica_count(tmp_path: Path) -> None:
     card = GpuReading(0, "GPU-x", H200[0], H200[1], 1024, H200[1] - 1024, "560", (9, 0), "nvml")
     model = "PaddleOCR-VL-1.6-0.9B"
@@ -241,6 +249,7 @@ def test_remembered_settings_are_kept_per_replica_count(tmp_path: Path) -> None:
         f"GPU-x|{model}|3 replicas"}
 
 
+@pytest.mark.quick
 def test_oom_step_down_of_a_replica_stays_below_its_share(tmp_path: Path) -> None:
     config = validate_config({"server": {"replicas": 2}})
     text = ("ValueError: Free memory on device (30.0/140.0 GiB) on startup is less than desired "

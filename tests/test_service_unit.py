@@ -71,6 +71,7 @@ def _exec(path: Path) -> Path:
     return path
 
 
+@pytest.mark.quick
 def test_template_directives() -> None:
     text = unit_template()
     units = _directives(text)
@@ -88,12 +89,14 @@ def test_template_directives() -> None:
         assert hint in text
 
 
+@pytest.mark.quick
 def test_repository_unit_is_the_packaged_template() -> None:
     link = REPO / "systemd" / "ocrvl.service"
     assert link.is_symlink() and os.readlink(link) == "../ocrvl_daemon/data/ocrvl.service"
     assert link.read_text() == unit_template()
 
 
+@pytest.mark.quick
 def test_install_writes_reloads_and_enables(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     run = Recorder()
@@ -119,6 +122,7 @@ def test_install_writes_reloads_and_enables(tmp_path: Path,
     assert not again.changed and run.calls == COMMANDS * 2
 
 
+@pytest.mark.quick
 def test_no_config_and_the_running_ocrvl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ocrvl = _exec(tmp_path / "bin" / "ocrvl")
     monkeypatch.setattr(sys, "argv", [str(ocrvl), "install-service"])
@@ -126,6 +130,7 @@ def test_no_config_and_the_running_ocrvl(tmp_path: Path, monkeypatch: pytest.Mon
     assert f"\nExecStart={ocrvl} run\n" in result.unit_text
 
 
+@pytest.mark.quick
 def test_ocrvl_command_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = _exec(tmp_path / "venv" / "bin" / "ocrvl")
     link = tmp_path / "local" / "ocrvl"
@@ -143,6 +148,7 @@ def test_ocrvl_command_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert ocrvl_command() == [sys.executable, "-m", "ocrvl_daemon"]
 
 
+@pytest.mark.quick
 def test_dry_run_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = Recorder()
     result = install_service(Path("c.yaml"), dry_run=True, force=False,
@@ -157,6 +163,7 @@ def test_dry_run_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert f"--config {Path.cwd() / 'c.yaml'}" in result.unit_text
 
 
+@pytest.mark.quick
 def test_refuses_to_overwrite_an_edited_unit(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     ocrvl = _exec(tmp_path / "ocrvl")
@@ -185,6 +192,7 @@ def test_refuses_to_overwrite_an_edited_unit(tmp_path: Path,
     assert run.calls == COMMANDS
 
 
+@pytest.mark.quick
 def test_refuses_a_unit_someone_else_wrote(tmp_path: Path) -> None:
     (tmp_path / UNIT_NAME).write_text("[Service]\nExecStart=/usr/bin/true\n")
     with pytest.raises(UnitEditedError, match="--force"):
@@ -192,6 +200,7 @@ def test_refuses_a_unit_someone_else_wrote(tmp_path: Path) -> None:
                         unit_dir=tmp_path, run=Recorder())
 
 
+@pytest.mark.quick
 def test_replaces_its_own_unedited_unit(tmp_path: Path) -> None:
     for config in ("a.yaml", "b.yaml"):
         install_service(tmp_path / config, dry_run=False, force=False,
@@ -199,6 +208,7 @@ def test_replaces_its_own_unedited_unit(tmp_path: Path) -> None:
     assert "b.yaml" in (tmp_path / UNIT_NAME).read_text()
 
 
+@pytest.mark.quick
 def test_unit_dir_follows_xdg_config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     result = install_service(None, dry_run=True, force=False, exec_path=Path("/opt/ocrvl"),
@@ -211,6 +221,7 @@ def test_unit_dir_follows_xdg_config_home(tmp_path: Path, monkeypatch: pytest.Mo
     assert result.unit_path == tmp_path / "home" / ".config" / "systemd" / "user" / UNIT_NAME
 
 
+@pytest.mark.quick
 def test_advice_for_linger_and_wsl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     user = os.environ.get("USER") or "someone"
     monkeypatch.setenv("USER", user)
@@ -227,6 +238,7 @@ def test_advice_for_linger_and_wsl(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                            unit_dir=tmp_path, run=Recorder()).notes == []
 
 
+@pytest.mark.quick
 def test_systemctl_failures_name_the_fix(tmp_path: Path) -> None:
     failing = Recorder(returncode=1, stderr="Failed to connect to bus: No medium found")
     with pytest.raises(ServiceManagerError, match="No medium found") as caught:
@@ -251,6 +263,7 @@ def test_systemctl_failures_name_the_fix(tmp_path: Path) -> None:
     ("it's", '"it\'s"'),
     ("", '""'),
 ])
+@pytest.mark.quick
 def test_exec_quote(arg: str, word: str) -> None:
     assert exec_quote(arg) == word
 

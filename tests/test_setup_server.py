@@ -63,18 +63,21 @@ def commands(steps: list[Step]) -> list[tuple[str, ...]]:
     ((3, 12), "2.8.0", None),
     ((3, 12), None, None),
 ])
+@pytest.mark.quick
 def test_flash_attn_wheel_table(python: tuple[int, int], torch: str | None,
                                 expected: str | None) -> None:
     url = flash_attn_wheel(python, torch)
     assert url == (WHEEL_BASE + expected if expected else None)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("mem_gib", "cpus", "jobs"), [(14, 16, 3), (2, 16, 1), (64, 4, 4),
                                                       (0, 8, 1)])
 def test_build_jobs_fit_ram(mem_gib: int, cpus: int, jobs: int) -> None:
     assert build_jobs(mem_gib * GIB, cpus) == jobs
 
 
+@pytest.mark.quick
 def test_vllm_launcher_with_venv_and_pip(tmp_path: Path) -> None:
     steps = plan(tmp_path, Config.model_validate({}))
     venv = tmp_path / "venv"
@@ -87,6 +90,7 @@ def test_vllm_launcher_with_venv_and_pip(tmp_path: Path) -> None:
     assert steps[-1].set_python == (tmp_path / "config.yaml", venv / "bin" / "python")
 
 
+@pytest.mark.quick
 def test_vllm_launcher_with_uv(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     assert commands(plan(tmp_path, Config.model_validate({}), uv="/opt/uv")) == [
@@ -96,6 +100,7 @@ def test_vllm_launcher_with_uv(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.quick
 def test_existing_environment_is_reused(tmp_path: Path) -> None:
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -104,6 +109,7 @@ def test_existing_environment_is_reused(tmp_path: Path) -> None:
     assert [s.argv[-1] for s in steps if s.argv] == ["vllm>=0.11.1,<1.0"]
 
 
+@pytest.mark.quick
 def test_genai_server_with_a_prebuilt_wheel(tmp_path: Path) -> None:
     steps = plan(tmp_path, torch_cuda="2.8.0+cu128", uv="/opt/uv")
     install = commands(steps)[1]
@@ -115,6 +121,7 @@ def test_genai_server_with_a_prebuilt_wheel(tmp_path: Path) -> None:
     assert not any(s.env for s in steps)
 
 
+@pytest.mark.quick
 def test_genai_server_builds_from_source_for_the_local_gpu(tmp_path: Path) -> None:
     steps = plan(tmp_path, torch_cuda="2.10.0+cu128")
     build = next(s for s in steps if "flash-attn==2.8.3" in s.argv)
@@ -125,6 +132,7 @@ def test_genai_server_builds_from_source_for_the_local_gpu(tmp_path: Path) -> No
     assert "ninja" in tools.argv
 
 
+@pytest.mark.quick
 def test_fresh_environment_builds_with_flash_attns_own_wheel_lookup(tmp_path: Path) -> None:
     # PyTorch is not installed yet, so the version is unknown: the source route, whose setup
     # fetches a matching wheel itself when one exists.
@@ -134,17 +142,20 @@ def test_fresh_environment_builds_with_flash_attns_own_wheel_lookup(tmp_path: Pa
                                "FLASH_ATTN_CUDA_ARCHS": "120"}
 
 
+@pytest.mark.quick
 def test_genai_server_without_a_gpu_builds_for_all(tmp_path: Path) -> None:
     build = next(s for s in plan(tmp_path, gpu=None) if "flash-attn==2.8.3" in s.argv)
     assert dict(build.env) == {"MAX_JOBS": "3"}
 
 
+@pytest.mark.quick
 def test_genai_server_refused_below_compute_8(tmp_path: Path) -> None:
     with pytest.raises(DependencyError, match=r"7\.5") as caught:
         plan(tmp_path, gpu=T4)
     assert caught.value.fix == "set server.launcher: vllm"
 
 
+@pytest.mark.quick
 def test_render_plan_shows_commands_and_env(tmp_path: Path) -> None:
     text = render_plan(plan(tmp_path, torch_cuda="2.10.0+cu128"))
     assert ("MAX_JOBS=3 TORCH_CUDA_ARCH_LIST=8.9 FLASH_ATTN_CUDA_ARCHS=80 "
@@ -154,6 +165,7 @@ def test_render_plan_shows_commands_and_env(tmp_path: Path) -> None:
     assert text.splitlines()[-1].startswith("6. set server.python: ")
 
 
+@pytest.mark.quick
 def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     printed: list[str] = []
     run_setup(plan(tmp_path), dry_run=True, echo=printed.append)
@@ -187,6 +199,7 @@ def test_failed_step_raises_with_its_fix(tmp_path: Path) -> None:
     assert not (tmp_path / "c.yaml").exists()
 
 
+@pytest.mark.quick
 def test_set_config_key_keeps_comments_and_other_keys(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("# my settings\nmodel:\n  name: PaddleOCR-VL-0.9B  # the old one\n"
@@ -201,6 +214,7 @@ def test_set_config_key_keeps_comments_and_other_keys(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no temporary left
 
 
+@pytest.mark.quick
 def test_set_config_key_creates_the_file(tmp_path: Path) -> None:
     path = tmp_path / "new" / "config.yaml"
     set_config_key(path, ("server", "python"), "/venv/bin/python")

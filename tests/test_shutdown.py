@@ -21,6 +21,7 @@ def signals() -> Iterator[StopSignals]:
     installed.restore()
 
 
+@pytest.mark.quick
 def test_a_second_stop_signal_forces_the_stop_instead_of_waiting(signals: StopSignals) -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # the first: stop gracefully
     wait_until(lambda: signals.stops, 5, what="the first SIGTERM to be recorded")
@@ -40,6 +41,7 @@ def test_a_second_stop_signal_forces_the_stop_instead_of_waiting(signals: StopSi
     assert signals.stops == [signal.SIGTERM, signal.SIGINT]
 
 
+@pytest.mark.quick
 def test_one_stop_signal_and_a_sighup_let_the_graceful_stop_finish(signals: StopSignals) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     wait_until(lambda: signals.stops, 5, what="the SIGTERM to be recorded")
@@ -54,6 +56,7 @@ def test_one_stop_signal_and_a_sighup_let_the_graceful_stop_finish(signals: Stop
     assert signals.pending == [signal.SIGTERM, signal.SIGHUP]
 
 
+@pytest.mark.quick
 def test_what_the_graceful_stop_raises_reaches_the_main_thread(signals: StopSignals) -> None:
     def graceful() -> None:
         raise OSError("disk gone")

@@ -8,6 +8,8 @@ import sqlite3
 import stat
 from pathlib import Path
 
+import pytest
+
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.store import JobState, PageFailure, Store
 
@@ -19,6 +21,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+@pytest.mark.quick
 def test_state_directory_and_database_are_private_to_the_user(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o755)  # an existing, too open folder is tightened too
@@ -27,12 +30,14 @@ def test_state_directory_and_database_are_private_to_the_user(tmp_path: Path) ->
     assert mode(state / "jobs.sqlite") == 0o600
 
 
+@pytest.mark.quick
 def test_the_server_listens_on_loopback_by_default() -> None:
     config = Config()
     assert config.server.host == "127.0.0.1"
     assert config.server.base_url.startswith("http://127.0.0.1:")
 
 
+@pytest.mark.quick
 def test_no_shell_is_ever_used_to_run_commands() -> None:
     """File names reach child processes only as argv items, never through a shell."""
     offenders = []
@@ -47,6 +52,7 @@ def test_no_shell_is_ever_used_to_run_commands() -> None:
     assert not offenders, offenders
 
 
+@pytest.mark.quick
 def test_states_counts_and_page_flags(tmp_path: Path) -> None:
     store = Store(tmp_path / "jobs.sqlite")
     try:
@@ -73,6 +79,7 @@ def test_states_counts_and_page_flags(tmp_path: Path) -> None:
         store.close()
 
 
+@pytest.mark.quick
 def test_a_name_that_is_not_utf8_round_trips_and_its_errors_are_kept_escaped(
         tmp_path: Path) -> None:
     odd = tmp_path / os.fsdecode(b"\xff\xfebook.pdf")
@@ -90,6 +97,7 @@ def test_a_name_that_is_not_utf8_round_trips_and_its_errors_are_kept_escaped(
         store.close()
 
 
+@pytest.mark.quick
 def test_a_database_of_an_earlier_version_keeps_its_jobs(tmp_path: Path) -> None:
     """Paths were stored as text before names that are not UTF-8 were kept as bytes."""
     db = tmp_path / "jobs.sqlite"
@@ -114,6 +122,7 @@ def test_a_database_of_an_earlier_version_keeps_its_jobs(tmp_path: Path) -> None
         store.close()
 
 
+@pytest.mark.quick
 def test_a_store_from_before_hooks_opens_and_records_hook_outcomes(tmp_path: Path) -> None:
     import sqlite3
 

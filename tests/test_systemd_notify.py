@@ -143,6 +143,7 @@ def test_abstract_socket(make_notifier: MakeNotifier, monkeypatch: pytest.Monkey
         listener.close()
 
 
+@pytest.mark.quick
 def test_no_socket_is_a_quiet_no_op(
         make_notifier: MakeNotifier, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
@@ -158,6 +159,7 @@ def test_no_socket_is_a_quiet_no_op(
     notifier.stopping()
 
 
+@pytest.mark.quick
 def test_missing_socket_warns_and_carries_on(
         make_notifier: MakeNotifier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -218,6 +220,7 @@ def test_pings_come_only_from_the_loop_so_a_stuck_loop_stops_pinging(
     assert notify_socket.texts(2) == ["WATCHDOG=1", "WATCHDOG=1"]
 
 
+@pytest.mark.quick
 def test_child_env_drops_notify_variables() -> None:
     env = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
            "JOURNAL_STREAM": "8:9", "INVOCATION_ID": "abc", "PATH": "/bin"}

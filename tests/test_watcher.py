@@ -247,11 +247,13 @@ MOUNTINFO = r"""
         ("/home/me/ocr-inbox", "ext4", False),
     ],
 )
+@pytest.mark.quick
 def test_filesystem_type_and_needs_polling(path: str, fstype: str, polling: bool) -> None:
     assert filesystem_type(path, mountinfo=MOUNTINFO) == fstype
     assert needs_polling(fstype) is polling
 
 
+@pytest.mark.quick
 def test_parse_mountinfo_skips_garbage() -> None:
     assert parse_mountinfo("not a mountinfo line\n") == []
     assert filesystem_type("/x", mountinfo="") == "unknown"
@@ -304,6 +306,7 @@ def test_non_pdf_waits_for_the_long_wait(start: Callable[..., Harness], inbox: P
     assert sorted(h.ready) == sorted([good, junk, empty])
 
 
+@pytest.mark.quick
 def test_encrypted_pdf_counts_as_pdf(tmp_path: Path) -> None:
     pypdf = pytest.importorskip("pypdf")
     plain = make_pdf(tmp_path / "plain.pdf")
