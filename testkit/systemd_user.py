@@ -19,7 +19,7 @@ $XDG_RUNTIME_DIR/systemd/private; no D-Bus is needed. Teardown kills the manager
 (every service with it), then journald and the holder, reaps them all and removes the
 cgroups and the folder.
 
-Run by hand: `python tests/systemd_user.py` starts one, prints the environment to use with
+Run by hand: `python -m testkit.systemd_user` starts one, prints the environment to use with
 systemctl/journalctl, and tears it down on Enter.
 """
 

@@ -15,7 +15,6 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon.output import outputs_for, read_header
 from testkit.documents import (
@@ -25,6 +24,7 @@ from testkit.documents import (
     make_pdf,
 )
 from testkit.harness import wait_until
+from testkit.inbox_daemon import Setup, wait_for_markdown
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ import itertools
 import os
 import signal
 import sqlite3
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -22,11 +21,12 @@ from typing import Any
 
 import psutil
 import pytest
-from test_systemd_notify import Message, NotifySocket
 
 from testkit.documents import make_pdf
 from testkit.harness import answers_health, free_port, process_alive, wait_until
+from testkit.notify_socket import Message, NotifySocket
 from testkit.runner import DaemonProcess, managed_fake_server, write_config
+from testkit.stubborn import slow_to_stop, stubborn_pids
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +39,6 @@ VLLM_PHASES = ("loading weights", "profiling memory", "allocating KV cache",
 
 # A process that ignores SIGTERM, like a VLLM::EngineCore slow to let go of the GPU: it
 # adds its pid to the file named by its first argument, then waits to be killed.
-STUBBORN = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "open(sys.argv[1], 'a').write(f'{os.getpid()}\\n'); time.sleep(3600)")
-
-
-def slow_to_stop(server: dict[str, Any], pidfile: Path) -> dict[str, Any]:
-    """`server` (a managed fake server section) with a process in the server's process group
-    that ignores SIGTERM: stopping the server then takes its whole `server.stop_timeout`,
-    until the SIGKILL. The process adds its pid to `pidfile`."""
-    script = '"$0" -c "$1" "$2" & shift 2; exec "$@"'
-    return {**server, "command": ["sh", "-c", script, sys.executable, STUBBORN, str(pidfile),
-                                  *server["command"]]}
-
-
 class NotifiedDaemon:
     """`ocrvl run` with its own inbox, fake server and notify socket."""
 
@@ -295,11 +282,6 @@ def test_watchdog_pings_stop_while_the_main_loop_is_stuck(notified) -> None:
 def descendants(pid: int) -> list[psutil.Process]:
     """The processes `pid` started (and theirs)."""
     return psutil.Process(pid).children(recursive=True)
-
-
-def stubborn_pids(pidfile: Path) -> list[int]:
-    """The pids of the stubborn processes started so far, oldest first."""
-    return [int(line) for line in pidfile.read_text().split()] if pidfile.exists() else []
 
 
 @pytest.fixture

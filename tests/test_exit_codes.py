@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_daemon_notify import slow_to_stop, stubborn_pids
 
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.pdf import file_identity
@@ -45,6 +44,7 @@ from testkit.runner import (
     run_ocrvl,
     write_config,
 )
+from testkit.stubborn import slow_to_stop, stubborn_pids
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 from stand_in_worker import StandInWorker
-from test_daemon import Setup, wait_for_markdown
 
 from ocrvl_daemon import jobs, output
 from ocrvl_daemon.commands import retry, status
@@ -32,6 +31,7 @@ from ocrvl_daemon.worker.client import Failure, PageResult
 from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until
+from testkit.inbox_daemon import Setup, wait_for_markdown
 
 
 class ReadyServer:

@@ -19,7 +19,6 @@ import jsonschema
 import numpy as np
 import pytest
 import yaml
-from test_daemon import Setup, wait_for_markdown
 from test_failure_policy import Policy
 
 from ocrvl_daemon.errors import NotOursError
@@ -37,6 +36,7 @@ from ocrvl_daemon.worker.client import PageResult
 from ocrvl_daemon.worker.main import has_ink
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
+from testkit.inbox_daemon import Setup, wait_for_markdown
 from testkit.runner import run_ocrvl
 
 SCHEMA = json.loads(resources.files("ocrvl_daemon").joinpath("data/document.schema.json")

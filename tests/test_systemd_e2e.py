@@ -1,6 +1,6 @@
 """The real `ocrvl run` as the installed user unit under a real `systemd --user`.
 
-tests/systemd_user.py runs the manager and journald in this container (skipped, with the
+testkit/systemd_user.py runs the manager and journald in this container (skipped, with the
 reason, where the machine cannot). `ocrvl install-service` writes the unit; the daemon
 starts the fake vLLM server itself (with a start-up delay, so "activating" can be seen) and
 converts a PDF with the real pipeline (layout detection off). Both ways of logging into the
@@ -17,12 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from systemd_user import UserManager, cgroup_pids, cgroup_roots, unavailable_reason, user_manager
 
 from ocrvl_daemon.commands.install_service import UNIT_NAME, install_service
 from testkit.documents import make_pdf
 from testkit.harness import answers_health, free_port, process_alive
 from testkit.runner import PACKAGE_ROOT, managed_fake_server, write_config
+from testkit.systemd_user import (
+    UserManager,
+    cgroup_pids,
+    cgroup_roots,
+    unavailable_reason,
+    user_manager,
+)
 
 pytestmark = pytest.mark.slow
 
