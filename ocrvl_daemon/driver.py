@@ -51,7 +51,7 @@ from ocrvl_daemon.scheduler import (
     yielding,
 )
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
-from ocrvl_daemon.worker.client import Failure, PageResult, PageTask
+from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap, slots_to_fill
 
@@ -360,7 +360,7 @@ class Converter:
         self.store.save_page(
             job.sha256, self.model, result.page, result.markdown, result.images, note=note,
             quality=quality.to_json(),
-            layout={"size": list(result.size), "blocks": result.blocks},
+            layout={"size": list(result.size), "blocks": [b.to_json() for b in result.blocks]},
         )
         doc.in_flight.discard(result.page)
         doc.resting.pop(result.page, None)

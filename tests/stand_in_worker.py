@@ -13,7 +13,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter, ServerHandle
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.worker.client import PageResult, PageTask
+from ocrvl_daemon.worker.messages import PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool
 from ocrvl_daemon.worker.request_gate import YieldCap
 

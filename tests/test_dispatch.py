@@ -26,7 +26,7 @@ from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.store import JobState, Store
-from ocrvl_daemon.worker.client import Failure, PageResult
+from ocrvl_daemon.worker.messages import Failure, PageResult
 from ocrvl_daemon.worker.pool import EnginePool
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, start_fake_server, wait_until

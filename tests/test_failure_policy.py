@@ -27,7 +27,7 @@ from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.jobs import enqueue_file, open_store
 from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.store import Job, JobState
-from ocrvl_daemon.worker.client import Failure, PageResult
+from ocrvl_daemon.worker.messages import Failure, PageResult
 from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until

@@ -32,8 +32,8 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
-from ocrvl_daemon.worker.client import PageResult
 from ocrvl_daemon.worker.main import has_ink
+from ocrvl_daemon.worker.messages import PageResult
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.worker.client import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.worker.client import EngineWorker
+from ocrvl_daemon.worker.messages import PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until

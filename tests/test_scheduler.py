@@ -18,7 +18,7 @@ from ocrvl_daemon.scheduler import (
     pick_yielding,
     yield_room,
 )
-from ocrvl_daemon.worker.client import PageResult
+from ocrvl_daemon.worker.messages import PageResult
 from ocrvl_daemon.worker.request_gate import SHORT_EXTRA, YieldCap, ready_margin
 from testkit.documents import make_pdf
 

@@ -20,8 +20,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import IO, Any
 
 import psutil
@@ -29,71 +27,20 @@ import psutil
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.sd_notify import child_env
 from ocrvl_daemon.server.process_group import stop_process_group
+from ocrvl_daemon.worker.messages import (
+    GateLimit,
+    LogRecord,
+    PageResult,
+    PageTask,
+    RequestSent,
+    WorkerFailed,
+    WorkerMessage,
+    WorkerReady,
+    WorkerSetup,
+)
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PageTask:
-    """Recognise page `page` (0-based) of `pdf` for job `job_id`."""
-
-    job_id: int
-    pdf: str
-    page: int
-    max_new_tokens: int
-    # The file's (size, mtime) when the job was queued: a page rendered from another version
-    # of the file must not be checkpointed under this version's hash.
-    size: int
-    mtime: float
-    # Pages of its document in flight before it: the request gate lets the page with the
-    # fewest through first (a letter's pages pass the book pages already waiting), and lets
-    # one of a document short of pages bump a young request of a document with many.
-    priority: int = 0
-    # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
-    repetition_penalty: float | None = None
-    # The server endpoint (OpenAI base URL) its requests go to; "": the worker's first one.
-    url: str = ""
-
-
-class Failure(str, Enum):
-    """Why a page came back without an answer; the converter's policy differs for each."""
-
-    # No answer at all (connection refused or reset, timeout): the endpoint is gone for now,
-    # and the page waits for it (or another) without counting an attempt.
-    SERVER_DOWN = "server-down"
-    # The server answered with an HTTP 5xx status: it is there but fails the request. Each
-    # one counts an attempt, and the page waits a while before it is sent again.
-    SERVER_ERROR = "server-error"
-    INPUT = "input"  # the file changed or vanished
-    DAMAGED = "damaged"  # the page itself cannot be rendered: the same every time
-    PAGE = "page"  # anything else about this page (a 4xx answer, a pipeline error)
-
-
-@dataclass
-class PageResult:
-    """What came back for one page: Markdown and images, or why it failed."""
-
-    job_id: int
-    page: int
-    markdown: str = ""
-    images: dict[str, bytes] = field(default_factory=dict)
-    error: str | None = None
-    error_kind: Failure | None = None
-    seconds: float = 0.0
-    # Set when an answer of the page was cut off at the token limit (finish_reason
-    # "length"): the limit that cut it off. The converter decides whether to redo the page.
-    truncated_at: int | None = None
-    looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
-    token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
-    tokens: int = 0  # completion tokens the page's answers took
-    finish_reason: str | None = None  # "length" if any answer was cut off, else the first's
-    repetition: float = 0.0  # the worst page_quality.repetition of its answers
-    has_ink: bool = False  # the page image is not blank
-    size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
-    # The pipeline's blocks: label, bbox [x0, y0, x1, y1] in page pixels, text.
-    blocks: list[dict[str, Any]] = field(default_factory=list)
-    url: str = ""  # the endpoint that answered (the task's)
 
 
 class _Channel:
@@ -106,14 +53,14 @@ class _Channel:
         self._writer = writer
         self._lock = threading.Lock()  # guards _writer: one message's bytes go together
 
-    def send(self, message: Any) -> None:
+    def send(self, message: object) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._writer.write(self._HEADER.pack(len(data)) + data)
             self._writer.flush()
 
     def receive(self) -> Any:
-        """The next message; None at end of input."""
+        """The next message (a `messages` dataclass); None at end of input."""
         header = self._reader.read(self._HEADER.size)
         if len(header) < self._HEADER.size:
             return None
@@ -124,10 +71,10 @@ class _Channel:
         return pickle.loads(data)
 
 
-def _log_for_worker(level: int, name: str, text: str) -> None:
+def _log_for_worker(record: LogRecord) -> None:
     """Log a record the worker sent, at its level and under its logger's name, so the
     daemon's handler (journald's priority among its fields) treats it like its own."""
-    logging.getLogger(name).log(level, "%s", text)
+    logging.getLogger(record.name).log(record.level, "%s", record.text)
 
 
 class EngineWorker:
@@ -138,7 +85,7 @@ class EngineWorker:
         self._server_url = server_url
         self._process: subprocess.Popen[bytes] | None = None
         self._channel: _Channel | None = None
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._inbox: queue.Queue[WorkerMessage] = queue.Queue()
         # Set when a message arrives; the pool shares one between its workers.
         self.arrived = threading.Event()
         self._reader: threading.Thread | None = None
@@ -167,15 +114,15 @@ class EngineWorker:
         self._channel = _Channel(self._process.stdout, self._process.stdin)
         self._reader = threading.Thread(target=self._read, name="engine-results", daemon=True)
         self._reader.start()
-        self._channel.send((self._config_json, self._server_url))
+        self._channel.send(WorkerSetup(self._config_json, self._server_url))
         log.info("engine worker started (pid %s)", self._process.pid)
 
     def _read(self) -> None:
         assert self._channel is not None
         try:
             while (message := self._channel.receive()) is not None:
-                if message[0] == "log":
-                    _log_for_worker(*message[1])
+                if isinstance(message, LogRecord):
+                    _log_for_worker(message)
                     continue
                 self._inbox.put(message)
                 self.arrived.set()
@@ -215,7 +162,7 @@ class EngineWorker:
             self.limits[url], self.caps[url] = limit, cap
             assert self._channel is not None
             with contextlib.suppress(OSError, ValueError):
-                self._channel.send(("limit", url, limit, cap))
+                self._channel.send(GateLimit(url, limit, cap))
 
     def pending(self) -> bool:
         """Whether messages wait to be collected."""
@@ -242,30 +189,30 @@ class EngineWorker:
         block = timeout > 0
         while True:
             try:
-                kind, payload = self._inbox.get(block=block, timeout=timeout if block else None)
+                message = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 break
             block = False
-            if kind == "ready":
+            if isinstance(message, WorkerReady):
                 self.ready = True
-                log.info(
-                    "engine worker %s ready in %.1f s", payload, time.monotonic() - self.started_at
-                )
-            elif kind == "failed":
-                self.failure = payload
-            elif kind == "sent":
-                if payload in self.in_flight:
-                    self.sent.add(payload)
-            else:
-                key = (payload.job_id, payload.page)
+                log.info("engine worker %s ready in %.1f s", message.pid,
+                         time.monotonic() - self.started_at)
+            elif isinstance(message, WorkerFailed):
+                self.failure = message.reason
+            elif isinstance(message, RequestSent):
+                key = (message.job_id, message.page)
+                if key in self.in_flight:
+                    self.sent.add(key)
+            elif isinstance(message, PageResult):
+                key = (message.job_id, message.page)
                 self._attempts[key] -= 1
                 if self._attempts[key] <= 0:
                     del self._attempts[key]
                     self.in_flight.discard(key)
                     self.sent.discard(key)
-                self.per_url[payload.url] -= 1
+                self.per_url[message.url] -= 1
                 self.pages_done += 1
-                out.append(payload)
+                out.append(message)
         return out
 
     def kill(self) -> None:

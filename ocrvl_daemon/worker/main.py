@@ -31,7 +31,19 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
 from ocrvl_daemon.server.probe import bearer_header
 from ocrvl_daemon.server.process_group import die_with_parent
-from ocrvl_daemon.worker.client import Failure, PageResult, PageTask, _Channel
+from ocrvl_daemon.worker.client import _Channel
+from ocrvl_daemon.worker.messages import (
+    Block,
+    Failure,
+    GateLimit,
+    LogRecord,
+    PageResult,
+    PageTask,
+    RequestSent,
+    WorkerFailed,
+    WorkerReady,
+    WorkerSetup,
+)
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 
@@ -236,7 +248,7 @@ class _DaemonLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._channel.send(("log", (record.levelno, record.name, self.format(record))))
+            self._channel.send(LogRecord(record.levelno, record.name, self.format(record)))
         except Exception:
             self.handleError(record)
 
@@ -260,11 +272,10 @@ def _library_logs_to_daemon() -> None:
 def serve() -> None:
     """The worker process's main (`EngineWorker.start` runs it with `python -c`).
 
-    Messages are length-prefixed pickles: the first one from the parent is the configuration,
-    then `PageTask`s and ("limit", url, n, cap) (the requests allowed at the server at `url`,
-    and the `YieldCap` or None: `RequestGate.resize`) until end of input;
-    this side answers "ready"/"failed", "sent" (a page's first request left for the server),
-    "page" results and "log" records.
+    Messages are length-prefixed pickles of the `messages` dataclasses: a `WorkerSetup`
+    from the parent, then `PageTask`s and `GateLimit`s until end of input; this side answers
+    `WorkerReady` or `WorkerFailed`, then `RequestSent` and `PageResult` for each page, and
+    `LogRecord`s.
     """
     die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
     if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
@@ -280,14 +291,15 @@ def serve() -> None:
     # Paddle warns at import, at every worker start, that ccache is missing: it compiles
     # nothing here, so that line would only be noise in the journal.
     warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
-    config_json, server_url = channel.receive()
-    config = Config.model_validate_json(config_json)
+    setup: WorkerSetup = channel.receive()
+    server_url = setup.server_url
+    config = Config.model_validate_json(setup.config_json)
     try:
         PaddleOCRVL = import_paddleocr_vl()
         _library_logs_to_daemon()
         pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
-        channel.send(("failed", f"{type(exc).__name__}: {exc}"))
+        channel.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
         return
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
@@ -304,7 +316,7 @@ def serve() -> None:
                            pipeline.paddlex_pipeline.vl_rec_model.genai_client)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
-    channel.send(("ready", os.getpid()))
+    channel.send(WorkerReady(os.getpid()))
     # A thread for every page the converter sends (it bounds them: each endpoint's limit, the
     # ready margin and the pages of documents short of pages): a fixed pool would queue pages
     # unseen, behind the gates' back.
@@ -315,9 +327,8 @@ def serve() -> None:
                                     args=(pipeline, config, server_url, message, channel))
             page.start()
             pages = [p for p in pages if p.is_alive()] + [page]
-        else:
-            _, url, limit, cap = message
-            endpoints.gate(url).resize(limit, cap)
+        elif isinstance(message, GateLimit):
+            endpoints.gate(message.url).resize(message.limit, message.cap)
     for page in pages:
         page.join()
     # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
@@ -349,7 +360,7 @@ def _run_page(
     result = PageResult(task.job_id, task.page, url=task.url)
     path = Path(task.pdf)
     _COMPLETIONS.url = task.url
-    _COMPLETIONS.announce = lambda: channel.send(("sent", (task.job_id, task.page)))
+    _COMPLETIONS.announce = lambda: channel.send(RequestSent(task.job_id, task.page))
     _COMPLETIONS.priority = task.priority
     _COMPLETIONS.document = task.job_id
     try:
@@ -385,7 +396,7 @@ def _run_page(
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
     result.seconds = time.monotonic() - started
-    channel.send(("page", result))
+    channel.send(result)
 
 
 def _recognise(
@@ -410,14 +421,13 @@ def _recognise(
     return res
 
 
-def _blocks(res: Any) -> list[dict[str, Any]]:
-    """The pipeline's blocks of one page, as plain values (label, bbox in pixels, text)."""
+def _blocks(res: Any) -> list[Block]:
+    """The pipeline's blocks of one page (label, bbox in pixels, text)."""
     blocks = []
     for block in res.get("parsing_res_list") or []:
         with contextlib.suppress(AttributeError, TypeError, ValueError):
-            blocks.append({"label": str(block.label),
-                           "bbox": [round(float(v), 1) for v in list(block.bbox)[:4]],
-                           "text": str(block.content or "")})
+            x0, y0, x1, y1 = (round(float(v), 1) for v in list(block.bbox)[:4])
+            blocks.append(Block(str(block.label), (x0, y0, x1, y1), str(block.content or "")))
     return blocks
 
 

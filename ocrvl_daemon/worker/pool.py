@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.scheduler import DocumentPages
-from ocrvl_daemon.worker.client import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.worker.client import EngineWorker
+from ocrvl_daemon.worker.messages import PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,143 @@
+"""The messages between the daemon and an engine worker process, one dataclass each.
+
+They cross the pipe as pickles (`client._Channel`); the reader dispatches on the class, so a
+new kind of message is a new class here, never a tag or a string to match.
+
+Daemon to worker: `WorkerSetup` (first, once), then `PageTask`s and `GateLimit`s.
+Worker to daemon: `WorkerReady` or `WorkerFailed`, then `RequestSent` and `PageResult` for each
+page, and `LogRecord`s at any time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ocrvl_daemon.worker.request_gate import YieldCap
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """The configuration (as JSON) and the server URL the worker builds its pipeline with."""
+
+    config_json: str
+    server_url: str
+
+
+@dataclass(frozen=True)
+class PageTask:
+    """Recognise page `page` (0-based) of `pdf` for job `job_id`."""
+
+    job_id: int
+    pdf: str
+    page: int
+    max_new_tokens: int
+    # The file's (size, mtime) when the job was queued: a page rendered from another version
+    # of the file must not be checkpointed under this version's hash.
+    size: int
+    mtime: float
+    # Pages of its document in flight before it: the request gate lets the page with the
+    # fewest through first (a letter's pages pass the book pages already waiting), and lets
+    # one of a document short of pages bump a young request of a document with many.
+    priority: int = 0
+    # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
+    repetition_penalty: float | None = None
+    # The server endpoint (OpenAI base URL) its requests go to; "": the worker's first one.
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class GateLimit:
+    """How many requests the worker may have at the server at `url`, and the `YieldCap` on big
+    documents' requests, if any (`RequestGate.resize`)."""
+
+    url: str
+    limit: int
+    cap: YieldCap | None = None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """The pipeline is built: pages may come."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The pipeline could not be built; `reason` is the error, as text."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestSent:
+    """The first request of a page left for the server (it is no longer being prepared)."""
+
+    job_id: int
+    page: int
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """A worker log record, for the daemon to log at `level` under logger `name`."""
+
+    level: int
+    name: str
+    text: str
+
+
+class Failure(str, Enum):
+    """Why a page came back without an answer; the converter's policy differs for each."""
+
+    # No answer at all (connection refused or reset, timeout): the endpoint is gone for now,
+    # and the page waits for it (or another) without counting an attempt.
+    SERVER_DOWN = "server-down"
+    # The server answered with an HTTP 5xx status: it is there but fails the request. Each
+    # one counts an attempt, and the page waits a while before it is sent again.
+    SERVER_ERROR = "server-error"
+    INPUT = "input"  # the file changed or vanished
+    DAMAGED = "damaged"  # the page itself cannot be rendered: the same every time
+    PAGE = "page"  # anything else about this page (a 4xx answer, a pipeline error)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block the pipeline found on a page: its label, its box [x0, y0, x1, y1] in page
+    pixels, and its text."""
+
+    label: str
+    bbox: tuple[float, float, float, float]
+    text: str
+
+    def to_json(self) -> dict[str, object]:
+        """The block as plain JSON values (the store's layout record)."""
+        return {"label": self.label, "bbox": list(self.bbox), "text": self.text}
+
+
+@dataclass
+class PageResult:
+    """What came back for one page: Markdown and images, or why it failed."""
+
+    job_id: int
+    page: int
+    markdown: str = ""
+    images: dict[str, bytes] = field(default_factory=dict)
+    error: str | None = None
+    error_kind: Failure | None = None
+    seconds: float = 0.0
+    # Set when an answer of the page was cut off at the token limit (finish_reason
+    # "length"): the limit that cut it off. The converter decides whether to redo the page.
+    truncated_at: int | None = None
+    looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
+    token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
+    tokens: int = 0  # completion tokens the page's answers took
+    finish_reason: str | None = None  # "length" if any answer was cut off, else the first's
+    repetition: float = 0.0  # the worst page_quality.repetition of its answers
+    has_ink: bool = False  # the page image is not blank
+    size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
+    blocks: list[Block] = field(default_factory=list)
+    url: str = ""  # the endpoint that answered (the task's)
+
+
+WorkerMessage = WorkerReady | WorkerFailed | RequestSent | PageResult | LogRecord
