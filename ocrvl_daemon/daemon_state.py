@@ -61,6 +61,25 @@ class ServerView:
 
 
 @dataclass(frozen=True)
+class GpuView:
+    """A GPU a managed server runs on, as its driver last reported it."""
+
+    index: int
+    name: str
+    used_mib: int
+    total_mib: int
+    busy_pct: int | None = None  # share of the last sample period a kernel ran
+    power_w: float | None = None
+
+    def summary(self) -> str:
+        """"gpu 0 (NVIDIA H200): 76% busy, 40.1/139.8 GiB, 353 W"."""
+        parts = [f"{self.busy_pct}% busy"] if self.busy_pct is not None else []
+        parts.append(f"{self.used_mib / 1024:.1f}/{self.total_mib / 1024:.1f} GiB")
+        parts += [f"{self.power_w:.0f} W"] if self.power_w is not None else []
+        return f"gpu {self.index} ({self.name}): " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class DaemonState:
     """The daemon as of one tick of its main loop."""
 
@@ -85,6 +104,7 @@ class DaemonState:
     engine_failed_starts: int = 0  # recognition workers that failed to start, in a row
     engine_error: str | None = None
     hook_failures: Mapping[str, int] = field(default_factory=dict)
+    gpus: tuple[GpuView, ...] = ()  # the GPUs of a managed server; () for an external one
 
     def documents(self) -> dict[str, int]:
         """Documents by job state."""

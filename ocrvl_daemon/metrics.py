@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from ocrvl_daemon.config import MetricsConfig
 from ocrvl_daemon.daemon_state import DaemonState
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.server.gpu import MIB
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,28 @@ class _SnapshotCollector(Collector):
         yield restarts
         yield in_flight
         yield rate
+        yield from _gpu_metrics(snap)
+
+
+def _gpu_metrics(snap: DaemonState) -> Iterator[Metric]:
+    """The managed server's GPUs: how busy, how full, how much power (where reported)."""
+    busy = GaugeMetricFamily("ocrvl_gpu_busy_percent",
+                             "Share of the last sample period a kernel ran on the GPU.",
+                             labels=["gpu"])
+    used = GaugeMetricFamily("ocrvl_gpu_memory_used_bytes", "GPU memory in use.",
+                             labels=["gpu"])
+    total = GaugeMetricFamily("ocrvl_gpu_memory_total_bytes", "GPU memory in all.",
+                              labels=["gpu"])
+    power = GaugeMetricFamily("ocrvl_gpu_power_watts", "Power the GPU draws.", labels=["gpu"])
+    for gpu in snap.gpus:
+        label = [str(gpu.index)]
+        used.add_metric(label, gpu.used_mib * MIB)
+        total.add_metric(label, gpu.total_mib * MIB)
+        if gpu.busy_pct is not None:
+            busy.add_metric(label, gpu.busy_pct)
+        if gpu.power_w is not None:
+            power.add_metric(label, gpu.power_w)
+    yield from (busy, used, total, power)
 
 
 class MetricsEndpoint:

@@ -84,7 +84,7 @@ def test_reads_rtx4060_through_nvidia_smi(tmp_path: Path) -> None:
     found = reading(tmp_path, "rtx4060")
     assert found == GpuReading(0, "GPU-5a1c4060-0000-4000-8000-000000004060",
                                "NVIDIA GeForce RTX 4060", 8188, 1024, 7164, "560.94", (8, 9),
-                               "nvidia-smi")
+                               "nvidia-smi", busy_pct=37, power_w=64.12)
 
 
 def test_reads_t4_compute_capability(tmp_path: Path) -> None:
@@ -439,3 +439,10 @@ def test_suggestion_when_nothing_is_left() -> None:
     current = {UTILIZATION: 0.5, MAX_MODEL_LEN: BUDGET, MAX_NUM_SEQS: 8, BATCHED_TOKENS: BUDGET}
     text = suggestion(current, Config.model_validate({}), CUDA_OOM)
     assert "Nothing ocrvl may change is left to lower" in text
+
+
+def test_a_reading_says_how_busy_the_gpu_is_and_what_power_it_draws(tmp_path):
+    busy = reading(tmp_path, "rtx4060")
+    assert (busy.busy_pct, busy.power_w) == (37, 64.12)
+    idle = reading(tmp_path, "t4")
+    assert idle.busy_pct == 0 and idle.power_w is None, "[N/A] power must read as unknown"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -117,3 +119,27 @@ def test_metrics_scraped_while_a_book_converts_show_pages_documents_and_server(t
         assert after[("ocrvl_pages_per_second", ())] > 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{listen}/metrics", timeout=2)
+
+
+def test_a_managed_servers_gpu_is_shown_in_status_and_metrics(tmp_path):
+    """So that a user sees an idle card: utilization, memory and power of the server's GPU."""
+    listen = f"127.0.0.1:{free_port()}"
+    config, _ = daemon_config(tmp_path, listen)
+    smi = tmp_path / "nvidia-smi"
+    shutil.copyfile(Path(__file__).parent / "fixtures" / "gpu" / "rtx4060.sh", smi)
+    smi.chmod(0o755)
+    with DaemonProcess(config, OCRVL_NVIDIA_SMI=str(smi), OCRVL_NO_NVML="1") as daemon:
+        daemon.wait_ready()
+        metrics = wait_until(
+            lambda: (m := scrape(listen)).get(("ocrvl_gpu_busy_percent", (("gpu", "0"),)))
+            is not None and m, 30, what="the GPU's figures in /metrics")
+        status = run_ocrvl("status", "--config", config, timeout=60)
+        as_json = json.loads(run_ocrvl("status", "--json", "--config", config, timeout=60).stdout)
+    gpu = (("gpu", "0"),)
+    assert metrics[("ocrvl_gpu_busy_percent", gpu)] == 37
+    assert metrics[("ocrvl_gpu_power_watts", gpu)] == pytest.approx(64.12)
+    assert metrics[("ocrvl_gpu_memory_used_bytes", gpu)] == 1024 * 1024 * 1024
+    assert metrics[("ocrvl_gpu_memory_total_bytes", gpu)] == 8188 * 1024 * 1024
+    assert "gpu 0 (NVIDIA GeForce RTX 4060): 37% busy, 1.0/8.0 GiB, 64 W" in status.stdout, \
+        status.stdout
+    assert as_json["daemon"]["gpus"][0]["busy_pct"] == 37, as_json["daemon"]

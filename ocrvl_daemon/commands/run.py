@@ -30,6 +30,7 @@ from ocrvl_daemon.config_file import advice_command, load_config
 from ocrvl_daemon.daemon_state import (
     DaemonState,
     EndpointState,
+    GpuView,
     ServerView,
     format_status,
     write_runtime_file,
@@ -48,6 +49,7 @@ from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import MetricsEndpoint
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.sd_notify import Notifier
+from ocrvl_daemon.server.gpu import read_gpus
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.shutdown import StopSignals
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.1
 IDLE_TICK_SECONDS = 0.5
 STATUS_SECONDS = 1.0
+# A managed server's GPUs are read this often (nvidia-smi, where NVML is missing, is slow).
+GPU_SECONDS = 5.0
 # How much more time to ask systemd for, each time, while the model server starts.
 EXTEND_SECONDS = 90.0
 # Pages in flight get this long to finish and be checkpointed at shutdown.
@@ -79,6 +83,8 @@ class Daemon:
         self._ready_sent = False
         self._last_extend = 0.0
         self._last_status = 0.0
+        self._last_gpu_read = -GPU_SECONDS
+        self._gpus: tuple[GpuView, ...] = ()
         # The latest state, for the metrics endpoint's thread (no lock: it is replaced whole,
         # never changed in place).
         self.state: DaemonState | None = None
@@ -223,6 +229,10 @@ class Daemon:
         if now - self._last_status < STATUS_SECONDS:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
+        if self.config.server.mode == "managed" and now - self._last_gpu_read >= GPU_SECONDS:
+            self._last_gpu_read = now
+            self._gpus = tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct,
+                                       r.power_w) for r in read_gpus())
         state = self._state(server)
         self.state = state
         self.notifier.status(format_status(state), now)
@@ -265,6 +275,7 @@ class Daemon:
             engine_failed_starts=self.converter.engines.start_failures,
             engine_error=self.converter.engines.start_error,
             hook_failures=dict(self.converter.hooks.failures),
+            gpus=self._gpus,
         )
 
     def _endpoints(self) -> list[EndpointState]:

@@ -1,4 +1,5 @@
-"""What the GPU ocrvl will use looks like right now: name, memory, driver, compute capability.
+"""What the GPU ocrvl will use looks like right now: name, memory, driver, compute capability,
+and how busy it is (utilization, power).
 
 NVML (nvidia-ml-py) is asked first; when it is missing or fails (normal on machines without a
 driver, in containers and often under WSL2) `nvidia-smi` is run instead. No GPU is not an
@@ -12,10 +13,10 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ NVIDIA_SMI_TIMEOUT = 10.0
 WSL_NVIDIA_SMI = Path("/usr/lib/wsl/lib/nvidia-smi")
 OSRELEASE = Path("/proc/sys/kernel/osrelease")
 NVIDIA_SMI_FIELDS = (
-    "index,uuid,name,memory.total,memory.used,memory.free,driver_version,compute_cap"
+    "index,uuid,name,memory.total,memory.used,memory.free,driver_version,compute_cap,"
+    "utilization.gpu,power.draw"
 )
 MIB = 1024 * 1024
 
@@ -44,6 +46,10 @@ class GpuReading:
     driver: str
     compute_capability: tuple[int, int]
     source: Literal["nvml", "nvidia-smi"]
+    # How busy it is: the share of the last sample period a kernel ran, and the power drawn
+    # (None where the driver does not say).
+    busy_pct: int | None = None
+    power_w: float | None = None
 
 
 @dataclass
@@ -157,9 +163,10 @@ def parse_nvidia_smi_all(text: str) -> list[GpuReading]:
     for row in csv.reader(text.splitlines(), skipinitialspace=True):
         if not row:
             continue
-        if len(row) != 8:
+        if len(row) not in (8, 10):  # an older nvidia-smi may leave the last two out
             raise ValueError(f"unexpected output line {','.join(row)!r}")
-        index, uuid, name, total, used, free, driver, cap = (c.strip() for c in row)
+        index, uuid, name, total, used, free, driver, cap = (c.strip() for c in row[:8])
+        busy, power = (c.strip() for c in (row[8:] or ["", ""]))
         total_mib, free_mib = _mib(total), _mib(free)
         # WSL2 and some drivers report "[N/A]" for used memory; total - free is the same thing.
         used_mib = _mib(used) if _number(used) else total_mib - free_mib
@@ -167,7 +174,8 @@ def parse_nvidia_smi_all(text: str) -> list[GpuReading]:
         readings.append(GpuReading(
             index=int(index), uuid=uuid, name=name, total_mib=total_mib, used_mib=used_mib,
             free_mib=free_mib, driver=driver, compute_capability=(int(major), int(minor or 0)),
-            source="nvidia-smi",
+            source="nvidia-smi", busy_pct=round(float(busy)) if _number(busy) else None,
+            power_w=float(power) if _number(power) else None,
         ))
     return readings
 
@@ -200,10 +208,22 @@ def _read_nvml() -> list[GpuReading]:
                 free_mib=int(memory.free) // MIB,
                 driver=_text(pynvml.nvmlSystemGetDriverVersion()),
                 compute_capability=(int(major), int(minor)), source="nvml",
+                busy_pct=_nvml_or_none(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                                       handle),
+                power_w=_nvml_or_none(lambda h: pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
+                                      handle),
             ))
         return readings
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_or_none(read: Callable[[Any], Any], handle: Any) -> Any:
+    """A counter the device may not support (NVML raises NotSupported): None then."""
+    try:
+        return read(handle)
+    except Exception:  # pynvml.NVMLError and its many subclasses
+        return None
 
 
 def _matches(device: str, index: int, uuid: str) -> bool:
