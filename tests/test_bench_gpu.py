@@ -19,11 +19,12 @@ import pytest
 import yaml
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
+from bench.gpu.gpu_sampler import GpuSampler
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
 from bench.gpu.run import page_requests, round_order
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
 from testkit.documents import make_pdf
-from testkit.harness import free_port, start_fake_server
+from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.plain_server import _Handler, serving
 from testkit.runner import run_ocrvl, write_config
 
@@ -217,3 +218,16 @@ def test_the_feeder_and_warm_up_send_exactly_what_ocrvl_sends(tmp_path: Path) ->
     assert feeder == ocrvl, "the benchmark's requests differ from ocrvl's"
     assert 0.8 < feeder_bytes / ocrvl_bytes < 1.25, (
         f"the benchmark's page image is {feeder_bytes} bytes, ocrvl's {ocrvl_bytes}")
+
+
+def test_the_gpu_sampler_reports_a_contenders_mean_gpu_busy_share_and_power(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    smi = tmp_path / "nvidia-smi"
+    shutil.copyfile(Path(__file__).parent / "fixtures" / "gpu" / "rtx4060.sh", smi)
+    smi.chmod(0o755)
+    monkeypatch.setenv("OCRVL_NVIDIA_SMI", str(smi))
+    monkeypatch.setenv("OCRVL_NO_NVML", "1")
+    start = time.monotonic()
+    with GpuSampler() as sampler:
+        wait_until(lambda: sampler.over(start, time.monotonic()), 10, what="a GPU sample")
+    assert sampler.over(start, time.monotonic()) == {"gpu_busy_pct": 37.0, "gpu_watts": 64.1}

@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 import psutil  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from bench.gpu.gpu_sampler import GpuSampler  # noqa: E402
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS  # noqa: E402
 from bench.gpu.lengths import AnswerLengths  # noqa: E402
 from bench.gpu.vllm_server import Metrics, ServeOptions, started, version  # noqa: E402
@@ -130,9 +131,10 @@ class Bench:
         self.metrics.wait_idle()
         log(f"{name} ...")
         cpu0, machine0, wall0 = self.server_cpu(), psutil.cpu_times(), time.monotonic()
-        t0, t1, pages = run()
+        with GpuSampler() as gpu:
+            t0, t1, pages = run()
         cpu1, machine1, wall1 = self.server_cpu(), psutil.cpu_times(), time.monotonic()
-        extra = {**extra, **machine_cpu(machine0, machine1, wall1 - wall0)}
+        extra = {**extra, **machine_cpu(machine0, machine1, wall1 - wall0), **gpu.over(t0, t1)}
         if cpu0 is not None and cpu1 is not None:
             server = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
             extra = {**extra, "server_api_cpu_s_per_page": server[0] / pages,
@@ -438,17 +440,21 @@ def report(res: dict[str, Any]) -> str:
         f"({'; '.join(', '.join(o) for o in res.get('round_orders', []))}); each figure is a "
         "contender's median run (of an even count, the slower middle one), whose time and "
         "timeline are shown", "",
-        "| contender | pages/s | each round | s | vs capacity | vs B2 | preemptions "
-        "| requests running (mean per 1/24 of the run) |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| contender | pages/s | each round | s | vs capacity | vs B2 | GPU busy | GPU W "
+        "| preemptions | requests running (mean per 1/24 of the run) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for r in res["results"].values():
         vs_cap = f"{r['pages_per_s'] / cap:.0%}" if cap else "-"
         vs_b2 = f"{r['pages_per_s'] / b2:.2f}x" if b2 else "-"
         each = " ".join(f"{x:.2f}" for x in r.get("rounds_pages_per_s", [r["pages_per_s"]]))
         running = " ".join("." if x is None else str(x) for x in r["timeline"])
+        busy = r["extra"].get("gpu_busy_pct")
+        watts = r["extra"].get("gpu_watts")
         lines.append(f"| {r['name']} ({r['what']}) | {r['pages_per_s']:.2f} | {each} "
-                     f"| {r['seconds']:.1f} | {vs_cap} | {vs_b2} | {r['preemptions']} "
+                     f"| {r['seconds']:.1f} | {vs_cap} | {vs_b2} "
+                     f"| {'-' if busy is None else f'{busy:.0f}%'} "
+                     f"| {'-' if watts is None else f'{watts:.0f}'} | {r['preemptions']} "
                      f"| {running} |")  # fmt: skip
     lines.append("")
     for name, ratios in round_ratios(res).items():
