@@ -449,3 +449,88 @@ def test_the_test_kit_is_not_part_of_the_installed_package() -> None:
                if any(fnmatch.fnmatchcase(name, pattern) for pattern in include)]
     assert shipped == ["ocrvl_daemon"], f"pyproject.toml ships {shipped}"
     assert not (root / "ocrvl_daemon" / "testing").exists(), "the old kit is back"
+
+
+def events(response: httpx.Response) -> Iterator[Any]:
+    """The server-sent events of a streamed answer, decoded (``[DONE]`` as the string)."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def test_a_streamed_answer_comes_in_vllm_chunks(server: FakeServerProcess) -> None:
+    jpeg = make_test_jpeg(40, (120, 80))
+    whole = server.post(CHAT, json=chat_payload(jpeg, max_completion_tokens=30)).json()
+    body = chat_payload(jpeg, max_completion_tokens=30, stream=True,
+                        stream_options={"include_usage": True})
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        received = list(events(response))
+    assert received[-1] == "[DONE]"
+    *chunks, usage, _ = received
+    assert {c["object"] for c in received[:-1]} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [
+        whole["choices"][0]["finish_reason"]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+def test_a_stream_is_paced_by_the_batching_simulation_and_loops_like_the_answer(
+        tmp_path: Path) -> None:
+    log = tmp_path / "requests.jsonl"
+    args = ("--step-t0-ms", "5", "--output-tokens", "fixed:40", "--loop-widths", "64",
+            "--request-log", str(log))
+    with start_fake_server(free_port(), *args) as srv:
+        body = chat_payload(make_test_jpeg(41, (64, 64)), max_completion_tokens=60, stream=True)
+        with httpx.stream("POST", srv.url + CHAT, json=body, timeout=30) as response:
+            chunks = [e for e in events(response) if e != "[DONE]"]
+        deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+        assert sum(bool(d) for d in deltas) > 10, "the answer came in one piece, not as decoded"
+        words = "".join(deltas).split()[5:]  # after the base line
+        assert len(words) == 60 - 16 and words[:6] * 7 == words[:42], "a loop page did not loop"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+        assert record["stream"] is True and record["status"] == 200
+        assert record["tokens"] == record["generated_tokens"] == 60
+
+
+def test_a_stream_closed_mid_answer_aborts_the_request_like_vllm(tmp_path: Path) -> None:
+    log = tmp_path / "requests.jsonl"
+    args = ("--step-t0-ms", "5", "--loop-widths", "64", "--request-log", str(log))
+    with start_fake_server(free_port(), *args) as srv:
+        body = chat_payload(make_test_jpeg(42, (64, 64)), max_completion_tokens=4096, stream=True)
+        read = 0
+        with httpx.stream("POST", srv.url + CHAT, json=body, timeout=30) as response:
+            for event in events(response):
+                read += len(event["choices"][0]["delta"].get("content", "").split())
+                if read >= 100:
+                    break  # leaving the block closes the stream
+        stats = wait_until(
+            lambda: (s := srv.stats())["requests_aborted"] == 1 and s["running"] == 0 and s,
+            10, what="the abandoned stream's request to leave the batch")
+        assert stats["requests_completed"] == 0
+        (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+        assert record["aborted"] is True and record["status"] == 499
+        assert 100 <= record["generated_tokens"] < 400, "the server went on decoding for nobody"
+        assert record["generated_tokens"] == stats["generation_tokens"]
+        assert srv.metric("vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_an_engine_death_mid_stream_ends_the_stream_with_the_error() -> None:
+    args = ("--step-t0-ms", "10", "--output-tokens", "fixed:500", "--crash-after", "2",
+            "--crash-exit-delay", "5")
+    with start_fake_server(free_port(), *args) as srv:
+        body = chat_payload(make_test_jpeg(43, (64, 64)), stream=True)
+        with httpx.stream("POST", srv.url + CHAT, json=body, timeout=30) as response:
+            received = events(response)
+            next(received)  # the role: the request is in the engine
+            assert srv.post(CHAT, json=chat_payload(make_test_jpeg(44))).status_code == 500
+            *_, error, done = received
+        assert done == "[DONE]"
+        assert error["error"]["code"] == 500
+        assert error["error"]["type"] == "InternalServerError"
+        assert srv.stats()["requests_failed"] == 2

@@ -122,19 +122,29 @@ def image_tokens(width: int, height: int, max_pixels: int) -> int:
 LOOP_PHRASE_WORDS = 6
 
 
-def reply_text(kind: str, info: ImageInfo, tokens: int, looping: bool = False) -> str:
-    """The reply: the base line, then digest-derived filler up to ``tokens`` tokens.
+def reply_pieces(kind: str, info: ImageInfo, tokens: int, looping: bool = False) -> list[str]:
+    """The reply, one piece of text per token (joined, the whole reply): the base line comes
+    with the first token and the next BASE_LINE_TOKENS - 1 add nothing; then a filler word each.
 
     The filler does not repeat itself (a shorter answer is a prefix of a longer one), unless
-    `looping`: then one short phrase is repeated, like a model caught in a loop.
+    `looping`: then one short phrase is repeated, like a model caught in a loop. Streaming
+    sends these pieces as they are decoded.
     """
+    if tokens <= 0:
+        return []
     base = f"fake-ocr {kind} {info.width}x{info.height} mean={info.mean_gray} sha={info.digest}"
     extra = tokens - BASE_LINE_TOKENS
-    if extra <= 0:
-        return base
-    words = random.Random(info.digest).choices(FILLER_VOCAB, k=LOOP_PHRASE_WORDS if looping
-                                               else extra)
-    return base + " " + " ".join(itertools.islice(itertools.cycle(words), extra))
+    pieces = [base] + [""] * (min(tokens, BASE_LINE_TOKENS) - 1)
+    if extra > 0:
+        words = random.Random(info.digest).choices(
+            FILLER_VOCAB, k=LOOP_PHRASE_WORDS if looping else extra)
+        pieces += [" " + word for word in itertools.islice(itertools.cycle(words), extra)]
+    return pieces
+
+
+def reply_text(kind: str, info: ImageInfo, tokens: int, looping: bool = False) -> str:
+    """The whole reply of `tokens` tokens ("" for none; see `reply_pieces`)."""
+    return "".join(reply_pieces(kind, info, tokens, looping))
 
 
 class RequestError(Exception):
@@ -144,15 +154,19 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
-    def response(self) -> web.Response:
-        """The OpenAI/vLLM error body."""
+    def body(self) -> dict[str, Any]:
+        """The OpenAI/vLLM error body (also what ends a stream that fails mid-answer)."""
         error = {
             "message": self.message,
             "type": self.type,
             "param": self.param,
             "code": self.status,
         }
-        return web.json_response({"error": error}, status=self.status)
+        return {"error": error}
+
+    def response(self) -> web.Response:
+        """The error response."""
+        return web.json_response(self.body(), status=self.status)
 
 
 def engine_error() -> RequestError:
@@ -170,6 +184,8 @@ class ChatRequest:
     max_tokens: int | None
     max_pixels: int
     breaks_loops: bool = False  # a loop-breaking sampling parameter is set
+    stream: bool = False  # answer as server-sent events, token by token
+    include_usage: bool = False  # a stream ends with a usage chunk
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -208,8 +224,10 @@ def parse_chat(body: Any) -> ChatRequest:
 
     breaks = (above("repetition_penalty", 1.0) or above("frequency_penalty", 0.0)
               or above("presence_penalty", 0.0))
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
     return ChatRequest(str(body.get("model")), "\n".join(texts), image, max_tokens, max_pixels,
-                       breaks)
+                       breaks, body.get("stream") is True, include_usage)
 
 
 def _decode_data_url(url: str) -> bytes:

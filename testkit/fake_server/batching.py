@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 from collections import deque
+from collections.abc import AsyncIterator
 
 from testkit.fake_server.answers import engine_error
 from testkit.fake_server.config import FakeServerConfig
@@ -36,8 +37,10 @@ class SimSequence:
     prompt_tokens: int
     image_tokens: int
     target: int
-    future: asyncio.Future[None]
+    future: asyncio.Future[None]  # cancelled: the request was aborted
     produced: int = 0
+    # Set at each token produced and at the end: what a streamed answer waits on.
+    stepped: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def held(self) -> int:
@@ -63,17 +66,33 @@ class BatchSimulator:
         self.generation_tokens = 0  # counted per decode step, like vLLM
         self._wake = asyncio.Event()
 
-    async def generate(self, prompt_tokens: int, img_tokens: int, target: int) -> None:
-        """Queue a sequence and wait until it has produced ``target`` tokens (500 if the engine
-        dies first)."""
+    def submit(self, prompt_tokens: int, img_tokens: int, target: int) -> SimSequence:
+        """Queue a sequence that is to produce ``target`` tokens (cancel its future to abort
+        it: the scheduler drops it at its next step, like vLLM an aborted request)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting.append(SimSequence(prompt_tokens, img_tokens, target, future))
+        seq = SimSequence(prompt_tokens, img_tokens, target, future)
+        self.waiting.append(seq)
         self.max_waiting = max(self.max_waiting, len(self.waiting))
         self._wake.set()
+        return seq
+
+    @staticmethod
+    async def finish(seq: SimSequence) -> None:
+        """Wait until ``seq`` has produced all its tokens (500 if the engine dies first)."""
         try:
-            await future
+            await seq.future
         except EngineDead:
             raise engine_error() from None
+
+    @staticmethod
+    async def progress(seq: SimSequence) -> AsyncIterator[int]:
+        """The tokens ``seq`` has produced so far, each time a step adds some, until it ends
+        (500 if the engine dies first)."""
+        while not seq.future.done():
+            await seq.stepped.wait()
+            seq.stepped.clear()
+            yield seq.produced
+        await BatchSimulator.finish(seq)
 
     async def run(self) -> None:
         """The scheduler loop (runs until cancelled)."""
@@ -93,6 +112,7 @@ class BatchSimulator:
                     continue
                 seq.produced += 1
                 self.generation_tokens += 1
+                seq.stepped.set()
                 if seq.produced >= seq.target:
                     seq.future.set_result(None)
                 else:
@@ -138,6 +158,7 @@ class BatchSimulator:
         for seq in itertools.chain(self.running, self.waiting):
             if not seq.future.done():
                 seq.future.set_exception(EngineDead())
+                seq.stepped.set()
         self.running.clear()
         self.waiting.clear()
 

@@ -138,6 +138,6 @@ class VllmMetrics(Collector):
             "vllm:request_success", "Count of successfully processed requests.",
             labels=["model_name", "finished_reason"],
         )  # fmt: skip
-        for reason in ("stop", "length"):
+        for reason in ("stop", "length", "abort"):
             success.add_metric([*name, reason], s.finished[reason])
         yield success

@@ -3,10 +3,16 @@
 vLLM flags it does not model (``--trust-remote-code``, ``--limit-mm-per-prompt ...``) are
 accepted and ignored, so ocrvl can launch it exactly like ``vllm serve``.
 ``--request-log`` appends one JSON line per chat request, with each answer's length
-(``tokens``).
+(``tokens``), the tokens the engine decoded for it (``generated_tokens``) and ``stream``.
 
-A client that goes away (closes the connection) aborts its request, as vLLM does: it leaves
-the batch or the queue, is logged with status 499 and counted in ``requests_aborted``.
+``"stream": true`` answers like vLLM: ``text/event-stream`` of ``data: {chat.completion.chunk}``
+events (the role, then the text as the batching simulation decodes it, then the finish
+reason, then the usage if ``stream_options.include_usage``), then ``data: [DONE]``; an
+engine that dies mid-answer ends the stream with ``data: {"error": ...}``.
+
+A client that goes away (closes the connection, or the stream mid-answer) aborts its request,
+as vLLM does: it leaves the batch or the queue, is logged with status 499, ``aborted: true``
+and the tokens decoded until then, and counted in ``requests_aborted``.
 
 ``--prepare-ms-per-image`` models vLLM's API process, which prepares images one at a time in
 arrival order before the engine sees them: a request that arrives behind many waits for
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import http
 import json
@@ -37,6 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any, TextIO
 
 from aiohttp import web
@@ -53,9 +61,9 @@ from testkit.fake_server.answers import (
     image_tokens,
     parse_chat,
     prompt_kind,
-    reply_text,
+    reply_pieces,
 )
-from testkit.fake_server.batching import PREFILL_UNIT_TOKENS, BatchSimulator
+from testkit.fake_server.batching import PREFILL_UNIT_TOKENS, BatchSimulator, SimSequence
 from testkit.fake_server.config import FakeServerConfig
 from testkit.fake_server.console import emit, vllm_line
 from testkit.fake_server.metrics import Activity, VllmMetrics, fake_stats
@@ -290,7 +298,7 @@ class FakeServer:
         self.reset_stats()
         return web.json_response(fake_stats(self))
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.received += 1
         number = self.received
         self.activity.start()
@@ -299,15 +307,19 @@ class FakeServer:
             "prompt": None, "max_tokens": None, "status": None,
         }  # fmt: skip
         try:
-            response = await self._complete(request, number, record)
+            response, status = await self._complete(request, number, record)
         except RequestError as exc:
             response = exc.response()
-        except asyncio.CancelledError:  # the client went away: vLLM aborts the request too
+            status = response.status
+        # The client went away (a write to a closed stream may notice first): vLLM aborts
+        # the request too.
+        except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1
-            record.update(status=499, done=time.time())
+            self.finished["abort"] += 1
+            record.update(status=499, aborted=True, done=time.time())
             self._log_request(record)
             raise
-        if response.status == 200:
+        if status == 200:
             self.completed += 1
             if (
                 self.cfg.health_503_after is not None
@@ -316,14 +328,16 @@ class FakeServer:
                 self.dead = True
         else:
             self.failed += 1
-        record["status"] = response.status
+        record["status"] = status
         record["done"] = time.time()
         self._log_request(record)
         return response
 
     async def _complete(
         self, request: web.Request, number: int, record: dict[str, Any]
-    ) -> web.Response:
+    ) -> tuple[web.StreamResponse, int]:
+        """Answer a chat request; return the response and the status it ended with (a stream
+        that failed mid-answer went out as 200)."""
         cfg = self.cfg
         try:
             body = await request.json()
@@ -331,7 +345,7 @@ class FakeServer:
             raise RequestError(400, f"Invalid JSON: {exc}", "BadRequestError") from exc
         chat = parse_chat(body)
         record.update(model=chat.model, prompt=chat.prompt, max_tokens=chat.max_tokens,
-                      repetition_penalty=body.get("repetition_penalty"))
+                      repetition_penalty=body.get("repetition_penalty"), stream=chat.stream)
         if chat.model not in cfg.served_model_names:
             raise RequestError(
                 404, f"The model `{chat.model}` does not exist.", "NotFoundError", "model"
@@ -373,41 +387,81 @@ class FakeServer:
                 await asyncio.sleep(
                     cfg.prepare_ms_per_image * img_tokens / PREFILL_UNIT_TOKENS / 1000)
         record["engine"] = time.time()
-        if cfg.simulate:
-            await self.batch.generate(prompt_tokens, img_tokens, produced)
-        finish = "length" if drawn > max_tokens else "stop"
-        record["tokens"] = produced
-        self.finished[finish] += 1
-        self.prompt_tokens_total += prompt_tokens
-        self.completion_tokens_total += produced
-        if not cfg.simulate:  # simulated: counted per decode step, like vLLM
-            self.answered_generation_tokens += produced
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": chat.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": reply_text(prompt_kind(chat.prompt), info, produced,
-                                                  looping) if produced else "",
-                        },
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": produced,
-                    "total_tokens": prompt_tokens + produced,
-                },
-            }
+        answer = _Answer(
+            chat, reply_pieces(prompt_kind(chat.prompt), info, produced, looping),
+            "length" if drawn > max_tokens else "stop",
+            {"prompt_tokens": prompt_tokens, "completion_tokens": produced,
+             "total_tokens": prompt_tokens + produced},
         )
+        seq = self.batch.submit(prompt_tokens, img_tokens, produced) if cfg.simulate else None
+        try:
+            if chat.stream:
+                return await self._stream(request, answer, seq, record)
+            if seq is not None:
+                await self.batch.finish(seq)
+        finally:
+            # Tokens the engine decoded for it, answered or not (an aborted request's are
+            # what the abort saved from the rest).
+            record["generated_tokens"] = produced if seq is None else seq.produced
+            if seq is not None:
+                seq.future.cancel()  # aborts it if it is still decoding
+        self._answered(answer, record)
+        message = {"role": "assistant", "content": "".join(answer.pieces)}
+        return web.json_response({
+            "id": answer.id, "object": "chat.completion", "created": answer.created,
+            "model": chat.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": answer.finish, "stop_reason": None}],
+            "usage": answer.usage,
+        }), 200
+
+    async def _stream(self, request: web.Request, answer: _Answer, seq: SimSequence | None,
+                      record: dict[str, Any]) -> tuple[web.StreamResponse, int]:
+        """Answer as vLLM streams: server-sent ``chat.completion.chunk`` events, the role
+        first, then the text as it is decoded, then the finish reason (and the usage when
+        asked), then ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created,
+                "model": answer.chat.model}
+
+        async def send(event: dict[str, Any]) -> None:
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        def chunk(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+            return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                        "finish_reason": finish}]}
+
+        await send(chunk({"role": "assistant", "content": ""}))
+        sent = 0
+        decoded = self.batch.progress(seq) if seq is not None else _at_once(len(answer.pieces))
+        try:
+            async for produced in decoded:
+                if produced > sent:
+                    await send(chunk({"content": "".join(answer.pieces[sent:produced])}))
+                    sent = produced
+        except RequestError as exc:  # the engine died mid-answer: vLLM ends the stream so
+            await send(exc.body())
+            await response.write(b"data: [DONE]\n\n")
+            return response, exc.status
+        self._answered(answer, record)
+        await send(chunk({"content": ""}, answer.finish))
+        if answer.chat.include_usage:
+            await send(head | {"choices": [], "usage": answer.usage})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response, 200
+
+    def _answered(self, answer: _Answer, record: dict[str, Any]) -> None:
+        """Count an answer given in full."""
+        produced = answer.usage["completion_tokens"]
+        record["tokens"] = produced
+        self.finished[answer.finish] += 1
+        self.prompt_tokens_total += answer.usage["prompt_tokens"]
+        self.completion_tokens_total += produced
+        if not self.cfg.simulate:  # simulated: counted per decode step, like vLLM
+            self.answered_generation_tokens += produced
 
     async def _look(self, chat: ChatRequest) -> tuple[ImageInfo, int]:
         """Describe the request's image and count its tokens (no image: digest of the prompt)."""
@@ -460,6 +514,23 @@ class FakeServer:
         """Tokens generated: per decode step when batching is simulated (like vLLM), else per
         answer."""
         return self.batch.generation_tokens + self.answered_generation_tokens
+
+
+@dataclasses.dataclass
+class _Answer:
+    """What one chat request gets: its text token by token, how it ends, its usage."""
+
+    chat: ChatRequest
+    pieces: list[str]
+    finish: str
+    usage: dict[str, int]
+    id: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+async def _at_once(tokens: int) -> AsyncIterator[int]:
+    """Without batching simulated, a whole answer is decoded at once."""
+    yield tokens
 
 
 def _bind(host: str, port: int) -> socket.socket:
