@@ -485,11 +485,14 @@ def test_a_stream_is_paced_by_the_batching_simulation_and_loops_like_the_answer(
     args = ("--step-t0-ms", "5", "--output-tokens", "fixed:40", "--loop-widths", "64",
             "--request-log", str(log))
     with start_fake_server(free_port(), *args) as srv:
-        body = chat_payload(make_test_jpeg(41, (64, 64)), max_completion_tokens=60, stream=True)
+        body = chat_payload(make_test_jpeg(41, (64, 64)), max_completion_tokens=60, stream=True,
+                            stream_options={"continuous_usage_stats": True})
         with httpx.stream("POST", srv.url + CHAT, json=body, timeout=30) as response:
             chunks = [e for e in events(response) if e != "[DONE]"]
         deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
         assert sum(bool(d) for d in deltas) > 10, "the answer came in one piece, not as decoded"
+        so_far = [c["usage"]["completion_tokens"] for c in chunks]
+        assert so_far == sorted(so_far) and so_far[-1] == 60, "vLLM's usage so far, per chunk"
         words = "".join(deltas).split()[5:]  # after the base line
         assert len(words) == 60 - 16 and words[:6] * 7 == words[:42], "a loop page did not loop"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"

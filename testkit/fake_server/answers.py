@@ -186,6 +186,7 @@ class ChatRequest:
     breaks_loops: bool = False  # a loop-breaking sampling parameter is set
     stream: bool = False  # answer as server-sent events, token by token
     include_usage: bool = False  # a stream ends with a usage chunk
+    continuous_usage: bool = False  # every chunk of a stream carries the usage so far (vLLM's)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -225,9 +226,11 @@ def parse_chat(body: Any) -> ChatRequest:
     breaks = (above("repetition_penalty", 1.0) or above("frequency_penalty", 0.0)
               or above("presence_penalty", 0.0))
     options = body.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    if not isinstance(options, dict):
+        options = {}
     return ChatRequest(str(body.get("model")), "\n".join(texts), image, max_tokens, max_pixels,
-                       breaks, body.get("stream") is True, include_usage)
+                       breaks, body.get("stream") is True, options.get("include_usage") is True,
+                       options.get("continuous_usage_stats") is True)
 
 
 def _decode_data_url(url: str) -> bytes:

@@ -8,7 +8,8 @@ accepted and ignored, so ocrvl can launch it exactly like ``vllm serve``.
 ``"stream": true`` answers like vLLM: ``text/event-stream`` of ``data: {chat.completion.chunk}``
 events (the role, then the text as the batching simulation decodes it, then the finish
 reason, then the usage if ``stream_options.include_usage``), then ``data: [DONE]``; an
-engine that dies mid-answer ends the stream with ``data: {"error": ...}``.
+engine that dies mid-answer ends the stream with ``data: {"error": ...}``. With vLLM's
+``stream_options.continuous_usage_stats`` every chunk carries the usage so far.
 
 A client that goes away (closes the connection, or the stream mid-answer) aborts its request,
 as vLLM does: it leaves the batch or the queue, is logged with status 499, ``aborted: true``
@@ -430,17 +431,23 @@ class FakeServer:
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
 
         def chunk(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
-            return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                        "finish_reason": finish}]}
+            event = head | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}]}
+            if answer.chat.continuous_usage:
+                prompt = answer.usage["prompt_tokens"]
+                event["usage"] = {"prompt_tokens": prompt, "completion_tokens": sent,
+                                  "total_tokens": prompt + sent}
+            return event
 
+        sent = 0  # tokens sent so far
         await send(chunk({"role": "assistant", "content": ""}))
-        sent = 0
         decoded = self.batch.progress(seq) if seq is not None else _at_once(len(answer.pieces))
         try:
             async for produced in decoded:
                 if produced > sent:
-                    await send(chunk({"content": "".join(answer.pieces[sent:produced])}))
+                    delta = "".join(answer.pieces[sent:produced])
                     sent = produced
+                    await send(chunk({"content": delta}))
         except RequestError as exc:  # the engine died mid-answer: vLLM ends the stream so
             await send(exc.body())
             await response.write(b"data: [DONE]\n\n")

@@ -1,0 +1,118 @@
+"""One chat completion, streamed, and stopped as soon as the answer loops.
+
+A model caught in a loop repeats a phrase until its token limit (4096 by default: about six
+ordinary pages of decoding), and a whole answer is only judged once it has ended. Streamed,
+the answer is judged while it is decoded: every CHECK_EVERY_TOKENS tokens, once it is as long
+as the loop score's window, its end is scored (`page_quality.looks_like_a_loop`); a loop
+closes the stream, which makes the server abort the request (vLLM does at once), and the
+answer ends with the finish reason LOOP.
+
+The request is the one PaddleX's OpenAI client sends (`create_chat_completion`'s keyword
+arguments: sampling, token limit, `extra_body`, `timeout`), with `stream` on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS, looks_like_a_loop
+
+LOOP = "loop"  # the finish reason of an answer cut short because it looped
+# How often a streamed answer is scored. Scoring costs ~50 us (zlib over the window); a loop
+# runs on for at most this many tokens after it shows.
+CHECK_EVERY_TOKENS = 64
+# The answer's usage with every chunk (vLLM's `continuous_usage_stats`), so the tokens of an
+# answer cut short are known; servers that do not send it have their chunks counted.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+class StatusError(Exception):
+    """The server refused or failed the request with an HTTP error status (for a stream that
+    fails once started, the status in its error event)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class StreamedAnswer:
+    """A streamed answer: its text, how it ended ("stop", "length" or LOOP) and the tokens
+    the server generated for it."""
+
+    text: str
+    finish_reason: str | None
+    tokens: int
+
+
+def request_body(model: str, messages: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The streamed request's JSON body: what the OpenAI client sends for
+    `create_chat_completion(messages, **kwargs)` (`extra_body` merged in, `timeout` left out)."""
+    fields = {k: v for k, v in kwargs.items() if k not in ("extra_body", "timeout")}
+    return {"model": model, "messages": messages, **fields, **(kwargs.get("extra_body") or {}),
+            "stream": True, "stream_options": STREAM_OPTIONS}
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                            headers: dict[str, str], timeout: float,
+                            stop_loops: bool = True) -> StreamedAnswer:
+    """Send the chat completion `body` (see `request_body`) to `url` and read its answer as it
+    streams; with `stop_loops`, stop it as soon as it loops (finish reason LOOP).
+
+    `timeout` bounds each wait for the server (a queued request may wait that long for its
+    first token). Raises StatusError for an error status, httpx.TransportError when the
+    server cannot be reached or goes away.
+    """
+    parts: list[str] = []
+    chars = tokens = judged = 0
+    finish: str | None = None
+    async with client.stream("POST", url, json=body, headers=headers,
+                             timeout=timeout) as response:
+        if response.status_code >= 400:
+            await response.aread()
+            raise StatusError(response.status_code, _error_message(response.content))
+        async for line in response.aiter_lines():
+            data = line.removeprefix("data:").strip()
+            if not line.startswith("data:") or not data:
+                continue
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if isinstance(event.get("error"), dict):  # the server failed once streaming
+                error = event["error"]
+                raise StatusError(int(error.get("code") or 500), _error_message(data.encode()))
+            text = ""
+            for choice in event.get("choices") or ():
+                text += choice.get("delta", {}).get("content") or ""
+                finish = choice.get("finish_reason") or finish
+            parts.append(text)
+            chars += len(text)
+            usage = event.get("usage")
+            tokens = int(usage["completion_tokens"]) if usage else tokens + bool(text)
+            if (stop_loops and finish is None and chars >= LOOP_WINDOW_CHARS
+                    and tokens - judged >= CHECK_EVERY_TOKENS):
+                judged = tokens
+                answer = "".join(parts)
+                if looks_like_a_loop(answer):
+                    # Leaving the block closes the stream: the server aborts the request.
+                    return StreamedAnswer(answer, LOOP, tokens)
+    return StreamedAnswer("".join(parts), finish, tokens)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`, or vLLM's
+    older `{"message": ...}`), else the body itself."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()
+    if isinstance(data, dict):
+        error = data.get("error", data)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+    return body.decode("utf-8", "replace").strip()

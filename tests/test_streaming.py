@@ -1,0 +1,164 @@
+"""A streamed chat completion is read as it comes and stopped as soon as it loops
+(ocrvl_daemon.worker.streaming), against the fake vLLM over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS
+from ocrvl_daemon.worker.streaming import (
+    CHECK_EVERY_TOKENS,
+    LOOP,
+    StatusError,
+    StreamedAnswer,
+    request_body,
+    stream_completion,
+)
+from testkit.fake_server import DEFAULT_MODEL, FakeServerConfig, InProcessFakeServer
+from testkit.harness import chat_payload, make_test_jpeg, wait_until
+
+CHAT = "/v1/chat/completions"
+LOOPING = 64  # the width of the page images that loop
+
+
+def fake(**options: Any) -> InProcessFakeServer:
+    """A fake server decoding a token every 2 ms; 300-token answers, pages LOOPING wide loop."""
+    defaults: dict[str, Any] = {"step_t0_ms": 2.0, "output_tokens": "fixed:300",
+                                "loop_widths": frozenset({LOOPING}), "access_log": False}
+    return InProcessFakeServer(FakeServerConfig(port=0, **(defaults | options)))
+
+
+@pytest.fixture
+def server() -> Iterator[InProcessFakeServer]:
+    with fake() as srv:
+        yield srv
+
+
+def paddlex_call(seed: int, width: int = 100, max_tokens: int = 4096,
+                 **extra_body: Any) -> tuple[Any, dict[str, Any]]:
+    """The messages and keyword arguments PaddleX passes to `create_chat_completion`."""
+    body = chat_payload(make_test_jpeg(seed, (width, 64)))
+    return body["messages"], {"temperature": 0, "max_completion_tokens": max_tokens,
+                              "timeout": 600, "extra_body": extra_body}
+
+
+def stream(srv: InProcessFakeServer, seed: int, width: int = 100, max_tokens: int = 4096,
+           stop_loops: bool = True, **extra_body: Any) -> StreamedAnswer:
+    messages, kwargs = paddlex_call(seed, width, max_tokens, **extra_body)
+
+    async def run() -> StreamedAnswer:
+        async with httpx.AsyncClient() as client:
+            return await stream_completion(
+                client, srv.url + CHAT, request_body(DEFAULT_MODEL, messages, kwargs), {},
+                timeout=30, stop_loops=stop_loops)
+
+    return asyncio.run(run())
+
+
+def whole(srv: InProcessFakeServer, seed: int, width: int = 100,
+          max_tokens: int = 4096) -> dict[str, Any]:
+    """The same request answered without streaming."""
+    body = chat_payload(make_test_jpeg(seed, (width, 64)), max_completion_tokens=max_tokens)
+    return dict(httpx.post(srv.url + CHAT, json=body, timeout=30).json())
+
+
+def test_the_request_is_the_one_paddlex_sends_with_stream_on() -> None:
+    messages, kwargs = paddlex_call(1, repetition_penalty=1.05,
+                                    mm_processor_kwargs={"max_pixels": 1000})
+    body = request_body("M", messages, kwargs)
+    assert body == {"model": "M", "messages": messages, "temperature": 0,
+                    "max_completion_tokens": 4096, "repetition_penalty": 1.05,
+                    "mm_processor_kwargs": {"max_pixels": 1000}, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def test_an_answer_streams_whole_with_its_finish_reason_and_tokens(
+        server: InProcessFakeServer) -> None:
+    expected = whole(server, 1)
+    answer = stream(server, 1)
+    assert answer == StreamedAnswer(expected["choices"][0]["message"]["content"], "stop", 300)
+    cut = stream(server, 1, max_tokens=50)
+    assert (cut.finish_reason, cut.tokens) == ("length", 50)
+    assert answer.text.startswith(cut.text)
+
+
+def test_a_long_answer_that_does_not_repeat_itself_is_not_stopped() -> None:
+    with fake(output_tokens="fixed:1500") as srv:
+        answer = stream(srv, 2)
+    assert len(answer.text) > 3 * LOOP_WINDOW_CHARS, "too short to be judged many times"
+    assert (answer.finish_reason, answer.tokens) == ("stop", 1500)
+
+
+def test_a_loop_is_stopped_soon_after_it_shows_and_the_server_aborts_it(
+        server: InProcessFakeServer) -> None:
+    answer = stream(server, 3, width=LOOPING)
+    assert answer.finish_reason == LOOP
+    # The loop shows once the score's window is full (~6 characters a token here).
+    assert answer.tokens <= LOOP_WINDOW_CHARS // 6 + 2 * CHECK_EVERY_TOKENS
+    assert answer.text == whole(server, 3, LOOPING, max_tokens=answer.tokens)[
+        "choices"][0]["message"]["content"]
+    fake_vllm = server.server
+    wait_until(lambda: fake_vllm.aborted == 1 and not fake_vllm.num_running(), 10,
+               what="the loop's request to be aborted")
+    assert fake_vllm.generation_tokens() < 2 * answer.tokens + 300, "the loop went on decoding"
+
+
+def test_a_loop_runs_to_its_limit_when_loops_are_not_stopped(
+        server: InProcessFakeServer) -> None:
+    answer = stream(server, 4, width=LOOPING, max_tokens=1000, stop_loops=False)
+    assert (answer.finish_reason, answer.tokens) == ("length", 1000)
+
+
+def test_a_loop_broken_by_a_repetition_penalty_ends_normally(
+        server: InProcessFakeServer) -> None:
+    answer = stream(server, 5, width=LOOPING, repetition_penalty=1.05)
+    assert (answer.finish_reason, answer.tokens) == ("stop", 300)
+
+
+@pytest.mark.parametrize(
+    ("options", "status"),
+    [({"served_model_names": ("other",)}, 404), ({"error_500_every": 1}, 500)],
+)
+def test_an_error_status_keeps_its_code(options: dict[str, Any], status: int) -> None:
+    with (InProcessFakeServer(FakeServerConfig(port=0, access_log=False, **options)) as srv,
+          pytest.raises(StatusError) as caught):
+        stream(srv, 6)
+    assert caught.value.status_code == status
+    assert caught.value.message  # the server's own words, for the page's error
+
+
+def test_an_engine_death_mid_stream_is_a_500() -> None:
+    async def run(srv: InProcessFakeServer) -> None:
+        async with httpx.AsyncClient() as client:
+            messages, kwargs = paddlex_call(7)
+            answer = asyncio.create_task(stream_completion(
+                client, srv.url + CHAT, request_body(DEFAULT_MODEL, messages, kwargs), {},
+                timeout=30))
+            while not srv.server.num_running():
+                await asyncio.sleep(0.01)
+            await client.post(srv.url + CHAT, json=chat_payload(make_test_jpeg(8)))
+            await answer
+
+    with (fake(output_tokens="fixed:2000", crash_after=2, crash_exit_delay=5.0) as srv,
+          pytest.raises(StatusError) as caught):
+        asyncio.run(run(srv))
+    assert caught.value.status_code == 500
+
+
+def test_a_server_that_is_not_there_is_a_transport_error() -> None:
+    with InProcessFakeServer(FakeServerConfig(port=0, access_log=False)) as srv:
+        url = srv.url
+    with pytest.raises(httpx.TransportError):
+        asyncio.run(_stream_to(url))
+
+
+async def _stream_to(url: str) -> StreamedAnswer:
+    messages, kwargs = paddlex_call(9)
+    async with httpx.AsyncClient() as client:
+        return await stream_completion(client, url + CHAT,
+                                       request_body(DEFAULT_MODEL, messages, kwargs), {}, 5)
