@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="check GPU, packages and settings",
         description="One screen of what works and what to fix: GPU, packages, the layout "
-        "model, the server environment, config, inboxes, the server and systemd. Exit code "
+        "model (its engine, device and pages/s here), the server environment, config, "
+        "inboxes, the server and systemd. Exit code "
         "non-zero when something blocks conversion. Without a GPU it prints the `vllm serve` "
         "line to run on a machine that has one (server.mode: external).",
     )

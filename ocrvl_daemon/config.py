@@ -18,13 +18,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from ocrvl_daemon.config_errors import KeyProblem
-from ocrvl_daemon.errors import UnsetVariableError
+from ocrvl_daemon.errors import DependencyError, UnsetVariableError
 from ocrvl_daemon.model_registry import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
@@ -32,6 +33,7 @@ from ocrvl_daemon.model_registry import (
     MODELS,
     VLModel,
 )
+from ocrvl_daemon.worker import layout_engine
 
 AUTO = "auto"
 # vLLM flags ocrvl computes from the GPU unless the user gives a number.
@@ -154,6 +156,10 @@ class PipelineConfig(_Section):
     use_doc_orientation_classify: bool = False
     use_doc_unwarping: bool = False
     use_chart_recognition: bool = False
+    # Where and on what the layout model runs (see `worker.layout_engine`); `device` is the
+    # older name of layout_device, kept so that existing configs still work.
+    layout_device: str = AUTO
+    layout_engine: str = AUTO
     device: str | None = None
     max_concurrency: int = Field(64, ge=1, le=1024)
     min_concurrency: int = Field(4, ge=1, le=1024)
@@ -166,6 +172,9 @@ class PipelineConfig(_Section):
     worker_max_rss_mb: int = Field(6144, ge=256)
     # Engine worker processes (rendering, encoding, layout detection): `auto` or a number.
     workers: int | Literal["auto"] = "auto"
+    # The whole configuration this section belongs to: `auto` workers depend on where the
+    # layout model runs, which depends on the model and the server too.
+    _whole: Config | None = PrivateAttr(default=None)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -175,19 +184,55 @@ class PipelineConfig(_Section):
             return value
         raise ValueError(f"{value!r} is not a number of engine workers; use auto or 1 to 64")
 
+    @field_validator("layout_device", "device")
+    @classmethod
+    def _layout_device(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        try:
+            kind, index = layout_engine.parse_device(value)
+        except ValueError as exc:
+            raise KeyProblem(f"pipeline.{info.field_name}", value, f"{exc}; auto puts the "
+                             "layout model on the GPU where an engine for it is installed "
+                             "and the GPU has room beside the server") from None
+        return kind if index is None else f"{kind}:{index}"
+
+    @field_validator("layout_engine")
+    @classmethod
+    def _layout_engine(cls, value: str) -> str:
+        if value not in (AUTO, *layout_engine.ENGINES):
+            raise KeyProblem("pipeline.layout_engine", value, "must be auto, paddle "
+                             "(PaddlePaddle: the [cpu] extra, or paddlepaddle-gpu), onnxruntime "
+                             "or transformers (torch: the [gpu-layout] extra)")
+        return value
+
+    @property
+    def wanted_layout_device(self) -> str:
+        """layout_device, or the older `device` where only that is set."""
+        return self.device if self.layout_device == AUTO and self.device else self.layout_device
+
     @property
     def worker_count(self) -> int:
-        """How many engine worker processes run: `workers`, or for `auto` one per 4 cores
-        (1 to 4).
+        """How many engine worker processes run: `workers`, or for `auto` as the layout
+        model's place decides (`layout_engine.cpu_layout_plan`).
 
-        Why a quarter: each worker's pages take a core between them (rendering, encoding,
-        layout detection run on its page threads) and the daemon, the server's own
-        preprocessing and the system need the rest; beyond 4 the server, not the client, is
-        the limit (issue 19: 20 pages/s need ~3 workers). A 2-core machine gets 1, as before.
+        Layout on the CPU: a worker runs its layout model one page at a time, so workers are
+        added (up to 8) until each has 2 of three quarters of the cores. Otherwise a quarter
+        of the cores, 1 to 4: each worker's pages take a core between them (rendering,
+        encoding) and the daemon, the server's own preprocessing and the system need the
+        rest; beyond 4 the server, not the client, is the limit (issue 19).
         """
         if isinstance(self.workers, int):
             return self.workers
-        return max(1, min(4, (os.cpu_count() or 1) // 4))
+        if not self.use_layout_detection:
+            return layout_engine.default_workers(layout_engine.cpu_count())
+        # Imported here: autotune plans the GPU's memory from this module's Config.
+        from ocrvl_daemon.server.autotune import layout_choice
+
+        try:
+            return layout_choice(self._whole or Config(pipeline=self)).workers
+        except DependencyError:  # the worker itself reports it, with the fix
+            return layout_engine.default_workers(layout_engine.cpu_count())
 
     @property
     def page_pixel_limit(self) -> int:
@@ -211,6 +256,10 @@ class PipelineConfig(_Section):
                 f"min_concurrency ({self.min_concurrency}) is above max_concurrency "
                 f"({self.max_concurrency}); lower min_concurrency"
             )
+        if self.device and self.layout_device not in (AUTO, self.device):
+            raise KeyProblem("pipeline.device", self.device, f"pipeline.layout_device "
+                             f"({self.layout_device}) says otherwise; device is the older name "
+                             "of layout_device: remove it")
         return self
 
 
@@ -490,6 +539,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        self.pipeline._whole = self
         server = self.server
         if server.mode == "external" and not server.url and not server.urls:
             raise KeyProblem(

@@ -16,6 +16,8 @@ from ocrvl_daemon.model_registry import (
     IMAGE_TOKEN_BUDGET,
     PROMPT_TOKEN_BUDGET,
 )
+from ocrvl_daemon.server import gpu
+from ocrvl_daemon.worker import layout_engine
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
@@ -75,6 +77,17 @@ BAD_CONFIGS = [
                  id="no engine worker"),
     pytest.param({"pipeline": {"workers": "many"}}, ["pipeline.workers", "'many'", "auto"],
                  id="engine workers neither auto nor a number"),
+    pytest.param({"pipeline": {"layout_device": "cuda:0"}},
+                 ["pipeline.layout_device", "'cuda:0'", "auto, cpu, gpu or gpu:N"],
+                 id="layout device CUDA spells"),
+    pytest.param({"pipeline": {"device": "gpu0"}}, ["pipeline.device", "'gpu0'", "gpu:N"],
+                 id="older device key, same rule"),
+    pytest.param({"pipeline": {"layout_engine": "torch"}},
+                 ["pipeline.layout_engine", "'torch'", "transformers", "[gpu-layout]"],
+                 id="layout engine by its library's name"),
+    pytest.param({"pipeline": {"device": "cpu", "layout_device": "gpu"}},
+                 ["pipeline.device", "'cpu'", "layout_device (gpu)", "remove it"],
+                 id="device and layout_device disagree"),
 ]
 
 
@@ -106,12 +119,32 @@ def test_defaults_are_the_documented_contract():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize(("cores", "workers"), [(1, 1), (2, 1), (8, 2), (16, 4), (64, 4)])
-def test_auto_engine_workers_take_a_quarter_of_the_cores_from_1_to_4(
-    monkeypatch, cores, workers):
-    monkeypatch.setattr("os.cpu_count", lambda: cores)
-    assert validate_config({}).pipeline.worker_count == workers
+@pytest.mark.parametrize(("cores", "workers", "with_cpu_layout"),
+                         [(1, 1, 1), (2, 1, 1), (8, 2, 3), (16, 4, 6), (64, 4, 8)])
+def test_auto_engine_workers_follow_the_cores_and_where_the_layout_model_runs(
+    monkeypatch, cores, workers, with_cpu_layout):
+    monkeypatch.setattr(layout_engine, "cpu_count", lambda: cores)
+    monkeypatch.setattr(layout_engine, "installed_engines",
+                        lambda: layout_engine.Installed(frozenset({"paddle"}), frozenset()))
+    monkeypatch.setattr(gpu, "read_gpus", lambda: [])
+    # Layout off (or on the GPU): a quarter of the cores, 1 to 4.
+    off = {"pipeline": {"use_layout_detection": False}}
+    assert validate_config(off).pipeline.worker_count == workers
+    # Layout on the CPU: a worker per 2 of three quarters of the cores, up to 8.
+    assert validate_config({}).pipeline.worker_count == with_cpu_layout
     assert validate_config({"pipeline": {"workers": 3}}).pipeline.worker_count == 3
+
+
+@pytest.mark.quick
+def test_layout_device_and_engine_are_normalised_and_device_is_their_older_name():
+    config = validate_config({"pipeline": {"layout_device": "GPU:1", "layout_engine": "paddle"}})
+    assert config.pipeline.layout_device == "gpu:1"
+    assert config.pipeline.wanted_layout_device == "gpu:1"
+    assert validate_config({}).pipeline.wanted_layout_device == "auto"
+    older = validate_config({"pipeline": {"device": "cpu"}})
+    assert older.pipeline.wanted_layout_device == "cpu"
+    both = validate_config({"pipeline": {"device": "gpu:0", "layout_device": "gpu:0"}})
+    assert both.pipeline.wanted_layout_device == "gpu:0"
 
 
 @pytest.mark.quick

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -19,7 +21,7 @@ from ocrvl_daemon.commands.doctor import Check, DoctorReport, render_json, rende
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.server import gpu
 from ocrvl_daemon.server.launchers import vllm_serve_command
-from ocrvl_daemon.worker import layout_model
+from ocrvl_daemon.worker import layout_engine, layout_model
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
 from testkit.plain_server import plain_openai_server, serving
 
@@ -54,6 +56,24 @@ def paddlex_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         folder.mkdir(parents=True)
         (folder / "inference.yml").write_text(f"Global:\n  model_name: {name}\n")
     return home
+
+
+PADDLE_CPU = layout_engine.Installed(frozenset({"paddle"}), frozenset())
+TORCH_CUDA = layout_engine.Installed(frozenset({"paddle", "transformers"}),
+                                     frozenset({"transformers"}))
+
+
+@pytest.fixture(autouse=True)
+def layout_engines(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The layout engines "installed" (PaddlePaddle's CPU build unless a test says otherwise)
+    and 2 cores, whatever this machine has; returns a function to change the engines."""
+    monkeypatch.setattr(layout_engine, "cpu_count", lambda: 2)
+
+    def use(installed: layout_engine.Installed) -> None:
+        monkeypatch.setattr(layout_engine, "installed_engines", lambda: installed)
+
+    use(PADDLE_CPU)
+    return use
 
 
 def fake_python(tmp_path: Path, versions: dict[str, str]) -> Path:
@@ -543,3 +563,64 @@ def test_an_empty_layout_model_folder_blocks(tmp_path: Path, gpu_env: Any,
                     "layout model")
     assert check.status == "fail" and check.fix == f"delete {folder} (it is downloaded again " \
         "on first use)"
+
+
+def test_the_layout_engine_and_device_are_reported(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("nogpu")
+    report = run_doctor(external(tmp_path, "http://127.0.0.1:9/v1"), osrelease=NOT_WSL)
+    engine = by_name(report, "layout engine")
+    assert engine.status == "info"
+    assert engine.detail.startswith("PP-DocLayoutV3 on cpu (paddle_static, 2 threads), 1 "
+                                    "worker: auto: no GPU here"), engine.detail
+    assert engine.data == {"model": "PP-DocLayoutV3", "engine": "paddle_static",
+                           "device": "cpu", "threads": 2, "workers": 1}
+    # The cache holds only the model's inference.yml: nothing to time.
+    speed = by_name(report, "layout speed")
+    assert speed.detail == "not measured: model not downloaded"
+    assert speed.data == {"pages_per_s": None}
+    data = json.loads(render_json(report))
+    assert next(c for c in data["checks"] if c["name"] == "layout engine")["data"] == engine.data
+
+
+def test_a_gpu_engine_puts_the_layout_model_beside_the_server_with_its_room(
+        tmp_path: Path, gpu_env: Any, layout_engines: Any, no_model_host: None) -> None:
+    gpu_env("rtx4060")
+    layout_engines(TORCH_CUDA)
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    engine = by_name(report, "layout engine")
+    assert engine.detail.startswith("PP-DocLayoutV3 on gpu:0 (transformers), 1 worker: auto: "
+                                    "the fastest place here"), engine.detail
+    # The transformers engine loads the safetensors package, which is not cached here.
+    model = by_name(report, "layout model")
+    assert "PP-DocLayoutV3_safetensors" in model.detail and model.status == "fail"
+    assert "hf download PaddlePaddle/PP-DocLayoutV3_safetensors" in (model.fix or "")
+    settings = by_name(report, "server settings")
+    assert "gpu-memory-utilization 0.62" in settings.detail, settings.detail
+
+
+def test_a_layout_engine_that_is_not_installed_blocks_with_the_fix(tmp_path: Path,
+                                                                   gpu_env: Any) -> None:
+    gpu_env("nogpu")
+    config = external(tmp_path, "http://127.0.0.1:9/v1", layout_engine="transformers")
+    report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "layout engine")
+    assert check.status == "fail" and report.blocking
+    assert "pipeline.layout_engine = 'transformers'" in check.detail
+    assert check.fix and "[gpu-layout]" in check.fix
+
+
+@pytest.mark.slow
+def test_the_layout_models_own_speed_is_measured_on_the_stand_in(
+        tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("nogpu")
+    cache = tmp_path / "stand-in"
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv(layout_model.CACHE_HOME_ENV, str(cache))
+    report = run_doctor(external(tmp_path, "http://127.0.0.1:9/v1"), osrelease=NOT_WSL)
+    speed = by_name(report, "layout speed")
+    assert speed.status == "info", speed
+    assert speed.data and speed.data["pages_per_s"] > 0
+    assert re.fullmatch(r"\d+\.\d\d pages/s per worker on cpu \(one 1190x1684 page after a "
+                        r"warm-up\)", speed.detail), speed.detail

@@ -2,9 +2,10 @@
 
 The layout model is the stand-in of `testkit.layout_model` (PP-DocLayoutV3's architecture
 with random weights, reduced with `--small`; its blocks follow the page's ink), loaded by
-PaddleX's default engine from `$PADDLE_PDX_CACHE_HOME`. The pages of `make_layout_pdf`
-hold a title or heading, paragraphs, a ruled table, a centred formula, a figure and a page
-number: 8 blocks, 7 of them sent to the server, each with the prompt of its kind.
+PaddleX's static-graph engine on the CPU (`pipeline.layout_device: cpu`) from
+`$PADDLE_PDX_CACHE_HOME`. The pages of `make_layout_pdf` hold a title or heading, paragraphs,
+a ruled table, a centred formula, a figure and a page number: 8 blocks, 7 of them sent to the
+server, each with the prompt of its kind.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def converted(layout_cache: Path, tmp_path_factory: pytest.TempPathFactory
     folder = tmp_path_factory.mktemp("layout-on")
     book = make_layout_pdf(folder / "book.pdf", PAGES)
     log = folder / "requests.jsonl"
-    config = write_config(folder / "config.yaml", pipeline={"use_layout_detection": True},
+    # The CPU, named: the stand-in is written for the paddle engine, whatever this machine has.
+    config = write_config(folder / "config.yaml",
+                          pipeline={"use_layout_detection": True, "layout_device": "cpu"},
                           output={"formats": ["markdown", "json"]})
     with start_fake_server(free_port(), "--request-log", str(log)) as server:
         result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,

@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.server import gpu
+from ocrvl_daemon.worker import layout_engine
 from ocrvl_daemon.worker.main import pipeline_kwargs
 from testkit.documents import make_pdf
 from testkit.runner import PACKAGE_ROOT, run_ocrvl, write_config
@@ -19,13 +22,19 @@ from testkit.runner import PACKAGE_ROOT, run_ocrvl, write_config
 MARKING_PACKAGE = 'import os\nopen(os.environ["IMPORT_MARKS"], "a").write(__name__ + "\\n")\n'
 
 
-def test_a_worker_with_no_local_model_names_the_cpu_so_paddlex_does_not_probe_for_a_gpu() -> None:
+def test_a_worker_with_no_local_model_names_the_cpu_so_paddlex_does_not_probe_for_a_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     remote_only = Config.model_validate({"pipeline": {"use_layout_detection": False}})
     assert pipeline_kwargs(remote_only, "http://x/v1")["device"] == "cpu"
-    local_layout = Config.model_validate({"pipeline": {"use_layout_detection": True}})
-    assert "device" not in pipeline_kwargs(local_layout, "http://x/v1"), (
-        "with a local model, paddlex must still choose the device"
-    )
+    # With the layout model, ocrvl names its engine and device (`layout_engine`).
+    card = gpu.GpuReading(0, "GPU-0", "Test GPU", 8188, 1024, 7164, "560.94", (8, 9), "nvml")
+    monkeypatch.setattr(gpu, "read_gpus", lambda: [card, replace(card, index=1, uuid="GPU-1")])
+    monkeypatch.setattr(layout_engine, "installed_engines", lambda: layout_engine.Installed(
+        frozenset({"paddle"}), frozenset()))
+    local_layout = pipeline_kwargs(Config.model_validate({}), "http://x/v1")
+    assert (local_layout["engine"], local_layout["device"]) == ("paddle_static", "cpu")
+    monkeypatch.setattr(layout_engine, "installed_engines", lambda: layout_engine.Installed(
+        frozenset({"paddle"}), frozenset({"paddle"})))
     chosen = Config.model_validate({"pipeline": {"device": "gpu:1"}})
     assert pipeline_kwargs(chosen, "http://x/v1")["device"] == "gpu:1"
 

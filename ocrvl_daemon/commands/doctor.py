@@ -18,21 +18,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.errors import ConfigError, DependencyError
 from ocrvl_daemon.server import autotune, gpu, launchers
 from ocrvl_daemon.server.launchers import server_env
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
 from ocrvl_daemon.server.process_group import GroupRecord, group_members
 from ocrvl_daemon.server.replicas import PIDFILE_GLOB
-from ocrvl_daemon.worker import layout_model
+from ocrvl_daemon.worker import layout_engine, layout_model
+from ocrvl_daemon.worker.layout_engine import LayoutChoice
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -45,6 +46,23 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 CONFIG_SECTIONS = ("GPU settings", "client packages", "layout model", "server environment",
                    "state_dir", "inbox", "server")
 SETUP_FIX = "run `ocrvl setup-server` (creates the server environment and sets server.python)"
+# The layout model timed on a page of this size (height, width: A4 rendered at scale 2), in a
+# child process: importing PaddleX and the engine takes seconds and must not stay here.
+LAYOUT_SPEED_PAGE = (1684, 1190)
+LAYOUT_SPEED_TIMEOUT = 180.0
+_LAYOUT_SPEED_SCRIPT = f"""\
+import json, sys, time
+import numpy as np
+from paddleocr import LayoutDetection
+page = np.full(({LAYOUT_SPEED_PAGE[0]}, {LAYOUT_SPEED_PAGE[1]}, 3), 255, dtype=np.uint8)
+for top in range(160, 1500, 48):  # lines of text
+    page[top:top + 20, 120:1070] = 0
+model = LayoutDetection(**json.loads(sys.argv[1]))
+list(model.predict(page))  # the first page pays for the engine's setup
+started = time.perf_counter()
+list(model.predict(page))
+print(json.dumps({{"pages_per_s": 1 / (time.perf_counter() - started)}}))
+"""
 # Run by server.python: import each module, print one JSON line of versions or errors.
 _PROBE_SCRIPT = """\
 import importlib, json, sys
@@ -66,6 +84,8 @@ class Check:
     status: Status
     detail: str
     fix: str | None = None
+    # Figures for `--json` readers (the layout engine and its speed).
+    data: dict[str, Any] | None = None
 
 
 @dataclass
@@ -282,7 +302,7 @@ def _client_checks(config: Config) -> list[Check]:
         checks.append(Check("paddleocr", "ok", ", ".join(f"{d} {v}" for d, v in found.items())))
     cpu, gpu_build = _version("paddlepaddle"), _version("paddlepaddle-gpu")
     layout = config.pipeline.use_layout_detection
-    wants_gpu = (config.pipeline.device or "").startswith("gpu")
+    wants_gpu = config.pipeline.wanted_layout_device.startswith("gpu")
     if cpu and gpu_build:
         checks.append(Check("PaddlePaddle", "warn", f"both paddlepaddle {cpu} and "
                             f"paddlepaddle-gpu {gpu_build} are installed; they overwrite each "
@@ -293,13 +313,17 @@ def _client_checks(config: Config) -> list[Check]:
         status: Status = "warn" if wants_gpu and layout else "ok"
         checks.append(Check(
             "PaddlePaddle", status, f"paddlepaddle {cpu} (CPU build: the layout model runs on "
-            "the CPU)", "install paddlepaddle-gpu from PaddlePaddle's index for "
-            "pipeline.device: gpu" if status == "warn" else None))
+            "the CPU)", "install paddlepaddle-gpu from PaddlePaddle's index, or "
+            "'ocrvl-daemon[gpu-layout]', for pipeline.layout_device: gpu"
+            if status == "warn" else None))
+    elif layout and layout_engine.installed_engines().cpu:
+        checks.append(Check("PaddlePaddle", "info", "not installed; the layout model runs on "
+                            "another engine (see layout engine)"))
     elif layout:
         checks.append(Check("PaddlePaddle", "fail", "not installed; the layout model "
                             "(pipeline.use_layout_detection: true) needs it",
-                            "pip install 'ocrvl-daemon[cpu]' (or paddlepaddle-gpu from "
-                            "PaddlePaddle's index)"))
+                            "pip install 'ocrvl-daemon[cpu]' (or 'ocrvl-daemon[gpu-layout]', "
+                            "or paddlepaddle-gpu from PaddlePaddle's index)"))
     else:
         checks.append(Check("PaddlePaddle", "info", "not installed; not needed with "
                             "pipeline.use_layout_detection: false"))
@@ -309,28 +333,81 @@ def _client_checks(config: Config) -> list[Check]:
 def _layout_model_checks(config: Config) -> list[Check]:
     if not config.pipeline.use_layout_detection:
         return []
-    name = config.model.vl_model.layout_model
+    try:
+        choice = autotune.layout_choice(config)
+    except DependencyError as exc:
+        return [Check("layout engine", "fail", exc.message, exc.fix)]
+    workers = f"{choice.workers} worker{'s' if choice.workers != 1 else ''}"
+    checks = [Check("layout engine", "info", f"{choice.describe()}, {workers}: {choice.why}",
+                    data={"model": choice.model, "engine": choice.paddlex_engine,
+                          "device": choice.device, "threads": choice.threads,
+                          "workers": choice.workers})]
+    checks.append(_layout_model_check(choice.model_folder))
+    checks.append(_layout_speed_check(choice))
+    return checks
+
+
+def _layout_model_check(name: str) -> Check:
+    """Whether PaddleX finds the layout model folder `name` or can download it."""
     folder = layout_model.model_dir(name)
     if folder.is_dir() and any(folder.iterdir()):
-        return [Check("layout model", "ok", f"{name} in {folder}")]
+        return Check("layout model", "ok", f"{name} in {folder}")
     if folder.exists():
-        return [Check("layout model", "fail", f"{folder} is empty or not a folder: PaddleX "
-                      f"takes it for {name} and cannot load it", f"delete {folder} (it is "
-                      "downloaded again on first use)")]
+        return Check("layout model", "fail", f"{folder} is empty or not a folder: PaddleX "
+                     f"takes it for {name} and cannot load it", f"delete {folder} (it is "
+                     "downloaded again on first use)")
     hosts = layout_model.download_hosts()
     host = layout_model.answering_host(hosts)
     if host is not None:
-        return [Check("layout model", "ok", f"{name} is not downloaded yet: it will be, into "
-                      f"{folder}, on first use (from {host[0]}, {host[1]} answers)")]
+        return Check("layout model", "ok", f"{name} is not downloaded yet: it will be, into "
+                     f"{folder}, on first use (from {host[0]}, {host[1]} answers)")
     repo = layout_model.hugging_face_repo(name)
-    return [Check(
+    return Check(
         "layout model", "fail", f"{name} is not in {folder} and cannot be downloaded: no "
         f"model host answers ({', '.join(url for _, url in hosts)})",
         f"on a machine with internet access run `pip install huggingface_hub && hf download "
         f"{repo} --local-dir {name}`, then copy that {name} folder into {folder.parent}/ "
         f"here (${layout_model.CACHE_HOME_ENV}, if set, changes where); or set "
         "pipeline.use_layout_detection: false (each page is then read whole, without layout "
-        "blocks)")]
+        "blocks)")
+
+
+def _layout_speed_check(choice: LayoutChoice) -> Check:
+    """The layout model's own pages/s per worker here, timed on one page after a warm-up."""
+    if not choice.has_model_files():
+        return Check("layout speed", "info", "not measured: model not downloaded",
+                     data={"pages_per_s": None})
+    done = _run_quiet_json([sys.executable, "-c", _LAYOUT_SPEED_SCRIPT,
+                            json.dumps({"model_name": choice.model, **choice.common_args()})],
+                           LAYOUT_SPEED_TIMEOUT)
+    if isinstance(done, str):
+        return Check("layout speed", "warn", f"not measured: {done}",
+                     "run a conversion with pipeline.use_layout_detection: true to see the "
+                     "layout model's error", data={"pages_per_s": None})
+    rate = float(done["pages_per_s"])
+    return Check("layout speed", "info", f"{rate:.2f} pages/s per worker on {choice.device} "
+                 f"(one {LAYOUT_SPEED_PAGE[1]}x{LAYOUT_SPEED_PAGE[0]} page after a warm-up)",
+                 data={"pages_per_s": round(rate, 3)})
+
+
+def _run_quiet_json(argv: list[str], timeout: float) -> dict[str, Any] | str:
+    """The last stdout line of `argv` as JSON, or why there is none."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              check=False, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except subprocess.TimeoutExpired:
+        return f"it took more than {timeout:.0f} s"
+    except OSError as exc:
+        return str(exc)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        said = done.stderr.strip().splitlines()
+        return f"exit status {done.returncode}: {said[-1] if said else 'no output'}"
+    try:
+        found = json.loads(lines[-1])
+    except ValueError:
+        return f"unexpected output {lines[-1][:200]!r}"
+    return found if isinstance(found, dict) else f"unexpected output {lines[-1][:200]!r}"
 
 
 def _server_env_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:

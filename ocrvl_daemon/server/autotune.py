@@ -6,8 +6,8 @@ settled on. Memory model for the 0.9B PaddleOCR-VL models (sizes in MiB):
     budget (utilization × total) = weights + start-up spike + KV cache
 
 vLLM refuses to start when free memory < utilization × total, so utilization is planned from
-what other programs leave free, minus a safety margin. vLLM's failure text is read by
-`vllm_diagnosis`.
+what other programs leave free, minus a safety margin, minus the layout model's room when it
+runs on the same GPU (`layout_choice`). vLLM's failure text is read by `vllm_diagnosis`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ from typing import Any
 
 from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.errors import DependencyError
 from ocrvl_daemon.model_registry import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.server import gpu as gpus
 from ocrvl_daemon.server import vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading
+from ocrvl_daemon.worker import layout_engine
+from ocrvl_daemon.worker.layout_engine import LAYOUT_GPU_MIB, Installed, LayoutChoice
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +126,98 @@ def tunable_keys(config: Config) -> tuple[str, ...]:
     return tuple(k for k in TUNED_KEYS if args.get(k, AUTO) == AUTO)
 
 
+def layout_choice(config: Config, visible: list[GpuReading] | None = None,
+                  installed: Installed | None = None, cores: int | None = None
+                  ) -> LayoutChoice:
+    """Where the layout model runs with `config` on this machine (`layout_engine.choose`):
+    `visible` the GPUs CUDA sees (None: read them), `installed` the engines (None: from
+    package metadata), `cores` the usable cores (None: this process's)."""
+    visible = gpus.read_gpus() if visible is None else visible
+    _, index = layout_engine.parse_device(config.pipeline.wanted_layout_device)
+    gpu = visible[index or 0] if (index or 0) < len(visible) else None
+    return _choose_layout(config, gpu, installed, cores)
+
+
+def _choose_layout(config: Config, gpu: GpuReading | None, installed: Installed | None,
+                   cores: int | None = None) -> LayoutChoice:
+    """`layout_choice` with `gpu` the GPU the layout's device names."""
+    p = config.pipeline
+    return layout_engine.choose(
+        model=config.model.vl_model.layout_model, engine=p.layout_engine,
+        device=p.wanted_layout_device,
+        installed=layout_engine.installed_engines() if installed is None else installed,
+        gpu=gpu, gpu_room=lambda card, workers: layout_fits(config, card, workers),
+        cores=cores or layout_engine.cpu_count(),
+        workers=p.workers if isinstance(p.workers, int) else None)
+
+
+def _server_plans(config: Config, gpu: GpuReading) -> bool:
+    """Whether a managed vLLM server plans its memory on `gpu` (indices as CUDA numbers them;
+    the same as nvidia-smi's on the one-GPU machines ocrvl is for)."""
+    server = config.server
+    if server.mode != "managed" or server.launcher == "command":
+        return False
+    return server.gpus == AUTO or gpu.index in server.gpus
+
+
+def _available_mib(gpu: GpuReading) -> float:
+    # Other programs' memory as the driver counts it, or as free memory shows it, whichever
+    # is worse (WSL2 can report less free than total - used).
+    return min(gpu.total_mib - gpu.used_mib, gpu.free_mib)
+
+
+def _margin_mib(gpu: GpuReading) -> float:
+    return max(MIN_MARGIN_MIB, MARGIN_FRACTION * gpu.total_mib)
+
+
+def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
+    """Whether `gpu` has LAYOUT_GPU_MIB for each of `workers` layout models beside what the
+    server takes.
+
+    Beside a managed server planned `auto`: the utilization left once the room is taken off
+    must still reach MIN_UTILIZATION and a KV cache for one request of max-model-len. Beside
+    an explicit utilization: what it leaves free must hold the room. No server of ocrvl's
+    here: the room and the margin must be free now.
+    """
+    available, room = _available_mib(gpu), workers * LAYOUT_GPU_MIB
+    if not _server_plans(config, gpu):
+        return available - room >= _margin_mib(gpu)
+    utilization = config.server.vllm_args[UTILIZATION]
+    if utilization != AUTO:
+        return available - float(utilization) * gpu.total_mib >= room
+    share = _floor2((available - _margin_mib(gpu) - room) / gpu.total_mib)
+    share /= replicas_of(config)
+    kv_mib = share * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
+    length = config.server.vllm_args[MAX_MODEL_LEN]
+    tokens = _round_up(model_budget(config), LENGTH_STEP) if length == AUTO else int(length)
+    return (share * replicas_of(config) >= MIN_UTILIZATION
+            and kv_mib * 1024 * 1024 >= tokens * KV_BYTES_PER_TOKEN)
+
+
+def layout_room_mib(config: Config, gpu: GpuReading, installed: Installed | None = None
+                    ) -> float:
+    """The memory of `gpu` kept for the layout models: LAYOUT_GPU_MIB per worker where they
+    run there (asked for with pipeline.layout_device: gpu, or chosen by auto), else 0."""
+    if not config.pipeline.use_layout_detection:
+        return 0
+    _, index = layout_engine.parse_device(config.pipeline.wanted_layout_device)
+    if gpu.index != (index or 0):
+        return 0
+    try:
+        choice = _choose_layout(config, gpu, installed)
+    except DependencyError:  # the worker reports it; nothing of this GPU is its
+        return 0
+    return choice.workers * LAYOUT_GPU_MIB if choice.on_gpu else 0
+
+
 def plan_vllm_args(config: Config, gpu: GpuReading | None,
-                   remembered: dict[str, Any] | None = None) -> TunedArgs:
-    """Resolve the `auto` flags for `gpu`; explicit numbers are kept as they are."""
+                   remembered: dict[str, Any] | None = None,
+                   installed: Installed | None = None) -> TunedArgs:
+    """Resolve the `auto` flags for `gpu`; explicit numbers are kept as they are.
+
+    `installed`: the layout engines (None: from package metadata), which decide whether the
+    layout model shares `gpu`.
+    """
     tunable = tunable_keys(config)
     budget = model_budget(config)
     tuned = TunedArgs(values=dict(config.server.vllm_args))
@@ -146,7 +239,8 @@ def plan_vllm_args(config: Config, gpu: GpuReading | None,
         _plan_without_gpu(tuned, tunable)
         _share(tuned, replicas_of(config))
     else:
-        _plan_for_gpu(tuned, tunable, gpu, replicas_of(config))
+        _plan_for_gpu(tuned, tunable, gpu, replicas_of(config),
+                      layout_room_mib(config, gpu, installed))
     if remembered:
         _apply_remembered(tuned, tunable, remembered, budget)
     return tuned
@@ -165,22 +259,23 @@ def _plan_without_gpu(tuned: TunedArgs, tunable: tuple[str, ...]) -> None:
 
 
 def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
-                  replicas: int) -> None:
+                  replicas: int, layout_mib: float) -> None:
     """Plan for `gpu` as if none of ocrvl's servers ran; with `replicas`, utilization is for
-    the whole card and each server gets an equal share of it."""
+    the whole card and each server gets an equal share of it; `layout_mib` is kept for the
+    layout model."""
     values, reasons, warnings = tuned.values, tuned.reasons, tuned.warnings
     total = gpu.total_mib
     free_share = _floor2(gpu.free_mib / total)
     if UTILIZATION in tunable:
-        margin = max(MIN_MARGIN_MIB, MARGIN_FRACTION * total)
-        # Other programs' memory as the driver counts it, or as free memory shows it,
-        # whichever is worse (WSL2 can report less free than total - used).
-        available = min(total - gpu.used_mib, gpu.free_mib)
-        share = _floor2((available - margin) / total)
+        margin = _margin_mib(gpu)
+        available = _available_mib(gpu)
+        share = _floor2((available - margin - layout_mib) / total)
         values[UTILIZATION] = min(MAX_UTILIZATION, max(MIN_UTILIZATION, share))
+        layout = f", {_gib(layout_mib)} for the layout model" if layout_mib else ""
         reasons.append(
             f"{UTILIZATION} {values[UTILIZATION]:.2f}: {gpu.name} has {_gib(total)}, "
-            f"{_gib(total - available)} in use by other programs, {_gib(margin)} kept free")
+            f"{_gib(total - available)} in use by other programs, {_gib(margin)} kept "
+            f"free{layout}")
     utilization = float(values[UTILIZATION])
     if utilization > free_share:
         warnings.append(

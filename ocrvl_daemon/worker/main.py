@@ -29,6 +29,7 @@ import numpy as np
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
+from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
 from ocrvl_daemon.server.process_group import die_with_parent
 from ocrvl_daemon.worker.client import _Channel
@@ -65,7 +66,8 @@ def has_ink(image: np.ndarray) -> bool:
 
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
-    """Constructor arguments of `PaddleOCRVL` for this configuration."""
+    """Constructor arguments of `PaddleOCRVL` for this configuration; the layout model's
+    engine, device and threads are chosen here (`autotune.layout_choice`) and logged."""
     p = config.pipeline
     kwargs: dict[str, Any] = {
         "pipeline_version": config.model.vl_model.pipeline_version,
@@ -83,15 +85,21 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         # attribute finish reasons to the page (and saves their 0.5 s batching wait).
         "use_queues": False,
     }
-    if not p.use_layout_detection:
-        # The page is the one block, which merging leaves as it is, after copying the whole
-        # page image twice to measure it (~6.5 ms of CPU a page).
-        kwargs["merge_layout_blocks"] = False
     if config.server.api_key:
         kwargs["vl_rec_api_key"] = config.server.api_key
-    if p.device:
-        kwargs["device"] = p.device
-    elif not (p.use_layout_detection or p.use_doc_orientation_classify or p.use_doc_unwarping):
+    if p.use_layout_detection:
+        # Every local model follows it; the VL recognition goes to the server whatever the
+        # engine (PaddleX drops the engine for a sub-model with a server backend).
+        layout = layout_choice(config)
+        log.info("layout: %s", layout.describe())
+        return kwargs | layout.common_args()
+    # The page is the one block, which merging leaves as it is, after copying the whole page
+    # image twice to measure it (~6.5 ms of CPU a page).
+    kwargs["merge_layout_blocks"] = False
+    if p.use_doc_orientation_classify or p.use_doc_unwarping:
+        if p.wanted_layout_device != "auto":
+            kwargs["device"] = p.wanted_layout_device
+    else:
         # Nothing runs here but requests to the server: naming a device spares paddlex its
         # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
         kwargs["device"] = "cpu"
