@@ -8,7 +8,8 @@ closes the stream, which makes the server abort the request (vLLM does at once),
 answer ends with the finish reason LOOP.
 
 The request is the one PaddleX's OpenAI client sends (`create_chat_completion`'s keyword
-arguments: sampling, token limit, `extra_body`, `timeout`), with `stream` on.
+arguments: sampling, token limit, `extra_body`, `timeout`), with `stream` on. A server that
+answers it whole anyway is read whole (its loops are judged once they end, as before).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
         if response.status_code >= 400:
             await response.aread()
             raise StatusError(response.status_code, _error_message(response.content))
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            return _whole(json.loads(await response.aread()))  # a server that does not stream
         async for line in response.aiter_lines():
             data = line.removeprefix("data:").strip()
             if not line.startswith("data:") or not data:
@@ -102,6 +105,14 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                     # Leaving the block closes the stream: the server aborts the request.
                     return StreamedAnswer(answer, LOOP, tokens)
     return StreamedAnswer("".join(parts), finish, tokens)
+
+
+def _whole(completion: dict[str, Any]) -> StreamedAnswer:
+    """A chat completion answered whole (not streamed), as a streamed answer."""
+    choice = completion["choices"][0]
+    usage = completion.get("usage") or {}
+    return StreamedAnswer(choice["message"].get("content") or "", choice.get("finish_reason"),
+                          int(usage.get("completion_tokens") or 0))
 
 
 def _error_message(body: bytes) -> str:
