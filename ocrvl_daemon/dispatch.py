@@ -1,25 +1,27 @@
-"""Which server endpoint each page goes to, and the pages of an endpoint that failed taken back.
+"""The server endpoints pages go to: each one's adaptive bound, answers and outages.
 
-The converter picks pages fairly across documents first (`scheduler.pick_pages`); the
-`Dispatcher` then gives each to the usable endpoint with the most room: the fewest pages in
-flight relative to its own adaptive bound (each endpoint has its `ConcurrencyController`, fed
-by its own `/metrics`). An endpoint that is not ready, or whose page came back "server down",
-is left out; the pages it had go back to their documents for the others (`reclaim`), and an
-answer it still sends for one of them is ignored (`owns`): each page is checkpointed once.
-It rejoins once ready again. An outage is logged once when it begins and once when the
-endpoint answers again, with the requests that failed in between.
+The plan (`plan.plan`) picks the pages and gives each to the usable endpoint with the most
+room: the fewest pages in flight relative to its own adaptive bound (each endpoint has its
+`ConcurrencyController`, fed by its own `/metrics`). Which endpoint has a page is recorded on
+the page itself (`document.SentPage`). An endpoint that is not ready, or whose page came back
+"server down", is left out; the pages it had go back to their documents for the others
+(`reclaim`), and an answer it still sends for one of them is ignored
+(`decide.is_awaited`): each page is checkpointed once. It rejoins once ready again. An outage
+is logged once when it begins and once when the endpoint answers again, with the requests
+that failed in between.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ocrvl_daemon.concurrency import ConcurrencyController
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.document import Document
 from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.server.supervisor import ServerStatus
@@ -29,8 +31,6 @@ log = logging.getLogger(__name__)
 # An endpoint whose request failed as "server down" takes no pages for this long: its own
 # probe may take longer to notice it is gone, and its pages would fail again at once.
 SUSPEND_SECONDS = 5.0
-
-PageKey = tuple[int, int]  # (job id, 0-based page)
 
 
 class ServerHandle(Protocol):
@@ -79,7 +79,7 @@ class EndpointLoad:
 
 
 class Endpoint:
-    """One server's bookkeeping: its pages in flight, answers, bound and suspension."""
+    """One server's bookkeeping: its answers, bound and suspension."""
 
     def __init__(self, handle: ServerHandle, config: Config) -> None:
         self.handle = handle
@@ -88,7 +88,6 @@ class Endpoint:
             config.pipeline.max_concurrency,
             config.pipeline.adaptive_concurrency,
         )
-        self.pages: set[PageKey] = set()
         self.answered = 0  # requests that came back (for hang detection)
         self.answers = RateMeter()  # pages it recognised
         self.suspended_until = 0.0
@@ -105,10 +104,6 @@ class Endpoint:
         """Whether pages may go to it now."""
         return now >= self.suspended_until and self.handle.is_ready()
 
-    def fill(self) -> float:
-        """Pages in flight relative to its bound."""
-        return len(self.pages) / max(1, self.concurrency.limit)
-
     def reconfigure(self, config: Config) -> None:
         """Apply new concurrency bounds."""
         p = config.pipeline
@@ -116,17 +111,16 @@ class Endpoint:
 
 
 class Dispatcher:
-    """The endpoints pages go to, and which endpoint has each page in flight."""
+    """The endpoints pages go to."""
 
     def __init__(self, config: Config, servers: Sequence[ServerHandle]) -> None:
         if not servers:
             raise ValueError("a converter needs at least one server endpoint")
         self.config = config
         self.endpoints = [Endpoint(server, config) for server in servers]
-        self._owner: dict[PageKey, Endpoint] = {}
 
     def set_servers(self, servers: Sequence[ServerHandle]) -> None:
-        """New handles (a reload); an endpoint at the same URL keeps its pages and bound."""
+        """New handles (a reload); an endpoint at the same URL keeps its bound and counts."""
         old = {e.url: e for e in self.endpoints}
         endpoints = []
         for server in servers:
@@ -134,34 +128,18 @@ class Dispatcher:
             endpoint.handle = server
             endpoints.append(endpoint)
         self.endpoints = endpoints
-        for gone in old.values():
-            for key in gone.pages:
-                del self._owner[key]
 
     def usable(self, now: float) -> list[Endpoint]:
         """The endpoints that take pages now."""
         return [e for e in self.endpoints if e.usable(now)]
 
-    def assign(self, key: PageKey, usable: list[Endpoint]) -> Endpoint:
-        """Give page `key` to the endpoint of `usable` with the most room."""
-        endpoint = min(usable, key=Endpoint.fill)
-        endpoint.pages.add(key)
-        self._owner[key] = endpoint
-        return endpoint
-
-    def owns(self, key: PageKey, url: str) -> bool:
-        """Whether an answer from `url` is the one awaited for page `key` (not a late one from
-        an endpoint the page was taken from)."""
-        owner = self._owner.get(key)
-        return owner is None or not url or owner.url == url
-
-    def answered(self, key: PageKey, now: float, recognised: bool,
+    def answered(self, url: str, now: float, recognised: bool,
                  server_down: str | None = None) -> None:
-        """The awaited answer for `key` came back; `server_down`: why its endpoint is gone."""
-        endpoint = self._owner.pop(key, None)
+        """The awaited answer of a page sent to `url` came back; `server_down`: why that
+        endpoint is gone."""
+        endpoint = next((e for e in self.endpoints if e.url == url), None)
         if endpoint is None:
-            return
-        endpoint.pages.discard(key)
+            return  # replaced by a reload meanwhile
         if server_down is not None:
             self._went_down(endpoint, now, server_down)
             return
@@ -187,44 +165,37 @@ class Dispatcher:
                     endpoint.url, reason, others)
         endpoint.handle.note_unreachable(reason)
 
-    def release(self, key: PageKey) -> None:
-        """Page `key` is no longer in flight anywhere (its worker stopped, its job ended)."""
-        endpoint = self._owner.pop(key, None)
-        if endpoint is not None:
-            endpoint.pages.discard(key)
-
-    def release_job(self, job_id: int) -> None:
-        """Forget the pages in flight of a job that ended."""
-        for key in [k for k in self._owner if k[0] == job_id]:
-            self.release(key)
-
-    def reclaim(self, now: float) -> list[PageKey]:
-        """The pages of endpoints that are not usable now, taken from them when another one
-        is usable (with none usable they wait where they are, as with one server)."""
+    def reclaim(self, now: float, documents: Sequence[Document]) -> list[tuple[Document, int]]:
+        """The pages in flight at endpoints that are not usable now, to be taken from them when
+        another one is usable (with none usable they wait where they are, as with one
+        server)."""
         if not self.usable(now):
             return []
-        taken: list[PageKey] = []
+        taken: list[tuple[Document, int]] = []
         for endpoint in self.endpoints:
-            if endpoint.pages and not endpoint.usable(now):
+            if endpoint.usable(now):
+                continue
+            pages = [(d, p) for d in documents for p, sent in sorted(d.sent.items())
+                     if sent.endpoint == endpoint.url]
+            if pages:
                 log.info("%s at %s is not ready: its %d page(s) in flight go to the others",
-                         endpoint.handle.name, endpoint.url, len(endpoint.pages))
-                for key in sorted(endpoint.pages):
-                    self.release(key)
-                    taken.append(key)
+                         endpoint.handle.name, endpoint.url, len(pages))
+                taken += pages
         return taken
 
-    def observe(self, now: float, backlog: int) -> None:
-        """Each endpoint's progress for its hang detection and its concurrency search."""
+    def observe(self, now: float, backlog: int, in_flight: Mapping[str, int]) -> None:
+        """Each endpoint's progress (`in_flight`: pages in flight per URL) for its hang
+        detection and its concurrency search."""
         for e in self.endpoints:
-            in_flight = len(e.pages)
-            e.handle.note_progress(in_flight, e.answered)
-            metrics = e.handle.metrics(want=e.concurrency.adaptive and in_flight > 0)
-            e.concurrency.observe(now, e.answered, in_flight, backlog, metrics)
+            pages = in_flight.get(e.url, 0)
+            e.handle.note_progress(pages, e.answered)
+            metrics = e.handle.metrics(want=e.concurrency.adaptive and pages > 0)
+            e.concurrency.observe(now, e.answered, pages, backlog, metrics)
 
-    def load(self) -> list[EndpointLoad]:
-        """Each endpoint's pages in flight, rate and bound."""
+    def load(self, in_flight: Mapping[str, int]) -> list[EndpointLoad]:
+        """Each endpoint's pages in flight (`in_flight`: per URL), rate and bound."""
         now = time.monotonic()
-        return [EndpointLoad(e.url, e.handle.name, len(e.pages), e.answers.rate(now),
+        return [EndpointLoad(e.url, e.handle.name, in_flight.get(e.url, 0), e.answers.rate(now),
                              e.concurrency.limit) for e in self.endpoints]
 
     def reconfigure(self, config: Config) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.document import Document
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.scheduler import DocumentPages
 from ocrvl_daemon.store import Job, JobState, Store
 from ocrvl_daemon.units import counted
 
@@ -70,10 +70,11 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
 
 
 def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
-              json_output: bool) -> tuple[Job, DocumentPages] | None:
-    """Mark queued `job` running: the job (identified again if its file changed) and its
-    pages still to do. None when its file is gone (it is dropped) or this version is not
-    queued. An unusable file or output place raises, as OcrvlError or OSError."""
+              json_output: bool) -> Document | None:
+    """Mark queued `job` running: its active document, with the job (identified again if its
+    file changed) and its pages still to do. None when its file is gone (it is dropped) or
+    this version is not queued. An unusable file or output place raises, as OcrvlError or
+    OSError."""
     path = job.path
     if not path.exists():
         log.info("%s is gone; dropping it from the queue", path)
@@ -99,7 +100,7 @@ def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
     else:
         log.info("%s: %s queued", path.name, counted(count, "page"),
                  extra=doc_fields(path, None, job.id))
-    return job, DocumentPages(job.id, count, pending, done=count - len(pending))
+    return Document(job, count, pending, done=count - len(pending))
 
 
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,

@@ -182,6 +182,12 @@ class RedoLedger:
     _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
 
+    def copy(self) -> RedoLedger:
+        """A ledger of its own with the same entries (`decide.decide` changes a copy)."""
+        return RedoLedger(self.first_pass, self.extra, dict(self.redos), dict(self.loop_tries),
+                          dict(self.held), self._answers, set(self._grown), dict(self._out),
+                          dict(self._best))
+
     @property
     def cap(self) -> int:
         """The extra tokens this document's redos may generate (about; see `decide`)."""

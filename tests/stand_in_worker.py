@@ -13,9 +13,8 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter, ServerHandle
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.worker.messages import PageResult, PageTask
+from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool
-from ocrvl_daemon.worker.request_gate import YieldCap
 
 
 class StandInWorker:
@@ -26,8 +25,7 @@ class StandInWorker:
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
         self.order: list[tuple[int, int]] = []  # every page submitted, in order
         self.priorities: dict[int, int] = {}  # job -> the priority of its last page submitted
-        self.limits: dict[str, int] = {}
-        self.caps: dict[str, YieldCap | None] = {}
+        self.gates: dict[str, GateLimit] = {}  # each endpoint's request gate, as last told
         self.per_url: Counter[str] = Counter()
         self.urls: dict[tuple[int, int], str] = {}  # the endpoint of each page in flight
         self.arrived = threading.Event()
@@ -61,9 +59,8 @@ class StandInWorker:
         self.order.append((task.job_id, task.page))
         self.priorities[task.job_id] = task.priority
 
-    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
-        self.limits[url] = limit
-        self.caps[url] = cap
+    def set_limit(self, gate: GateLimit) -> None:
+        self.gates[gate.url] = gate
 
     def pending(self) -> bool:
         return bool(self.results)
@@ -96,7 +93,8 @@ class StandInWorker:
 def converter_with_stand_in(tmp_path: Path, servers: Sequence[ServerHandle],
                             **pipeline: Any) -> tuple[Converter, StandInWorker, Store, Config]:
     """A real converter and store whose one engine worker is a StandInWorker."""
-    config = Config.model_validate({"state_dir": str(tmp_path / "state"), "pipeline": pipeline})
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"workers": 1, **pipeline}})
     store = open_store(config)
     worker = StandInWorker(config, config.server.base_url)
     engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]

@@ -64,7 +64,8 @@ class Policy:
         self.folder = tmp_path / "inbox"
         self.folder.mkdir()
         self.config = Config.model_validate(
-            {"state_dir": str(tmp_path / "state"), "pipeline": pipeline, "server": server or {}})
+            {"state_dir": str(tmp_path / "state"), "pipeline": {"workers": 1, **pipeline},
+             "server": server or {}})
         self.store = open_store(self.config)
         self.workers: list[StandInWorker] = []
         engines = EnginePool(self.config, new_worker=self._new_worker)  # type: ignore[arg-type]

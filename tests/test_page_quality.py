@@ -204,7 +204,7 @@ def test_loops_cut_offs_and_empty_pages_are_retried_to_fit_and_flagged_everywher
         assert doc["verdicts"] == {"ok": pages - 2, "suspect": 1, "bad": 1}, doc
         text = run_ocrvl("status", "--config", setup.config, timeout=60).stdout
         assert f"pages flagged: {cut + 1},{empty + 1} (bad: {empty + 1}; suspect: {cut + 1}; " \
-               "redo: ocrvl retry --flagged" in text, text
+               f"redo: ocrvl retry --config {setup.config} --flagged" in text, text
 
         document = json.loads(book.with_suffix(".json").read_text("utf-8"))
         jsonschema.validate(document, SCHEMA)

@@ -16,7 +16,7 @@ import pytest
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.worker.client import EngineWorker
-from ocrvl_daemon.worker.messages import PageResult, PageTask
+from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
@@ -273,7 +273,7 @@ def test_the_server_never_holds_more_requests_than_the_limit_below_the_maximum(
                           "--request-log", str(log)) as srv,
         running_worker(config, srv.api_url) as worker,
     ):
-        worker.set_limit(srv.api_url, 3)
+        worker.set_limit(GateLimit(srv.api_url, 3))
         submit_pages(worker, 1, pdf, 12)
         results_of(worker, 12)
     records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
@@ -352,15 +352,15 @@ def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_a
                           "--output-tokens", "fixed:20", "--request-log", str(log)) as srv,
         running_worker(config, srv.api_url) as worker,
     ):
-        worker.set_limit(srv.api_url, 12)
+        worker.set_limit(GateLimit(srv.api_url, 12))
         submit_pages(worker, 1, book, 12, priority=64)
         wait_until(lambda: srv.stats()["requests_received"] == 12, 30,
                    what="the book's twelve requests at the server")
-        worker.set_limit(srv.api_url, 12, YieldCap(2, frozenset({1})))
+        worker.set_limit(GateLimit(srv.api_url, 12, YieldCap(2, frozenset({1}))))
         submit_pages(worker, 2, letter, 1)
         wait_until(lambda: results.extend(worker.collect()) or any(r.job_id == 2 for r in results),
                    60, what="the letter's page back")
-        worker.set_limit(srv.api_url, 12)  # the letter is done: the book goes on
+        worker.set_limit(GateLimit(srv.api_url, 12))  # the letter is done: the book goes on
         wait_until(lambda: results.extend(worker.collect()) or len(results) == 13, 60,
                    what="the book's pages back once the cap was lifted")
     assert all(r.error is None for r in results), [r.error for r in results if r.error]

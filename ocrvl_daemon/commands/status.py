@@ -17,6 +17,7 @@ from ocrvl_daemon.commands.install_service import start_command
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import advice_command
 from ocrvl_daemon.daemon_state import read_runtime_file
+from ocrvl_daemon.document import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.errors import OcrvlError
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.names import shell_quote, shown
@@ -28,7 +29,6 @@ from ocrvl_daemon.output import (
     shortened_names,
 )
 from ocrvl_daemon.pdf import page_count, repair_fix, retry_command
-from ocrvl_daemon.scheduler import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.units import format_duration
@@ -100,7 +100,7 @@ def finish_times(
     """Seconds until each document is done, as the daemon shares the server.
 
     `pages_left` holds (job id, pages left) in queue order. Up to `slots` documents are
-    converted at once and share `rate` evenly (the scheduler's fair interleaving), so a
+    converted at once and share `rate` evenly (the plan's fair interleaving), so a
     letter behind a book is done first; the next in the queue takes a freed slot.
     """
     waiting = [(job, float(left)) for job, left in pages_left]

@@ -38,7 +38,6 @@ from ocrvl_daemon.worker.messages import (
     WorkerReady,
     WorkerSetup,
 )
-from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +94,7 @@ class EngineWorker:
         # before the first attempt's answer is back, and stays in flight until both are.
         self._attempts: Counter[tuple[int, int]] = Counter()
         self.per_url: Counter[str] = Counter()  # pages in flight per endpoint
-        self.limits: dict[str, int] = {}  # each endpoint's request gate size, once told
-        self.caps: dict[str, YieldCap | None] = {}  # ... and its cap on big documents
+        self.gates: dict[str, GateLimit] = {}  # each endpoint's request gate, once told
         self.pages_done = 0
         self.ready = False
         self.failure: str | None = None
@@ -155,14 +153,14 @@ class EngineWorker:
         with contextlib.suppress(OSError, ValueError):
             self._channel.send(task)
 
-    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
-        """How many requests the worker may have at the server at `url`, and how many of them
-        big documents may hold (`RequestGate.resize`); sent only when either changes."""
-        if url not in self.limits or (limit, cap) != (self.limits[url], self.caps[url]):
-            self.limits[url], self.caps[url] = limit, cap
+    def set_limit(self, gate: GateLimit) -> None:
+        """How many requests the worker may have at the server at `gate.url`, and how many of
+        them big documents may hold (`RequestGate.resize`); sent only when either changes."""
+        if self.gates.get(gate.url) != gate:
+            self.gates[gate.url] = gate
             assert self._channel is not None
             with contextlib.suppress(OSError, ValueError):
-                self._channel.send(GateLimit(url, limit, cap))
+                self._channel.send(gate)
 
     def pending(self) -> bool:
         """Whether messages wait to be collected."""

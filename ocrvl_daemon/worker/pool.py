@@ -7,7 +7,8 @@ the converter asks it at each tick to `maintain` them and gets back the pages a 
 worker lost. Each worker is started, restarted and recycled on its own: one crashing costs
 only its own pages.
 After a crash with several pages in flight, which page crashed the worker is unknown: the
-pool narrows it down (`isolating_pages`) by sending only those pages, ever fewer at a time.
+lost pages come back as suspects, and the plan sends only those, at most `isolation_bound` at
+a time, ever fewer, until a crash with one page in flight names it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.scheduler import DocumentPages
 from ocrvl_daemon.worker.client import EngineWorker
-from ocrvl_daemon.worker.messages import PageResult, PageTask
+from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,13 @@ class LostPage:
 
     `crash` is set when the page was alone in flight at a worker crash: it is the cause, so
     it counts a failed attempt (a page that kills the worker every time ends as a
-    placeholder, not a loop).
+    placeholder, not a loop). `suspect`: it was one of several in flight at a crash.
     """
 
     job_id: int
     page: int
     crash: str | None = None
+    suspect: bool = False
 
 
 class EnginePool:
@@ -75,10 +76,8 @@ class EnginePool:
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
         self.start_error: str | None = None
-        # Pages in flight at a worker crash, not yet done, and how many of them may be in
-        # flight together (ISOLATION_SPLIT); while there are any, only they are sent.
-        self._suspects: set[tuple[int, int]] = set()
-        self._isolation_bound = 1
+        # How many pages suspected of the last crash may be in flight together.
+        self.isolation_bound = 1
 
     def _workers(self) -> list[EngineWorker]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
@@ -99,17 +98,18 @@ class EnginePool:
         """Pages whose request has left for the server."""
         return sum(len(w.sent) for w in self._workers())
 
-    def set_limit(self, url: str, limit: int, cap: YieldCap | None = None) -> None:
-        """How many requests the workers may have at the server at `url`, in all, and how many
-        of them big documents may hold (`RequestGate.resize`): each worker's request gate
-        gets an even share."""
+    def set_limit(self, gate: GateLimit) -> None:
+        """How many requests the workers may have at the server at `gate.url`, in all, and how
+        many of them big documents may hold (`RequestGate.resize`): each worker's request
+        gate gets an even share."""
         taking = self.taking()
         caps: list[YieldCap | None] = [None] * len(taking)
-        if cap is not None:
-            caps = [replace(cap, places=n) for n in _even_shares(cap.places, len(taking))]
-        for worker, share, cap_share in zip(taking, _even_shares(limit, len(taking)), caps,
+        if gate.cap is not None:
+            caps = [replace(gate.cap, places=n)
+                    for n in _even_shares(gate.cap.places, len(taking))]
+        for worker, share, cap_share in zip(taking, _even_shares(gate.limit, len(taking)), caps,
                                             strict=True):
-            worker.set_limit(url, share, cap_share)
+            worker.set_limit(GateLimit(gate.url, share, cap_share))
 
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker with the fewest in flight for its endpoint (only while
@@ -144,7 +144,7 @@ class EnginePool:
         worker will be started again."""
         return self.starts is not None and self.start_failures >= self.starts * len(self._slots)
 
-    def maintain(self, now: float, active: Mapping[int, DocumentPages]) -> list[LostPage]:
+    def maintain(self, now: float, active: Container[int]) -> list[LostPage]:
         """Stop retired workers that are done, replace a failed or worn one, start one when
         due; returns the pages of `active` documents that stopped workers still had."""
         lost: list[LostPage] = []
@@ -157,8 +157,7 @@ class EnginePool:
             lost += self._keep(slot, now, active)
         return lost
 
-    def _keep(self, slot: int, now: float, active: Mapping[int, DocumentPages]
-              ) -> list[LostPage]:
+    def _keep(self, slot: int, now: float, active: Container[int]) -> list[LostPage]:
         """Replace the worker of `slot` if it failed or is worn, start one when due."""
         lost: list[LostPage] = []
         worker = self._slots[slot]
@@ -251,44 +250,20 @@ class EnginePool:
 
     # --- lost pages ---------------------------------------------------------------------
 
-    def _lost_pages(self, worker: EngineWorker, active: Mapping[int, DocumentPages],
+    def _lost_pages(self, worker: EngineWorker, active: Container[int],
                     crash: str | None = None) -> list[LostPage]:
-        """Pages a stopped worker still had. After a `crash` with one page in flight that
-        page is to blame; with several, none is: they are sent again a few at a time
-        (`isolating_pages`) until a crash names the page."""
+        """Pages a stopped worker still had, of `active` jobs. After a `crash` with one page in
+        flight that page is to blame; with several, none is: they are suspects, sent again a
+        few at a time (`isolation_bound`) until a crash names the page."""
         lost = [(j, p) for j, p in worker.forget() if j in active]
-        if crash is not None and len(lost) > 1:
-            self._suspects |= set(lost)
-            self._isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
+        suspect = crash is not None and len(lost) > 1
+        if suspect:
+            self.isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
             log.warning("%d pages were in flight when the engine worker crashed; sending them "
                         "again, %d at a time, to find the page that crashes it", len(lost),
-                        self._isolation_bound)
+                        self.isolation_bound)
         blamed = crash if len(lost) == 1 else None
-        return [LostPage(job_id, page, blamed) for job_id, page in lost]
-
-    def isolating_pages(
-        self, active: Mapping[int, DocumentPages]
-    ) -> list[tuple[DocumentPages, int]] | None:
-        """The pages to send while a crash is being narrowed down, marked in flight (None:
-        no crash is)."""
-        self._suspects = {(j, p) for j, p in self._suspects
-                          if j in active and (p in active[j].pending
-                                              or p in active[j].in_flight)}
-        if not self._suspects:
-            return None
-        room = self._isolation_bound - sum(
-            p in active[j].in_flight for j, p in self._suspects)
-        chosen = []
-        for job_id, page in sorted(self._suspects):
-            doc = active[job_id]
-            if room <= 0:
-                break
-            if page in doc.pending:
-                doc.pending.remove(page)
-                doc.in_flight.add(page)
-                chosen.append((doc, page))
-                room -= 1
-        return chosen
+        return [LostPage(job_id, page, blamed, suspect) for job_id, page in lost]
 
 
 def _worker_fix(failure: str) -> str:

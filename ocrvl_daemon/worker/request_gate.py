@@ -1,13 +1,12 @@
 """Which page requests reach the model server, and in what order: the priority and bump rule.
 
-The converter keeps `limit` pages at the server (`ConcurrencyController.limit`) and
-`ready_margin` more being prepared in the engine, so a finished request is replaced at once;
-pages of a document short of pages in flight go at once, a few beyond that
-(`slots_to_fill`). Inside the engine worker, `RequestGate` holds the server to exactly
-`limit` requests and lets the most urgent waiting one through first; a request of a
-document short of pages may bump a young request of a document with many (`_victim`).
-While a small document runs beside a big one, the big one's requests are held to a `cap`
-and its young ones above it are taken back from the server (`RequestGate.resize`).
+The converter keeps `limit` pages at the server (`ConcurrencyController.limit`) and a few
+more being prepared in the engine (`plan.plan`). Inside the engine worker, `RequestGate`
+holds the server to exactly `limit` requests and lets the most urgent waiting one through
+first; a request of a document short of pages may bump a young request of a document with
+many (`_victim`). While a small document runs beside a big one, the big one's requests are
+held to a `cap` and its young ones above it are taken back from the server
+(`RequestGate.resize`).
 """
 
 from __future__ import annotations
@@ -22,39 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # A document with fewer pages than this in flight (a letter, a book just dropped) is short of
-# pages: its next pages are sent to the engine at once, up to SHORT_EXTRA beyond `limit` plus
-# the ready margin, and at the worker's request gate they may bump a young request of a
-# document with many pages in flight instead of waiting for one to finish.
+# pages: the plan sends its next pages at once (`plan.SHORT_EXTRA`), and here they may bump a
+# young request of a document with many pages in flight instead of waiting for one to finish.
 SHORT_OF_PAGES = 4
-SHORT_EXTRA = 4
-
-
-def ready_margin(limit: int) -> int:
-    """Pages in flight beyond `limit`: being prepared (rendered, laid out, encoded) while
-    `limit` pages are at the server, so a finished request is replaced at once.
-
-    Small on purpose: a page of a letter dropped now is prepared after these (the renderer
-    and the request gate serve first come, first served), so each one delays it.
-    """
-    return max(2, limit // 16)
-
-
-def slots_to_fill(limit: int, in_flight: int, at_server: int) -> tuple[int, int]:
-    """How many pages to hand the engine now: (`slots` for any document, `short_room`).
-
-    `limit` pages at the server, and a few more being prepared (rendered, laid out,
-    encoded) to replace the next ones that finish. No more than that: a page of a letter
-    dropped now must not queue behind a book's pages inside the worker. Prepared pages wait
-    at the worker's request gate, which follows `limit`, so the server holds exactly
-    `limit` requests. Pages of documents short of pages in flight (fewer than
-    SHORT_OF_PAGES) go at once, a few beyond that: `short_room` more of them, less the pages
-    chosen for the `slots`. The gate lets them bump a young request of a document that has
-    many.
-    """
-    margin = ready_margin(limit)
-    preparing = max(0, in_flight - at_server)
-    slots = min(limit + margin - in_flight, margin - preparing)
-    return slots, limit + margin + SHORT_EXTRA - in_flight
 
 
 # How long a request short of pages waits for a place before it bumps one (RequestGate).

@@ -1,0 +1,226 @@
+"""What to do with each page result: one action, decided by a pure function.
+
+`decide(result, document, rules)` reads the result and the document (its pages, attempts and
+redo ledger) and returns one action: `Checkpoint` an answer, `SendAgain` (a redo, a counted
+retry after a wait, a page held for later, or a page the server never saw), a `Placeholder`
+for a page given up on, or `FailJob`. It changes nothing: a redo ledger that the result
+moves on comes back inside the action, as a new value, and the converter applies the action
+(store, log, document). So every policy path is a plain function call in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.document import Document
+from ocrvl_daemon.errors import (
+    InputVanishedError,
+    OcrvlError,
+    PagesFailedError,
+    ServerError,
+)
+from ocrvl_daemon.page_quality import (
+    KeptBecause,
+    Later,
+    PageQuality,
+    Redo,
+    RedoLedger,
+    assess,
+    flag_note,
+)
+from ocrvl_daemon.pdf import retry_command
+from ocrvl_daemon.worker.messages import Failure, PageResult
+
+# A page the server failed (HTTP 5xx) waits this long before it is sent again, doubling with
+# each failure up to SERVER_ERROR_LONGEST_WAIT: a server failing every request is not
+# hammered, and one that failed a moment has time to recover.
+SERVER_ERROR_FIRST_WAIT = 1.0
+SERVER_ERROR_LONGEST_WAIT = 30.0
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The settings the decisions follow."""
+
+    page_retries: int  # failed attempts a page may have before it is given up on
+    fail_on_page_error: bool  # a page given up on fails its whole document
+    external_server: bool  # ocrvl does not run the server (the advice differs)
+    server_url: str  # the endpoint named when a result does not say
+    again: str = "ocrvl retry"  # the command that redoes a document (`pdf.retry_command`)
+
+    @classmethod
+    def from_config(cls, config: Config, again: str) -> Rules:
+        """The rules of `config`, with `again` as the redo command."""
+        return cls(config.pipeline.page_retries, config.pipeline.fail_on_page_error,
+                   config.server.mode == "external", config.server.base_url, again)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Save `answer` as the page's text, with its quality record (and `note` if flagged)."""
+
+    page: int
+    answer: PageResult
+    quality: PageQuality
+    note: str | None
+    ledger: RedoLedger | None = None  # the document's ledger from now on (None: as it is)
+
+
+@dataclass(frozen=True)
+class SendAgain:
+    """Send the page again after `wait` seconds (0: now; inf: once the document's other
+    pages are in). `counted`: the attempt counts towards `Rules.page_retries`; `why` is the
+    warning to log, after the file's name (None: nothing to say here)."""
+
+    page: int
+    wait: float = 0.0
+    counted: bool = False
+    why: str | None = None
+    ledger: RedoLedger | None = None
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """Give the page up: an empty page with `note` in the document, which still completes.
+    `retryable`: trying again may help (the note says how)."""
+
+    page: int
+    note: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class FailJob:
+    """The whole document fails with `error` (tried again later as the retry policy says)."""
+
+    error: OcrvlError
+
+
+Action = Checkpoint | SendAgain | Placeholder | FailJob
+
+
+def is_awaited(result: PageResult, document: Document) -> bool:
+    """Whether `result` is the answer awaited for its page: sent, and from the endpoint it
+    was sent to (not a late one from an endpoint the page was taken from)."""
+    sent = document.sent.get(result.page)
+    return sent is not None and (not result.url or not sent.endpoint
+                                 or sent.endpoint == result.url)
+
+
+def decide(result: PageResult, document: Document, rules: Rules) -> Action:
+    """The action for `result`, an awaited answer (`is_awaited`) of a page of `document`."""
+    page = result.page
+    if result.error is None:
+        ledger = document.ledger.copy()
+        ledger.count(page, result.tokens)
+        cut_at = result.truncated_at
+        quality = assess(result.markdown, "length" if cut_at is not None else result.finish_reason,
+                         result.tokens, result.looping, result.has_ink, result.repetition)
+        choice: Redo | KeptBecause | Later | None = None
+        if cut_at is not None:
+            choice = ledger.decide(page, cut_at, result.token_ceiling, result.looping,
+                                   document.others_out)
+        ledger.best(page, quality, result)
+        return _redo_or_keep(document, page, choice, result.looping, ledger, rules)
+    error = result.error or "unknown error"
+    kept = document.ledger.kept(page)
+    if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
+        # A redo that fails costs the page nothing: its earlier answer stays.
+        quality, answer = kept
+        note = (f"{_quality_note(document, answer, quality, None, rules)} (sending it again "
+                f"failed: {error.rstrip('.')})")
+        return Checkpoint(page, answer, quality, note)
+    if result.error_kind is Failure.SERVER_DOWN:  # not the page's fault: the dispatcher says so
+        return SendAgain(page)
+    if result.error_kind is Failure.SERVER_ERROR:
+        return _server_failed(document, page, result.error, result.url or rules.server_url,
+                              rules)
+    if result.error_kind is Failure.INPUT:
+        return FailJob(InputVanishedError(result.error or "the file changed"))
+    if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
+        return _give_up(document, page, result.error or "the page is damaged", None, rules)
+    return page_failed(document, page, error, rules)
+
+
+def release_held(document: Document, rules: Rules) -> list[Action]:
+    """The actions for the pages held for a second loop-breaking retry, once every other page
+    of `document` is in: each is sent again or keeps its best answer."""
+    actions: list[Action] = []
+    ledger = document.ledger
+    for page in document.held():
+        ledger = ledger.copy()
+        actions.append(_redo_or_keep(document, page, ledger.release(page), True, ledger, rules))
+    return actions
+
+
+def page_failed(document: Document, page: int, error: str, rules: Rules) -> Action:
+    """A failed attempt at `page` (`error`): send it again, counted, or give up on it."""
+    attempts = document.attempts.get(page, 0) + 1
+    if attempts <= rules.page_retries:
+        return SendAgain(page, counted=True, why=f"p.{page + 1} failed (attempt {attempts}): "
+                                                 f"{error}")
+    note = (f"page {page + 1} could not be recognised after {attempts} attempts: "
+            f"{error.rstrip('.')}.")
+    return _give_up(document, page, note, retry_command(document.job.path, str(page + 1),
+                                                         rules.again), rules)
+
+
+def _redo_or_keep(document: Document, page: int, choice: Redo | KeptBecause | Later | None,
+                  looping: bool, ledger: RedoLedger, rules: Rules) -> Action:
+    """The action for the ledger's `choice` for `page` (whose last answer was cut off and
+    `looping`, if `choice` is set; its answers are in `ledger`): send it again, hold it until
+    the document's other pages are in, or keep its best answer."""
+    if isinstance(choice, Redo):
+        how = (f"it loops; sending it again with repetition_penalty {choice.repetition_penalty}"
+               if looping else f"redoing it once with {choice.max_new_tokens}")
+        return SendAgain(page, why=f"p.{page + 1}: answer cut off; {how}", ledger=ledger)
+    if isinstance(choice, Later):
+        return SendAgain(page, wait=math.inf, ledger=ledger)
+    kept = ledger.kept(page)
+    assert kept is not None, "the ledger keeps every answer of a page until it settles"
+    quality, answer = kept
+    return Checkpoint(page, answer, quality,
+                      _quality_note(document, answer, quality, choice, rules), ledger)
+
+
+def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
+                  why: Redo | KeptBecause | None, rules: Rules) -> str | None:
+    """The note of a page kept although it is not ok (None when it is ok)."""
+    return flag_note(answer.page, quality, why, answer.truncated_at,
+                     retry_command(document.job.path, str(answer.page + 1), rules.again),
+                     external_server=rules.external_server)
+
+
+def _server_failed(document: Document, page: int, error: str | None, url: str,
+                   rules: Rules) -> Action:
+    """The server at `url` answered `page` with an error (HTTP 5xx): a counted attempt, sent
+    again after a wait, or the document fails with the server's words.
+
+    Not a placeholder: the page is not to blame, and the document is tried again later
+    (`retry`) with every page it has.
+    """
+    attempts = document.attempts.get(page, 0) + 1
+    if attempts <= rules.page_retries:
+        wait = min(SERVER_ERROR_LONGEST_WAIT, SERVER_ERROR_FIRST_WAIT * 2 ** (attempts - 1))
+        return SendAgain(page, wait=wait, counted=True,
+                         why=f"p.{page + 1}: the server at {url} failed it (attempt {attempts}): "
+                             f"{error}; sending it again in {wait:.0f} s")
+    return FailJob(ServerError(
+        f"The model server at {url} failed page {page + 1} on all {attempts} attempts: "
+        f"{(error or 'no reason given').rstrip('.')}.",
+        "the server's own log tells why it fails requests (vLLM prints the cause above the "
+        "error)"))
+
+
+def _give_up(document: Document, page: int, note: str, redo: str | None,
+             rules: Rules) -> Action:
+    """A placeholder for `page`, unless `Rules.fail_on_page_error` fails the document.
+    `redo` is the command that tries the page again, when trying again can help."""
+    if rules.fail_on_page_error:
+        return FailJob(PagesFailedError(note, f"check the page, then run: {redo}"
+                                        if redo else None))
+    if redo:
+        note = f"{note} Redo it with: {redo}"
+    return Placeholder(page, note, retryable=redo is not None)

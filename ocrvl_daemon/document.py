@@ -1,0 +1,123 @@
+"""One active document: its job, the state of each of its pages, its attempts and its redo
+ledger, in one object.
+
+A page is pending (to be sent), sent (to an endpoint, on its nth attempt), resting (waiting
+before it is sent again) or answered (checkpointed or given up on, counted in `done`). The
+converter (`driver.Converter`) changes a document only through these methods, as it applies
+the actions `decide.decide` chose; the plan (`plan.plan`), the dispatcher, the engine pool
+and status read it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ocrvl_daemon.page_quality import RedoLedger
+from ocrvl_daemon.store import Job
+
+# Documents converted at once, sharing the server; the queue behind them waits for a slot.
+MAX_ACTIVE_DOCUMENTS = 64
+# A document with at most this many pages left is small (a letter, an article, a book's last
+# pages); documents with more yield to it (`plan`).
+SMALL_DOCUMENT_PAGES = 16
+
+
+@dataclass(frozen=True)
+class SentPage:
+    """A page in flight: the endpoint (OpenAI base URL) its requests go to, and which attempt
+    at the page this is (1: the first)."""
+
+    endpoint: str
+    attempt: int
+
+
+@dataclass
+class Document:
+    """The pages of one active document and everything decided about them."""
+
+    job: Job
+    page_count: int
+    pending: list[int]  # ascending, not yet sent
+    sent: dict[int, SentPage] = field(default_factory=dict)
+    # Pages that wait before they are sent again: page -> when (monotonic; inf: until the
+    # document's other pages are in).
+    resting: dict[int, float] = field(default_factory=dict)
+    done: int = 0  # pages answered: checkpointed, or given up on with a placeholder
+    attempts: dict[int, int] = field(default_factory=dict)  # failed attempts counted
+    ledger: RedoLedger = field(default_factory=RedoLedger)
+    # Pages in flight at an engine worker crash, one of which may have caused it: while there
+    # are any, only they are sent, a few at a time (`plan`), until a crash names the page.
+    suspects: set[int] = field(default_factory=set)
+
+    @property
+    def job_id(self) -> int:
+        """The document's job id."""
+        return self.job.id
+
+    @property
+    def pages_left(self) -> int:
+        """Pages not yet answered."""
+        return len(self.pending) + len(self.sent) + len(self.resting)
+
+    @property
+    def small(self) -> bool:
+        """Few pages left: documents with more yield to it."""
+        return self.pages_left <= SMALL_DOCUMENT_PAGES
+
+    @property
+    def finished(self) -> bool:
+        """All pages are answered."""
+        return not self.pending and not self.sent and not self.resting
+
+    @property
+    def others_out(self) -> bool:
+        """Whether pages other than one in flight are still to come back."""
+        return bool(self.pending) or len(self.sent) > 1
+
+    def send(self, page: int, endpoint: str) -> None:
+        """Pending `page` goes to `endpoint`."""
+        self.pending.remove(page)
+        self.sent[page] = SentPage(endpoint, self.attempts.get(page, 0) + 1)
+
+    def count_attempt(self, page: int) -> None:
+        """An attempt at `page` failed and counts towards its retries."""
+        self.attempts[page] = self.attempts.get(page, 0) + 1
+
+    def give_back(self, page: int) -> None:
+        """`page` returns to the queue (server down, worker replaced, a redo...)."""
+        self.sent.pop(page, None)
+        self.resting.pop(page, None)
+        if page not in self.pending:
+            self.pending.append(page)
+            self.pending.sort()
+
+    def rest(self, page: int, until: float) -> None:
+        """`page` goes back to the queue at `until` (monotonic; inf: once `release_held`)."""
+        self.sent.pop(page, None)
+        self.resting[page] = until
+
+    def wake(self, now: float) -> None:
+        """Pages whose rest is over return to the queue."""
+        for page in [p for p, until in self.resting.items() if until <= now]:
+            self.give_back(page)
+
+    def held(self) -> list[int]:
+        """Pages resting until the document's other pages are in, once they are (else none)."""
+        if self.pending or self.sent:
+            return []
+        return sorted(self.ledger.held)
+
+    def answered(self, page: int) -> None:
+        """`page` is checkpointed or given up on: it is done, and its redo bookkeeping too."""
+        self.sent.pop(page, None)
+        self.resting.pop(page, None)
+        self.suspects.discard(page)
+        self.ledger.settle(page)
+        self.done += 1
+
+
+def pages_per_endpoint(documents: Iterable[Document]) -> Counter[str]:
+    """Pages in flight at each endpoint, over `documents`."""
+    return Counter(sent.endpoint for doc in documents for sent in doc.sent.values())

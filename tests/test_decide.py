@@ -1,0 +1,205 @@
+"""What becomes of each page result (`decide.decide`): one action, from plain values, with
+nothing changed until the converter applies it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ocrvl_daemon.decide import (
+    SERVER_ERROR_LONGEST_WAIT,
+    Checkpoint,
+    FailJob,
+    Placeholder,
+    Rules,
+    SendAgain,
+    decide,
+    is_awaited,
+    page_failed,
+    release_held,
+)
+from ocrvl_daemon.document import Document
+from ocrvl_daemon.errors import ExitCode, InputVanishedError, PagesFailedError
+from ocrvl_daemon.page_quality import LOOP_PENALTIES, Redo, Verdict
+from ocrvl_daemon.worker.messages import Failure, PageResult
+from testkit.core import URL, document, send_all
+
+RULES = Rules(page_retries=2, fail_on_page_error=False, external_server=False, server_url=URL)
+
+
+def sent_document(pages: int = 3) -> Document:
+    doc = document(1, pages)
+    send_all(doc)
+    return doc
+
+
+def answer(page: int, text: str = "some text", **fields: object) -> PageResult:
+    return PageResult(1, page, markdown=text, url=URL, tokens=100, **fields)  # type: ignore[arg-type]
+
+
+def failure(page: int, kind: Failure, error: str = "it broke") -> PageResult:
+    return PageResult(1, page, error=error, error_kind=kind, url=URL)
+
+
+def apply(doc: Document, action: object) -> None:
+    """What the converter does to the document for `action` (the store left out)."""
+    if isinstance(action, Checkpoint | SendAgain) and action.ledger is not None:
+        doc.ledger = action.ledger
+    if isinstance(action, SendAgain):
+        if action.counted:
+            doc.count_attempt(action.page)
+        if action.wait:
+            doc.rest(action.page, action.wait)
+        else:
+            doc.give_back(action.page)
+    elif isinstance(action, Checkpoint | Placeholder):
+        doc.answered(action.page)
+
+
+@pytest.mark.quick
+def test_a_good_answer_is_checkpointed_unflagged() -> None:
+    doc = sent_document()
+    action = decide(answer(0), doc, RULES)
+    assert isinstance(action, Checkpoint) and action.page == 0 and action.note is None
+    assert action.quality.verdict is Verdict.OK and action.answer.markdown == "some text"
+
+
+@pytest.mark.quick
+def test_deciding_changes_nothing_in_the_document() -> None:
+    doc = sent_document()
+    before = (list(doc.pending), dict(doc.sent), dict(doc.attempts), doc.ledger.first_pass)
+    decide(answer(0, truncated_at=4096, looping=True), doc, RULES)
+    decide(failure(1, Failure.SERVER_ERROR), doc, RULES)
+    assert (doc.pending, doc.sent, doc.attempts, doc.ledger.first_pass) == before
+    assert not doc.ledger.redos
+
+
+@pytest.mark.quick
+def test_a_late_answer_from_an_endpoint_the_page_was_taken_from_is_not_awaited() -> None:
+    doc = sent_document()
+    assert is_awaited(answer(0), doc)
+    doc.give_back(0)
+    doc.send(0, "http://other/v1")
+    assert not is_awaited(answer(0), doc)
+    assert not is_awaited(PageResult(1, 7, url=URL), doc), "a page never sent"
+
+
+@pytest.mark.quick
+def test_a_looping_answer_is_sent_again_with_a_penalty_and_the_ledger_moves_on() -> None:
+    doc = sent_document(20)
+    for page in range(1, 20):
+        apply(doc, decide(answer(page), doc, RULES))
+    action = decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES)
+    assert isinstance(action, SendAgain) and action.wait == 0 and not action.counted
+    assert action.why is not None and "repetition_penalty" in action.why
+    assert action.ledger is not None
+    assert action.ledger.redos[0] == Redo(4096, LOOP_PENALTIES[0])
+
+
+@pytest.mark.quick
+def test_a_second_loop_retry_waits_until_the_other_pages_are_in() -> None:
+    doc = sent_document(20)
+    for page in range(2, 20):
+        apply(doc, decide(answer(page), doc, RULES))
+    for page in (0, 1):
+        apply(doc, decide(answer(page, "la " * 3000, truncated_at=4096, looping=True), doc,
+                          RULES))
+    doc.send(0, URL)
+    action = decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES)
+    assert isinstance(action, SendAgain) and math.isinf(action.wait), (
+        "page 1's second retry did not wait for page 2's first")
+    apply(doc, action)
+    assert release_held(doc, RULES) == [], "released while page 2 is still out"
+    doc.send(1, URL)
+    apply(doc, decide(answer(1), doc, RULES))
+    (released,) = release_held(doc, RULES)
+    assert isinstance(released, SendAgain) and released.wait == 0
+    assert released.ledger is not None
+    assert released.ledger.redos[0] == Redo(4096, LOOP_PENALTIES[1])
+
+
+@pytest.mark.quick
+def test_a_cut_off_answer_the_server_allows_no_more_for_is_kept_flagged() -> None:
+    doc = sent_document()
+    action = decide(answer(0, truncated_at=4096, token_ceiling=4096), doc, RULES)
+    assert isinstance(action, Checkpoint) and action.note is not None
+    assert "max-model-len" in action.note and action.quality.verdict is Verdict.SUSPECT
+
+
+@pytest.mark.quick
+def test_a_failed_page_is_retried_counted_then_given_up_as_a_placeholder() -> None:
+    doc = sent_document()
+    for attempt in (1, 2):
+        action = decide(failure(0, Failure.PAGE), doc, RULES)
+        assert isinstance(action, SendAgain) and action.counted and action.wait == 0
+        assert action.why == f"p.1 failed (attempt {attempt}): it broke"
+        apply(doc, action)
+        doc.send(0, URL)
+    action = decide(failure(0, Failure.PAGE), doc, RULES)
+    assert isinstance(action, Placeholder) and action.retryable
+    assert "after 3 attempts" in action.note
+    assert "Redo it with: ocrvl retry --pages 1" in action.note
+
+
+@pytest.mark.quick
+def test_a_page_failed_by_a_worker_crash_counts_like_any_failure() -> None:
+    doc = sent_document()
+    doc.attempts[0] = 2
+    action = page_failed(doc, 0, "engine worker exited (42)", RULES)
+    assert isinstance(action, Placeholder) and "engine worker exited" in action.note
+
+
+@pytest.mark.quick
+def test_a_damaged_page_is_given_up_at_once_or_fails_the_document_if_asked() -> None:
+    doc = sent_document()
+    action = decide(failure(0, Failure.DAMAGED, "cannot render"), doc, RULES)
+    assert action == Placeholder(0, "cannot render", retryable=False)
+    strict = Rules(2, fail_on_page_error=True, external_server=False, server_url=URL)
+    action = decide(failure(0, Failure.DAMAGED, "cannot render"), doc, strict)
+    assert isinstance(action, FailJob) and isinstance(action.error, PagesFailedError)
+
+
+@pytest.mark.quick
+def test_a_page_the_server_never_saw_goes_back_uncounted() -> None:
+    doc = sent_document()
+    assert decide(failure(0, Failure.SERVER_DOWN), doc, RULES) == SendAgain(0)
+
+
+@pytest.mark.quick
+def test_http_500_on_every_try_backs_off_counted_then_fails_with_the_servers_words() -> None:
+    """A server that fails every completion (HTTP 500) while /health says ok: each attempt
+    counts and waits longer; after the retries the document fails with exit code 5."""
+    doc = sent_document()
+    waits = []
+    for _ in range(RULES.page_retries):
+        action = decide(failure(0, Failure.SERVER_ERROR, "HTTP 500: boom"), doc, RULES)
+        assert isinstance(action, SendAgain) and action.counted
+        waits.append(action.wait)
+        apply(doc, action)
+        doc.give_back(0)
+        doc.send(0, URL)
+    assert waits == sorted(waits) and waits[0] > 0 and waits[-1] <= SERVER_ERROR_LONGEST_WAIT
+    action = decide(failure(0, Failure.SERVER_ERROR, "HTTP 500: boom"), doc, RULES)
+    assert isinstance(action, FailJob)
+    assert "HTTP 500: boom" in str(action.error) and URL in str(action.error)
+    assert action.error.exit_code is ExitCode.SERVER and ExitCode.SERVER == 5
+
+
+@pytest.mark.quick
+def test_a_changed_file_fails_the_document() -> None:
+    doc = sent_document()
+    action = decide(failure(0, Failure.INPUT, "the file changed"), doc, RULES)
+    assert isinstance(action, FailJob) and isinstance(action.error, InputVanishedError)
+
+
+@pytest.mark.quick
+def test_a_redo_that_fails_keeps_the_pages_earlier_answer() -> None:
+    doc = sent_document(20)
+    for page in range(1, 20):
+        apply(doc, decide(answer(page), doc, RULES))
+    apply(doc, decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES))
+    doc.send(0, URL)
+    action = decide(failure(0, Failure.PAGE, "HTTP 400: bad"), doc, RULES)
+    assert isinstance(action, Checkpoint) and action.answer.truncated_at == 4096
+    assert action.note is not None and "sending it again failed: HTTP 400: bad" in action.note
