@@ -149,6 +149,19 @@ class ModelConfig(_Section):
         return self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
 
+class _Owner:
+    """The Config a section belongs to, left out of comparisons: two sections with the same
+    values are equal, and comparing the Configs (which hold the sections) must not recurse."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Owner)
+
+
 class PipelineConfig(_Section):
     """PaddleOCR-VL pipeline settings and how pages are fed to it."""
 
@@ -174,7 +187,7 @@ class PipelineConfig(_Section):
     workers: int | Literal["auto"] = "auto"
     # The whole configuration this section belongs to: `auto` workers depend on where the
     # layout model runs, which depends on the model and the server too.
-    _whole: Config | None = PrivateAttr(default=None)
+    _whole: _Owner | None = PrivateAttr(default=None)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -230,7 +243,8 @@ class PipelineConfig(_Section):
         from ocrvl_daemon.server.autotune import layout_choice
 
         try:
-            return layout_choice(self._whole or Config(pipeline=self)).workers
+            whole = self._whole.config if self._whole else Config(pipeline=self)
+            return layout_choice(whole).workers
         except DependencyError:  # the worker itself reports it, with the fix
             return layout_engine.default_workers(layout_engine.cpu_count())
 
@@ -539,7 +553,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        self.pipeline._whole = self
+        self.pipeline._whole = _Owner(self)
         server = self.server
         if server.mode == "external" and not server.url and not server.urls:
             raise KeyProblem(

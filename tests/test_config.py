@@ -136,6 +136,15 @@ def test_auto_engine_workers_follow_the_cores_and_where_the_layout_model_runs(
 
 
 @pytest.mark.quick
+def test_sections_compare_by_their_values_alone():
+    # A reload compares the old and new sections to decide what to restart; the pipeline's
+    # link to its whole config (for `auto` workers) must not take part, nor recurse.
+    assert validate_config({}) == validate_config({})
+    assert validate_config({}).pipeline == validate_config({}).pipeline
+    assert validate_config({}).pipeline != validate_config({"pipeline": {"workers": 2}}).pipeline
+
+
+@pytest.mark.quick
 def test_layout_device_and_engine_are_normalised_and_device_is_their_older_name():
     config = validate_config({"pipeline": {"layout_device": "GPU:1", "layout_engine": "paddle"}})
     assert config.pipeline.layout_device == "gpu:1"
