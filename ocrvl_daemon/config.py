@@ -231,9 +231,10 @@ class PipelineConfig(_Section):
 
         Layout on the CPU: a worker runs its layout model one page at a time, so workers are
         added (up to 8) until each has 2 of three quarters of the cores. Otherwise a quarter
-        of the cores, 1 to 4: each worker's pages take a core between them (rendering,
-        encoding) and the daemon, the server's own preprocessing and the system need the
-        rest; beyond 4 the server, not the client, is the limit (issue 19).
+        of the cores, 1 to 4 (on the GPU, no more than its memory has room for): each
+        worker's pages take a core between them (rendering, encoding) and the daemon, the
+        server's own preprocessing and the system need the rest; beyond 4 the server, not
+        the client, is the limit (issue 19).
         """
         if isinstance(self.workers, int):
             return self.workers

@@ -71,7 +71,6 @@ def test_gpu_with_room_and_a_cuda_engine_takes_the_layout_model() -> None:
     choice = pick(TORCH_CUDA, card(), cores=16)
     assert (choice.engine, choice.device, choice.threads) == ("transformers", "gpu:0", None)
     assert choice.workers == 4  # not running layout on the CPU: the layout-off rule
-    assert choice.gpu_uuid == "GPU-test"
     assert choice.describe() == "PP-DocLayoutV3 on gpu:0 (transformers)"
     assert choice.common_args() == {"engine": "transformers", "device": "gpu:0"}
 
@@ -204,6 +203,25 @@ def test_a_card_too_small_for_both_keeps_the_layout_model_on_the_cpu() -> None:
     assert autotune.layout_choice(config, [small], TORCH_CUDA, cores=2).device == "cpu"
     plan = autotune.plan_vllm_args(config, small, installed=TORCH_CUDA)
     assert not any("layout" in r for r in plan.reasons)
+
+
+@pytest.mark.quick
+def test_beside_a_managed_server_the_answer_does_not_change_once_the_server_holds_memory(
+) -> None:
+    # The workers choose while ocrvl's own server (and other workers) hold the card; the
+    # server planned its room before: both must reach the same answer.
+    config = Config.model_validate({})
+    assert autotune.layout_fits(config, card(used=1024))
+    assert autotune.layout_fits(config, card(used=7000))
+    assert autotune.layout_choice(config, [card(used=7000)], TORCH_CUDA).device == "gpu:0"
+
+
+@pytest.mark.quick
+def test_a_server_squeezed_by_other_programs_and_the_layout_model_is_warned_about() -> None:
+    busy = card(used=3072)  # e.g. another program beside the desktop
+    plan = autotune.plan_vllm_args(Config.model_validate({}), busy, installed=TORCH_CUDA)
+    assert any("may run out of memory" in w and "layout_device: cpu" in w
+               for w in plan.warnings), plan.warnings
 
 
 @pytest.mark.quick

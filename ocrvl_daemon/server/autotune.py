@@ -60,6 +60,9 @@ MIN_NUM_SEQS, MAX_NUM_SEQS_CAP, NUM_SEQS_STEP = 8, 256, 8
 LENGTH_STEP = 256
 UTILIZATION_STEP = 0.05
 FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next attempt
+# What a desktop session typically holds of the card (Xorg or Wayland, a browser): assumed
+# by `layout_fits`, which cannot tell other programs' memory from ocrvl's own.
+DESKTOP_MIB = 1024
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
 TUNING_FILE = "server-tuning.json"
@@ -174,23 +177,27 @@ def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
     """Whether `gpu` has LAYOUT_GPU_MIB for each of `workers` layout models beside what the
     server takes.
 
-    Beside a managed server planned `auto`: the utilization left once the room is taken off
-    must still reach MIN_UTILIZATION and a KV cache for one request of max-model-len. Beside
-    an explicit utilization: what it leaves free must hold the room. No server of ocrvl's
-    here: the room and the margin must be free now.
+    Beside a managed server the card counts as holding DESKTOP_MIB of other programs' memory,
+    whatever it holds now: ocrvl's own server and layout workers may hold some of it, and the
+    server (planning at its start) and each worker (at its own start) must reach the same
+    answer; what other programs really hold is taken off when the server plans (with a
+    warning where the room then squeezes the server). With `auto`, the utilization left once
+    the room is taken off must still reach
+    MIN_UTILIZATION and a KV cache for one request of max-model-len; with an explicit one,
+    what it leaves must hold the room and the margin. No server of ocrvl's here: the room
+    and the margin must be free now.
     """
-    available, room = _available_mib(gpu), workers * LAYOUT_GPU_MIB
+    room, margin = workers * LAYOUT_GPU_MIB, _margin_mib(gpu)
     if not _server_plans(config, gpu):
-        return available - room >= _margin_mib(gpu)
+        return _available_mib(gpu) - room >= margin
     utilization = config.server.vllm_args[UTILIZATION]
     if utilization != AUTO:
-        return available - float(utilization) * gpu.total_mib >= room
-    share = _floor2((available - _margin_mib(gpu) - room) / gpu.total_mib)
-    share /= replicas_of(config)
-    kv_mib = share * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
+        return gpu.total_mib * (1 - float(utilization)) - DESKTOP_MIB - margin >= room
+    card_share = _floor2((gpu.total_mib - DESKTOP_MIB - margin - room) / gpu.total_mib)
+    kv_mib = card_share / replicas_of(config) * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
     length = config.server.vllm_args[MAX_MODEL_LEN]
     tokens = _round_up(model_budget(config), LENGTH_STEP) if length == AUTO else int(length)
-    return (share * replicas_of(config) >= MIN_UTILIZATION
+    return (card_share >= MIN_UTILIZATION
             and kv_mib * 1024 * 1024 >= tokens * KV_BYTES_PER_TOKEN)
 
 
@@ -271,6 +278,12 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
         available = _available_mib(gpu)
         share = _floor2((available - margin - layout_mib) / total)
         values[UTILIZATION] = min(MAX_UTILIZATION, max(MIN_UTILIZATION, share))
+        if layout_mib and share < MIN_UTILIZATION:
+            warnings.append(
+                f"other programs leave too little of {gpu.name} for the server and the "
+                f"layout model ({_gib(layout_mib)}) together: the layout model may run out of "
+                "memory; close programs using the GPU (see nvidia-smi) or set "
+                "pipeline.layout_device: cpu")
         layout = f", {_gib(layout_mib)} for the layout model" if layout_mib else ""
         reasons.append(
             f"{UTILIZATION} {values[UTILIZATION]:.2f}: {gpu.name} has {_gib(total)}, "

@@ -118,7 +118,6 @@ class LayoutChoice:
     threads: int | None  # CPU threads per worker; None on the GPU
     workers: int
     why: str
-    gpu_uuid: str | None = None  # the GPU it runs on, to plan that GPU's memory
 
     @property
     def paddlex_engine(self) -> str:
@@ -216,7 +215,7 @@ def choose(*, model: str, engine: str, device: str, installed: Installed,
         return _on_gpu(model, engine, installed, gpu, gpu_room, where, cores, workers,
                        "pipeline.layout_device asks for it")
     if kind == AUTO and gpu is not None:
-        usable = [e for e in GPU_ORDER if e in installed.gpu and engine in (AUTO, e)]
+        usable = _usable(GPU_ORDER, installed.gpu, engine)
         if usable and gpu_room(gpu, 1):
             return _on_gpu(model, usable[0], installed, gpu, gpu_room, where, cores, workers,
                            "auto: the fastest place here, with room beside the server")
@@ -227,10 +226,15 @@ def choose(*, model: str, engine: str, device: str, installed: Installed,
     return _on_cpu(model, engine, installed, cores, workers, why)
 
 
+def _usable(order: tuple[str, ...], installed: frozenset[str], engine: str) -> list[str]:
+    """The installed engines `engine` (auto: any) allows, fastest first."""
+    return [e for e in order if e in installed and engine in (AUTO, e)]
+
+
 def _on_gpu(model: str, engine: str, installed: Installed, gpu: GpuReading,
             gpu_room: Callable[[GpuReading, int], bool], where: str, cores: int,
             workers: int | None, why: str) -> LayoutChoice:
-    usable = [e for e in GPU_ORDER if e in installed.gpu and engine in (AUTO, e)]
+    usable = _usable(GPU_ORDER, installed.gpu, engine)
     if not usable:
         wanted = "an engine that can use the GPU" if engine == AUTO else f"{engine} for the GPU"
         raise DependencyError(
@@ -243,12 +247,12 @@ def _on_gpu(model: str, engine: str, installed: Installed, gpu: GpuReading,
         workers = default_workers(cores)
         while workers > 1 and not gpu_room(gpu, workers):
             workers -= 1
-    return LayoutChoice(model, usable[0], where, None, workers, why, gpu.uuid)
+    return LayoutChoice(model, usable[0], where, None, workers, why)
 
 
 def _on_cpu(model: str, engine: str, installed: Installed, cores: int, workers: int | None,
             why: str) -> LayoutChoice:
-    usable = [e for e in CPU_ORDER if e in installed.cpu and engine in (AUTO, e)]
+    usable = _usable(CPU_ORDER, installed.cpu, engine)
     if not usable:
         wanted = "no layout engine is" if engine == AUTO else f"{engine} is not"
         raise DependencyError(
