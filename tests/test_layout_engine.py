@@ -227,7 +227,7 @@ def test_a_server_squeezed_by_other_programs_and_the_layout_model_is_warned_abou
 @pytest.mark.quick
 def test_an_explicit_utilization_must_leave_the_room_free() -> None:
     tight = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.85}}})
-    loose = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.6}}})
+    loose = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.55}}})
     assert not autotune.layout_fits(tight, card())
     assert autotune.layout_fits(loose, card())
 
