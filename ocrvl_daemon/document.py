@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ocrvl_daemon.page_quality import RedoLedger
 from ocrvl_daemon.store import Job
@@ -26,11 +26,15 @@ SMALL_DOCUMENT_PAGES = 16
 
 @dataclass(frozen=True)
 class SentPage:
-    """A page in flight: the endpoint (OpenAI base URL) its requests go to, and which attempt
-    at the page this is (1: the first)."""
+    """A page in flight: the endpoint (OpenAI base URL) its requests go to, which attempt at
+    the page this is (1: the first), the engine worker that has it (`EnginePool` numbers
+    them), and whether its first request has left for the server (else it is being
+    prepared: rendered, laid out, encoded)."""
 
     endpoint: str
     attempt: int
+    worker: int = 0
+    at_server: bool = False
 
 
 @dataclass
@@ -76,10 +80,15 @@ class Document:
         """Whether pages other than one in flight are still to come back."""
         return bool(self.pending) or len(self.sent) > 1
 
-    def send(self, page: int, endpoint: str) -> None:
-        """Pending `page` goes to `endpoint`."""
+    def send(self, page: int, endpoint: str, worker: int = 0) -> None:
+        """Pending `page` goes to `endpoint`, through engine worker `worker`."""
         self.pending.remove(page)
-        self.sent[page] = SentPage(endpoint, self.attempts.get(page, 0) + 1)
+        self.sent[page] = SentPage(endpoint, self.attempts.get(page, 0) + 1, worker)
+
+    def reached_server(self, page: int) -> None:
+        """The first request of `page`, if in flight, has left for the server."""
+        if page in self.sent:
+            self.sent[page] = replace(self.sent[page], at_server=True)
 
     def count_attempt(self, page: int) -> None:
         """An attempt at `page` failed and counts towards its retries."""
@@ -121,3 +130,9 @@ class Document:
 def pages_per_endpoint(documents: Iterable[Document]) -> Counter[str]:
     """Pages in flight at each endpoint, over `documents`."""
     return Counter(sent.endpoint for doc in documents for sent in doc.sent.values())
+
+
+def pages_of_worker(documents: Iterable[Document], worker: int) -> list[tuple[Document, int]]:
+    """The pages engine worker `worker` has, over `documents`, in their order."""
+    return [(doc, page) for doc in documents for page, sent in sorted(doc.sent.items())
+            if sent.worker == worker]

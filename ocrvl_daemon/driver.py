@@ -32,18 +32,23 @@ from ocrvl_daemon.decide import (
     release_held,
 )
 from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle
-from ocrvl_daemon.document import MAX_ACTIVE_DOCUMENTS, Document, pages_per_endpoint
+from ocrvl_daemon.document import (
+    MAX_ACTIVE_DOCUMENTS,
+    Document,
+    pages_of_worker,
+    pages_per_endpoint,
+)
 from ocrvl_daemon.errors import OcrvlError, StateFullError
 from ocrvl_daemon.hooks import DocumentHooks
 from ocrvl_daemon.jobs import DAEMON_RETRY, RetryPolicy
 from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.page_quality import Redo
-from ocrvl_daemon.plan import EndpointRoom, plan
+from ocrvl_daemon.plan import EndpointRoom, isolation_bound, plan
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
-from ocrvl_daemon.worker.pool import EnginePool
+from ocrvl_daemon.worker.pool import EnginePool, StoppedWorker
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,8 @@ class Converter:
         self.failed_pages = 0
         self.flagged_pages = 0
         self._recent = RateMeter()  # pages recognised
+        # How many pages suspected of the last worker crash may be in flight together.
+        self._suspects_together = 1
         self._wake = True
         self._next_activation = 0.0
         self._now = time.monotonic()
@@ -112,14 +119,9 @@ class Converter:
         self._now = now  # the owner's clock, for results taken on this tick
         self._collect()  # first: results already in must not wait for a full disk
         self.hooks.record()
-        for lost in self.engines.maintain(now, self.active):
-            doc = self.active[lost.job_id]
-            if lost.suspect:
-                doc.suspects.add(lost.page)
-            if lost.crash is None:
-                doc.give_back(lost.page)
-            else:
-                self._apply(doc, page_failed(doc, lost.page, lost.crash, self.rules))
+        busy = {sent.worker for doc in self.active.values() for sent in doc.sent.values()}
+        for stopped in self.engines.maintain(now, busy):
+            self._worker_stopped(stopped)
         if self._wake or now >= self._next_activation:
             self._wake = False
             self._next_activation = now + ACTIVATION_INTERVAL
@@ -159,6 +161,26 @@ class Converter:
 
     def _backlog(self) -> int:
         return sum(len(d.pending) for d in self.active.values())
+
+    def _worker_stopped(self, stopped: StoppedWorker) -> None:
+        """The pages a stopped worker had go back. After a crash with one page in flight that
+        page is to blame and counts a failed attempt (a page that kills the worker every time
+        ends as a placeholder, not a loop); with several, none is: they become suspects,
+        sent again a few at a time until a crash names the page."""
+        lost = pages_of_worker(self._documents(), stopped.number)
+        if stopped.crash is not None and len(lost) == 1:
+            ((doc, page),) = lost
+            self._apply(doc, page_failed(doc, page, stopped.crash, self.rules))
+            return
+        if stopped.crash is not None and lost:
+            self._suspects_together = isolation_bound(len(lost))
+            log.warning("%d pages were in flight when the engine worker crashed; sending them "
+                        "again, %d at a time, to find the page that crashes it", len(lost),
+                        self._suspects_together)
+        for doc, page in lost:
+            if stopped.crash is not None:
+                doc.suspects.add(page)
+            doc.give_back(page)
 
     def _documents(self) -> list[Document]:
         """The active documents, oldest first."""
@@ -213,20 +235,25 @@ class Converter:
         in_flight = pages_per_endpoint(docs)
         rooms = [EndpointRoom(e.url, e.concurrency.limit, in_flight[e.url])
                  for e in self.dispatcher.usable(now)]
-        step = plan(docs, rooms, self.engines.at_server, self.engines.isolation_bound)
+        step = plan(docs, rooms, self.engines.taking_numbers(), self._suspects_together)
         for gate in step.gates:
             self.engines.set_limit(gate)
         for send in step.sends:
             doc, page, job = send.document, send.page, send.document.job
             redo = doc.ledger.redos.get(page, Redo(self.config.model.effective_max_new_tokens))
-            doc.send(page, send.url)
-            self.engines.submit(PageTask(job.id, str(job.path), page, redo.max_new_tokens,
-                                         job.size, job.mtime, send.priority,
-                                         redo.repetition_penalty, send.url))
+            doc.send(page, send.url, send.worker)
+            self.engines.submit(send.worker, PageTask(
+                job.id, str(job.path), page, redo.max_new_tokens, job.size, job.mtime,
+                send.priority, redo.repetition_penalty, send.url))
 
     def _collect(self) -> None:
         full: StateFullError | None = None
-        for result in self.engines.collect():
+        results = self.engines.collect()
+        for sent in self.engines.requests_sent():
+            doc = self.active.get(sent.job_id)
+            if doc is not None:
+                doc.reached_server(sent.page)
+        for result in results:
             full = self._take_result(result) or full
         if full is not None:
             raise full

@@ -26,11 +26,13 @@ After an engine worker crash with several pages in flight, only those pages (the
 documents' `suspects`) are sent, at most `isolation_bound` at a time, until the page that
 crashes the worker is found.
 
-Where: each page goes to the endpoint with the fewest pages in flight relative to its bound.
+Where: each page goes to the endpoint with the fewest pages in flight relative to its bound,
+through the engine worker with the fewest pages in flight for that endpoint.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,6 +44,10 @@ from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 SHORT_EXTRA = 4
 YIELD_SHARE = 4
 YIELD_PAGES = 16
+# After a worker crash with several pages in flight, which page crashed it is unknown: those
+# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
+# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
+ISOLATION_SPLIT = 4
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,13 @@ class EndpointRoom:
 
 @dataclass(frozen=True)
 class Send:
-    """Send `page` of `document` to `url`; `priority`: its document's pages in flight before
-    it (the request gate lets the lowest through first)."""
+    """Send `page` of `document` to `url` through engine worker `worker`; `priority`: its
+    document's pages in flight before it (the request gate lets the lowest through first)."""
 
     document: Document
     page: int
     url: str
+    worker: int
     priority: int
 
 
@@ -79,6 +86,11 @@ def ready_margin(limit: int) -> int:
     and the request gate serve first come, first served), so each one delays it.
     """
     return max(2, limit // 16)
+
+
+def isolation_bound(suspects: int) -> int:
+    """How many of the `suspects` in flight at a crash may be in flight together."""
+    return max(1, suspects // ISOLATION_SPLIT)
 
 
 def yield_room(limit: int) -> int:
@@ -156,32 +168,39 @@ def _isolating(queues: Sequence[_Queue], bound: int) -> list[tuple[_Queue, int]]
     return chosen
 
 
-def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom], at_server: int,
-         isolation_bound: int = 1) -> Plan:
-    """What to send now to the usable `endpoints` (none: nothing), from `documents` (oldest
-    first); `at_server`: pages whose request has left for the server."""
-    if not endpoints:
+def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
+         workers: Sequence[int], suspects_together: int = 1) -> Plan:
+    """What to send now to the usable `endpoints` through the engine `workers` taking pages
+    (none of either: nothing), from `documents` (oldest first); `suspects_together`: the
+    `isolation_bound` while a crash is being narrowed down."""
+    if not endpoints or not workers:
         return Plan((), ())
     big = frozenset(d.job_id for d in documents if not d.small) if yielding(documents) else None
     gates = tuple(GateLimit(e.url, e.limit, YieldCap(yield_room(e.limit), big) if big else None)
                   for e in endpoints)
     limit = sum(e.limit for e in endpoints)
     in_flight = sum(len(d.sent) for d in documents)
+    at_server = sum(s.at_server for d in documents for s in d.sent.values())
     margin = ready_margin(limit)
     preparing = max(0, in_flight - at_server)
     slots = min(limit + margin - in_flight, margin - preparing)
     short_room = limit + margin + SHORT_EXTRA - in_flight
     queues = [_Queue(d, n) for n, d in enumerate(documents)]
-    chosen = _isolating(queues, isolation_bound)
+    chosen = _isolating(queues, suspects_together)
     if chosen is None:
         chosen = _pick_yielding(queues, slots, limit)
         chosen += _pick(queues, short_room - len(chosen), short_of=SHORT_OF_PAGES)
     loads = {e.url: e.in_flight for e in endpoints}
     ahead = {id(q): len(q.document.sent) for q in queues}
+    per_worker = Counter(s.worker for d in documents for s in d.sent.values())
+    per_worker_url = Counter((s.worker, s.endpoint) for d in documents for s in d.sent.values())
     sends = []
     for queue, page in chosen:
         url = min(endpoints, key=lambda e: loads[e.url] / max(1, e.limit)).url
+        worker = min(workers, key=lambda w: (per_worker_url[w, url], per_worker[w]))
         loads[url] += 1
-        sends.append(Send(queue.document, page, url, ahead[id(queue)]))
+        per_worker[worker] += 1
+        per_worker_url[worker, url] += 1
+        sends.append(Send(queue.document, page, url, worker, ahead[id(queue)]))
         ahead[id(queue)] += 1
     return Plan(gates, tuple(sends))

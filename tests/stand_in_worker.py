@@ -13,16 +13,19 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter, ServerHandle
 from ocrvl_daemon.jobs import open_store
 from ocrvl_daemon.store import Store
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
+from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.pool import EnginePool
 
 
 class StandInWorker:
-    """What `EnginePool` sees of a worker: ready at once, alive until `die()`."""
+    """What `EnginePool` sees of a worker: ready at once, alive until `die()`. What it has
+    (`in_flight`, `sent`, `urls`) is the tests' to read; the converter keeps its own."""
 
     def __init__(self, config: Config, server_url: str) -> None:
+        self.number = 0
         self.in_flight: set[tuple[int, int]] = set()
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
+        self._requests_sent: list[RequestSent] = []
         self.order: list[tuple[int, int]] = []  # every page submitted, in order
         self.priorities: dict[int, int] = {}  # job -> the priority of its last page submitted
         self.gates: dict[str, GateLimit] = {}  # each endpoint's request gate, as last told
@@ -48,6 +51,9 @@ class StandInWorker:
     def die(self, failure: str) -> None:
         """The process ends with every page it had."""
         self._alive, self.failure = False, failure
+        self.in_flight.clear()
+        self.sent.clear()
+        self.per_url.clear()
 
     def rss_mb(self) -> float:
         return 100.0
@@ -65,16 +71,14 @@ class StandInWorker:
     def pending(self) -> bool:
         return bool(self.results)
 
-    def forget(self) -> list[tuple[int, int]]:
-        pages = sorted(self.in_flight)
-        self.in_flight.clear()
-        self.sent.clear()
-        self.per_url.clear()
-        return pages
-
     def reach_server(self) -> None:
         """Every page in flight has been sent to the server."""
+        self._requests_sent += [RequestSent(*key) for key in sorted(self.in_flight - self.sent)]
         self.sent |= self.in_flight
+
+    def requests_sent(self) -> list[RequestSent]:
+        sent, self._requests_sent = self._requests_sent, []
+        return sent
 
     def wait(self, timeout: float) -> None:
         pass

@@ -163,8 +163,13 @@ def test_two_engine_workers_both_convert_pages_and_a_crash_of_one_costs_no_page(
         workers = setup.engines.taking()
         book = make_pdf(tmp_path / "book.pdf", 30)
         job = setup.queue(book)
-        setup.run_until(lambda: all(w.pages_done >= 2 for w in workers) and all(
-            w.in_flight for w in workers), 120, "both workers to have pages")
+        def busy() -> set[int]:
+            return {sent.worker for doc in setup.converter.active.values()
+                    for sent in doc.sent.values()}
+
+        setup.run_until(lambda: all(w.pages_done >= 2 for w in workers)
+                        and busy() == {w.number for w in workers}, 120,
+                        "both workers to have pages")
         workers[0].kill()
         setup.run_until(lambda: setup.finished(job), 180, "the book to be finished")
         assert page_numbers(book.with_suffix(".md")) == list(range(1, 31)), (

@@ -20,15 +20,17 @@ from testkit.core import URL, document
 from testkit.documents import make_pdf
 
 
-def step(docs: list[Document], limit: int, at_server: int | None = None,
-         isolation_bound: int = 1) -> Plan:
-    """One plan for one endpoint of bound `limit`, carried out on `docs`; every page in
-    flight has reached the server unless `at_server` says otherwise."""
+def step(docs: list[Document], limit: int, reach_server: bool = True,
+         suspects_together: int = 1) -> Plan:
+    """One plan for one endpoint of bound `limit` and one worker, carried out on `docs`;
+    every page in flight then reaches the server, unless `reach_server` is off."""
     in_flight = sum(len(d.sent) for d in docs)
-    planned = plan(docs, [EndpointRoom(URL, limit, in_flight)],
-                   in_flight if at_server is None else at_server, isolation_bound)
+    planned = plan(docs, [EndpointRoom(URL, limit, in_flight)], [1], suspects_together)
     for send in planned.sends:
-        send.document.send(send.page, send.url)
+        send.document.send(send.page, send.url, send.worker)
+    for doc in docs:
+        for page in doc.sent if reach_server else ():
+            doc.reached_server(page)
     return planned
 
 
@@ -63,10 +65,10 @@ def test_a_letter_dropped_behind_a_full_book_goes_at_once_ahead_of_the_book() ->
 @pytest.mark.quick
 def test_one_free_slot_goes_to_the_document_with_fewest_pages_in_flight() -> None:
     a, b = document(1, 600), document(2, 600)
-    for page in range(40):
-        a.send(page, URL)
-    for page in range(27):
-        b.send(page, URL)
+    for doc, count in ((a, 40), (b, 27)):
+        for page in range(count):
+            doc.send(page, URL)
+            doc.reached_server(page)
     assert sent(step([a, b], 64)) == [(2, 27)], "64 + a margin of 4, less 67 in flight: one slot"
 
 
@@ -91,10 +93,11 @@ def test_many_small_documents_share_slots_shortest_first_then_oldest() -> None:
 @pytest.mark.quick
 def test_no_page_is_sent_twice_and_nothing_without_an_endpoint() -> None:
     docs = [document(1, 3), document(2, 1)]
-    assert plan(docs, [], 0) == Plan((), ())
+    assert plan(docs, [], [1]) == Plan((), ())
+    assert plan(docs, [EndpointRoom(URL, 64, 0)], []) == Plan((), ()), "sent with no worker"
     fill(docs, 64)
     assert all(not d.pending for d in docs) and sum(len(d.sent) for d in docs) == 4
-    assert plan([], [EndpointRoom(URL, 64, 0)], 0).sends == ()
+    assert plan([], [EndpointRoom(URL, 64, 0)], [1]).sends == ()
 
 
 @pytest.mark.quick
@@ -102,8 +105,8 @@ def test_pages_being_prepared_are_capped_at_the_ready_margin() -> None:
     book = document(1, 600)
     for page in range(SHORT_OF_PAGES):
         book.send(page, URL)
-    assert len(step([book], 64, at_server=0).sends) == ready_margin(64) - SHORT_OF_PAGES
-    assert step([book], 64, at_server=0).sends == (), "more pages queued inside the worker"
+    assert len(step([book], 64, reach_server=False).sends) == ready_margin(64) - SHORT_OF_PAGES
+    assert step([book], 64).sends == (), "more pages queued inside the worker"
     assert len(step([book], 64).sends) == ready_margin(64), "pages at the server free room"
 
 
@@ -181,7 +184,7 @@ def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
 def test_each_page_goes_to_the_endpoint_with_the_most_room_for_its_bound() -> None:
     book = document(1, 600)
     rooms = [EndpointRoom("http://a/v1", 48, 40), EndpointRoom("http://b/v1", 16, 4)]
-    planned = plan([book], rooms, at_server=0)
+    planned = plan([book], rooms, [1])
     urls = Counter(s.url for s in planned.sends)
     assert urls == {"http://b/v1": 4}, f"{urls}: pages went to the fuller endpoint"
     assert [s.priority for s in planned.sends] == [0, 1, 2, 3], (
@@ -189,14 +192,25 @@ def test_each_page_goes_to_the_endpoint_with_the_most_room_for_its_bound() -> No
 
 
 @pytest.mark.quick
+def test_each_page_goes_to_the_worker_with_the_fewest_pages_for_its_endpoint() -> None:
+    book = document(1, 600)
+    for page in range(8):
+        book.send(page, URL, worker=1 if page < 6 else 2)
+        book.reached_server(page)
+    planned = plan([book], [EndpointRoom(URL, 64, 8)], [1, 2])
+    workers = Counter(s.worker for s in planned.sends)
+    assert workers == {2: 4}, f"{workers}: the busier worker got pages"
+
+
+@pytest.mark.quick
 def test_after_a_crash_only_the_suspects_go_a_few_at_a_time() -> None:
     book, letter = document(1, 100), document(2, 2)
     book.suspects |= {3, 5, 7}
-    chosen = sent(step([book, letter], 64, isolation_bound=2))
+    chosen = sent(step([book, letter], 64, suspects_together=2))
     assert chosen == [(1, 3), (1, 5)], "pages other than the suspects went during isolation"
-    assert step([book, letter], 64, isolation_bound=2).sends == ()
+    assert step([book, letter], 64, suspects_together=2).sends == ()
     finish(book, 3)
-    assert sent(step([book, letter], 64, isolation_bound=2)) == [(1, 7)]
+    assert sent(step([book, letter], 64, suspects_together=2)) == [(1, 7)]
     finish(book, 5)
     finish(book, 7)
     assert (2, 0) in sent(step([book, letter], 64)), "the isolation did not end"

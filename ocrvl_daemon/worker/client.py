@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from typing import IO, Any
 
 import psutil
@@ -77,7 +76,11 @@ def _log_for_worker(record: LogRecord) -> None:
 
 
 class EngineWorker:
-    """One worker process; `submit` pages, `collect` results, `stop` when done."""
+    """One worker process; `submit` pages, `collect` results, `stop` when done.
+
+    Which pages it has is recorded on the pages (`document.SentPage.worker`, by its `number`),
+    not here: the handle only carries messages.
+    """
 
     def __init__(self, config: Config, server_url: str) -> None:
         self._config_json = config.model_dump_json()
@@ -88,12 +91,8 @@ class EngineWorker:
         # Set when a message arrives; the pool shares one between its workers.
         self.arrived = threading.Event()
         self._reader: threading.Thread | None = None
-        self.in_flight: set[tuple[int, int]] = set()
-        self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
-        # Attempts in flight per page: a page taken from a failed endpoint may be sent again
-        # before the first attempt's answer is back, and stays in flight until both are.
-        self._attempts: Counter[tuple[int, int]] = Counter()
-        self.per_url: Counter[str] = Counter()  # pages in flight per endpoint
+        self.number = 0  # the pool's name for it, on the pages it has
+        self._requests_sent: list[RequestSent] = []  # collected, not yet taken
         self.gates: dict[str, GateLimit] = {}  # each endpoint's request gate, once told
         self.pages_done = 0
         self.ready = False
@@ -145,9 +144,6 @@ class EngineWorker:
 
     def submit(self, task: PageTask) -> None:
         """Hand one page to the worker."""
-        self.in_flight.add((task.job_id, task.page))
-        self._attempts[task.job_id, task.page] += 1
-        self.per_url[task.url] += 1
         assert self._channel is not None
         # A dead worker is noticed by `alive()`; its pages are given back then.
         with contextlib.suppress(OSError, ValueError):
@@ -172,17 +168,14 @@ class EngineWorker:
             self.arrived.wait(timeout)
         self.arrived.clear()
 
-    def forget(self) -> list[tuple[int, int]]:
-        """The pages in flight, which the caller takes over; the worker keeps none."""
-        pages = sorted(self.in_flight)
-        self.in_flight.clear()
-        self.sent.clear()
-        self._attempts.clear()
-        self.per_url.clear()
-        return pages
+    def requests_sent(self) -> list[RequestSent]:
+        """The pages whose first request left for the server, collected since last asked."""
+        sent, self._requests_sent = self._requests_sent, []
+        return sent
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
-        """Results that arrived; waits up to `timeout` for the first one."""
+        """Results that arrived; waits up to `timeout` for the first one (`requests_sent` then
+        has the requests that left for the server meanwhile)."""
         out: list[PageResult] = []
         block = timeout > 0
         while True:
@@ -198,17 +191,8 @@ class EngineWorker:
             elif isinstance(message, WorkerFailed):
                 self.failure = message.reason
             elif isinstance(message, RequestSent):
-                key = (message.job_id, message.page)
-                if key in self.in_flight:
-                    self.sent.add(key)
+                self._requests_sent.append(message)
             elif isinstance(message, PageResult):
-                key = (message.job_id, message.page)
-                self._attempts[key] -= 1
-                if self._attempts[key] <= 0:
-                    del self._attempts[key]
-                    self.in_flight.discard(key)
-                    self.sent.discard(key)
-                self.per_url[message.url] -= 1
                 self.pages_done += 1
                 out.append(message)
         return out

@@ -1,18 +1,16 @@
-"""The engine workers pages go to: started, restarted with backoff, recycled, and what a
-stopped worker still had handed back as lost pages.
+"""The engine workers pages go to: started, restarted with backoff and recycled.
 
-`EnginePool` keeps `pipeline.workers` workers taking pages (`submit` gives each page to the
-one with the fewest in flight; `collect`) and the retiring ones that finish what they have;
-the converter asks it at each tick to `maintain` them and gets back the pages a stopped
-worker lost. Each worker is started, restarted and recycled on its own: one crashing costs
+`EnginePool` keeps `pipeline.workers` workers taking pages (`submit` hands a page to the one
+the plan chose, by its `number`; `collect`) and the retiring ones that finish what they have;
+the converter asks it at each tick to `maintain` them and learns which workers stopped: the
+pages they had (recorded on the pages, `document.SentPage.worker`) go back to their
+documents. Each worker is started, restarted and recycled on its own: one crashing costs
 only its own pages.
-After a crash with several pages in flight, which page crashed the worker is unknown: the
-lost pages come back as suspects, and the plan sends only those, at most `isolation_bound` at
-a time, ever fewer, until a crash with one page in flight names it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -21,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.worker.client import EngineWorker
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
+from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
@@ -30,25 +28,17 @@ WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_RESTART_MAX_SECONDS = 300.0
-# After a worker crash with several pages in flight, which page crashed it is unknown: those
-# pages are sent again, only they, with at most 1/ISOLATION_SPLIT as many in flight, until
-# a crash with one page in flight names the page (64 pages: 16, 4, then 1 at a time).
-ISOLATION_SPLIT = 4
 
 
 @dataclass(frozen=True)
-class LostPage:
-    """A page a stopped worker still had: it goes back to its document.
+class StoppedWorker:
+    """A worker that stopped: the pages it had (`document.pages_of_worker`) go back.
 
-    `crash` is set when the page was alone in flight at a worker crash: it is the cause, so
-    it counts a failed attempt (a page that kills the worker every time ends as a
-    placeholder, not a loop). `suspect`: it was one of several in flight at a crash.
+    `crash` is why it failed, when it did (a retired worker that finished is not a crash).
     """
 
-    job_id: int
-    page: int
+    number: int
     crash: str | None = None
-    suspect: bool = False
 
 
 class EnginePool:
@@ -76,8 +66,7 @@ class EnginePool:
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
         self.start_error: str | None = None
-        # How many pages suspected of the last crash may be in flight together.
-        self.isolation_bound = 1
+        self._numbers = itertools.count(1)
 
     def _workers(self) -> list[EngineWorker]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
@@ -86,17 +75,16 @@ class EnginePool:
         """The workers that take pages now."""
         return [w for w in self._slots if w is not None and w.ready]
 
+    def taking_numbers(self) -> list[int]:
+        """The numbers of the workers that take pages now."""
+        return [w.number for w in self.taking()]
+
     # --- pages --------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
         """Whether a worker takes pages now."""
         return bool(self.taking())
-
-    @property
-    def at_server(self) -> int:
-        """Pages whose request has left for the server."""
-        return sum(len(w.sent) for w in self._workers())
 
     def set_limit(self, gate: GateLimit) -> None:
         """How many requests the workers may have at the server at `gate.url`, in all, and how
@@ -111,16 +99,17 @@ class EnginePool:
                                             strict=True):
             worker.set_limit(GateLimit(gate.url, share, cap_share))
 
-    def submit(self, task: PageTask) -> None:
-        """Hand one page to the worker with the fewest in flight for its endpoint (only while
-        `ready`)."""
-        taking = self.taking()
-        assert taking, "submit() before the pool is ready"
-        min(taking, key=lambda w: (w.per_url[task.url], len(w.in_flight))).submit(task)
+    def submit(self, number: int, task: PageTask) -> None:
+        """Hand one page to the worker `number` of those taking pages."""
+        next(w for w in self.taking() if w.number == number).submit(task)
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived from every worker; each waits up to `timeout` for its first."""
         return [result for worker in self._workers() for result in worker.collect(timeout)]
+
+    def requests_sent(self) -> list[RequestSent]:
+        """The pages whose first request left for the server, collected since last asked."""
+        return [sent for worker in self._workers() for sent in worker.requests_sent()]
 
     def wait(self, timeout: float) -> None:
         """Block until a worker has results, or `timeout` passes (the loop's pause)."""
@@ -144,22 +133,22 @@ class EnginePool:
         worker will be started again."""
         return self.starts is not None and self.start_failures >= self.starts * len(self._slots)
 
-    def maintain(self, now: float, active: Container[int]) -> list[LostPage]:
-        """Stop retired workers that are done, replace a failed or worn one, start one when
-        due; returns the pages of `active` documents that stopped workers still had."""
-        lost: list[LostPage] = []
+    def maintain(self, now: float, busy: Container[int]) -> list[StoppedWorker]:
+        """Stop retired workers that are done (not `busy`: have no page in flight), replace a
+        failed or worn one, start one when due; returns the workers that stopped."""
+        stopped: list[StoppedWorker] = []
         for old in list(self._retiring):
-            if not old.in_flight or not old.alive():
-                lost += self._lost_pages(old, active)
+            if old.number not in busy or not old.alive():
+                stopped.append(StoppedWorker(old.number))
                 old.stop()
                 self._retiring.remove(old)
         for slot in range(len(self._slots)):
-            lost += self._keep(slot, now, active)
-        return lost
+            stopped += self._keep(slot, now)
+        return stopped
 
-    def _keep(self, slot: int, now: float, active: Container[int]) -> list[LostPage]:
+    def _keep(self, slot: int, now: float) -> list[StoppedWorker]:
         """Replace the worker of `slot` if it failed or is worn, start one when due."""
-        lost: list[LostPage] = []
+        stopped: list[StoppedWorker] = []
         worker = self._slots[slot]
         if worker is not None and worker.ready and self.start_failures:
             log.info("engine worker %s started after %d failed start(s)", worker.pid,
@@ -182,7 +171,7 @@ class EnginePool:
                     delay = float("inf")
                 log.error("%s (failed start %d; %s)", self.start_error, self.start_failures,
                           "giving up" if self.gave_up else f"trying again in {delay:.0f} s")
-            lost += self._lost_pages(worker, active, crash=failure)
+            stopped.append(StoppedWorker(worker.number, failure))
             worker.stop()
             self._slots[slot] = None
             self._retry_at[slot] = now + delay
@@ -199,11 +188,12 @@ class EnginePool:
             )
             self._retire(slot)
             self._start(slot)
-        return lost
+        return stopped
 
     def _start(self, slot: int) -> None:
         worker = self._new_worker(self.config, self.config.server.base_url)
         worker.arrived = self._arrived
+        worker.number = next(self._numbers)
         self._slots[slot] = worker
         worker.start()
 
@@ -247,23 +237,6 @@ class EnginePool:
             worker.kill()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
-
-    # --- lost pages ---------------------------------------------------------------------
-
-    def _lost_pages(self, worker: EngineWorker, active: Container[int],
-                    crash: str | None = None) -> list[LostPage]:
-        """Pages a stopped worker still had, of `active` jobs. After a `crash` with one page in
-        flight that page is to blame; with several, none is: they are suspects, sent again a
-        few at a time (`isolation_bound`) until a crash names the page."""
-        lost = [(j, p) for j, p in worker.forget() if j in active]
-        suspect = crash is not None and len(lost) > 1
-        if suspect:
-            self.isolation_bound = max(1, len(lost) // ISOLATION_SPLIT)
-            log.warning("%d pages were in flight when the engine worker crashed; sending them "
-                        "again, %d at a time, to find the page that crashes it", len(lost),
-                        self.isolation_bound)
-        blamed = crash if len(lost) == 1 else None
-        return [LostPage(job_id, page, blamed, suspect) for job_id, page in lost]
 
 
 def _worker_fix(failure: str) -> str:
