@@ -1,11 +1,12 @@
 """One active document: its job, the state of each of its pages, its attempts and its redo
 ledger, in one object.
 
-A page is pending (to be sent), sent (to an endpoint, on its nth attempt), resting (waiting
-before it is sent again) or answered (checkpointed or given up on, counted in `done`). The
-converter (`driver.Converter`) changes a document only through these methods, as it applies
-the actions `decide.decide` chose; the plan (`plan.plan`), the dispatcher, the engine pool
-and status read it.
+A page is pending (to be sent), sent (to an endpoint through an engine worker, on its nth
+attempt), resting (waiting before it is sent again) or answered (checkpointed or given up on,
+counted in `done`). No other object keeps its own copy of that. The converter
+(`driver.Converter`) changes a document only through these methods, as it applies the
+actions `decide.decide` chose; the plan (`plan.plan`), the dispatcher (a page's endpoint),
+the converter's handling of a stopped engine worker (its pages) and status read it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What is sent next: which pages, to which endpoint, and each endpoint's gate limit and cap.
 
-`plan(documents, endpoints, at_server, isolation_bound)` is a pure function of the active
-documents and the usable endpoints; the converter carries the plan out.
+`plan(documents, endpoints, workers, suspects_together)` is a pure function of the active
+documents, the usable endpoints and the engine workers taking pages; the converter carries
+the plan out.
 
 How many: `limit` pages at the server (the sum of the endpoints' adaptive bounds) and a small
 `ready_margin` more being prepared in the engine (rendered, laid out, encoded), so a finished
