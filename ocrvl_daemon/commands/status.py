@@ -16,7 +16,7 @@ import psutil
 from ocrvl_daemon.commands.install_service import start_command
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import advice_command
-from ocrvl_daemon.daemon_state import read_runtime_file
+from ocrvl_daemon.daemon_state import GpuView, read_runtime_file
 from ocrvl_daemon.document import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.errors import OcrvlError
 from ocrvl_daemon.jobs import open_store
@@ -224,6 +224,7 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False,
             outlook = _server_outlook(server, config.server.mode == "external", config_path)
             lines.append(f"server: {state}{_phase(server)} at {server.get('url', '?')}"
                          f"{outlook}")
+        lines += [GpuView(**gpu).summary() for gpu in daemon.get("gpus") or []]
         if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
