@@ -59,6 +59,9 @@ def converted(layout_cache: Path, tmp_path_factory: pytest.TempPathFactory
         result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
                            PADDLE_PDX_CACHE_HOME=str(layout_cache))
         assert result.returncode == 0, result.stderr[-3000:]
+    assert "layout: PP-DocLayoutV3 on cpu (paddle_static" in result.stderr, (
+        "the worker did not say which layout engine and device it chose:\n"
+        + result.stderr[-3000:])
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     return folder, requests
 

@@ -247,11 +247,12 @@ def _token_ceiling(config: Config, server_url: str) -> int:
 
 
 class _DaemonLog(logging.Handler):
-    """Hands the worker's log records (warnings and above) to the daemon, which logs them at
-    their own level: written to stderr, they would reach journald as text of no priority."""
+    """Hands the worker's log records (ocrvl's from INFO, libraries' from WARNING) to the
+    daemon, which logs them at their own level: written to stderr, they would reach journald
+    as text of no priority."""
 
     def __init__(self, channel: _Channel) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self._channel = channel
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -294,6 +295,7 @@ def serve() -> None:
     os.dup2(2, 1)
     logging.getLogger().addHandler(_DaemonLog(channel))
     logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("ocrvl_daemon").setLevel(logging.INFO)  # e.g. the layout engine chosen
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Paddle warns at import, at every worker start, that ccache is missing: it compiles
