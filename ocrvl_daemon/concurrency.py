@@ -1,7 +1,7 @@
 """How many pages may be in flight at the server: a search for the most work per second.
 
-More is not better. On real vLLM serving PaddleOCR-VL, whole-page requests peaked at 64 in
-flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded out decoding.
+More is not better: on real vLLM, throughput peaks at some number of requests in flight and
+falls beyond it, as image prefill crowds out decoding (figures in bench/RESULTS.md).
 `ConcurrencyController` therefore searches for the limit that maximises throughput:
 
 * Throughput is measured over windows, and only while demand exceeds the limit (pages are
@@ -16,8 +16,8 @@ flight (11.2 pages/s) and fell to 9.5 pages/s at 256, as image prefill crowded o
   `f` shrinks (1.5 -> 1.22) and below `MIN_FACTOR` the limit holds at the best. The search
   starts at the upper bound, `max_concurrency`: a book of a few hundred pages is over before
   a search could climb far, so the bound a user sets is the bound a book gets (64 by
-  default, where real vLLM peaked for 1,000-token pages on an H200 and on an emulated 8 GB
-  card; 128 on a data-centre card with realistic answers). At the upper bound the search
+  default, near where real vLLM peaks on a consumer card; bench/RESULTS.md has the curves).
+  At the upper bound the search
   cannot look up and the peak is most likely at or above it; the curve is steep below its
   peak, so the first step down is small (`MIN_FACTOR`). If it loses, one full step down
   follows, for a bound set far above the peak; the curve is gentle there, so a bound more

@@ -286,7 +286,7 @@ class ServerConfig(_Section):
     url: str | None = None
     # Several endpoints (external only); each also normalised to .../v1.
     urls: list[str] | None = None
-    # vLLM servers per GPU and the GPUs they run on (managed only); see `server_set`.
+    # vLLM servers per GPU and the GPUs they run on (managed only); see `server.replicas`.
     replicas: int | Literal["auto"] = "auto"
     gpus: list[int] | Literal["auto"] = "auto"
     host: str = "127.0.0.1"

@@ -19,8 +19,8 @@ page's time, while two books share the server evenly.
 While a small document runs beside a big one, the big ones yield: their pages go only while
 fewer than `yield_room(bound)` pages are in flight in all, the small documents' included: a
 YIELD_SHAREth of the bound, at most YIELD_PAGES. Why: a page decodes in a batch with every
-other request at the server, and on a real GPU a letter's page in a book's batch of 64 took
-3.7x its time alone; held to 16 in all, 1.3-1.5x. Each endpoint's gate gets a `YieldCap` on
+other request at the server, so a letter's page in a book's big batch takes several times
+its time alone, and little more in a small one (bench/RESULTS.md). Each endpoint's gate gets a `YieldCap` on
 the big documents, and takes their young requests above it back from the server.
 
 After an engine worker crash with several pages in flight, only those pages (the

@@ -66,11 +66,11 @@ DESKTOP_MIB = 1024
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
 TUNING_FILE = "server-tuning.json"
-# `server.replicas: auto`: measured on one H200 (141 GB) with this 0.9B model, one server left
-# the GPU half idle (per-request CPU work is its limit): 2 servers gave 1.63x one, 3 only
-# 1.74x (+7% for a third of each server's KV cache and more client CPU). On 8-24 GB cards the
-# GPU itself is the limit and a replica adds nothing. So: two from a card with room for two
-# servers with a large KV cache each (40 GiB: A100 40 GB, L40S, A6000), else one.
+# `server.replicas: auto`: on a large card one server leaves the GPU partly idle (its
+# per-request CPU work is the limit) and a second server helps, a third hardly (figures in
+# bench/RESULTS.md); on 8-24 GB cards the GPU itself is the limit and a replica adds nothing.
+# So: two from a card with room for two servers with a large KV cache each (40 GiB: A100
+# 40 GB, L40S, A6000), else one.
 TWO_REPLICAS_FROM_MIB = 40 * 1024
 
 

@@ -164,7 +164,7 @@ class ManagedServer(ServerSupervisor):
                  launch_turn: threading.Lock | None = None) -> None:
         """`gpu_reading` reads the server's GPU for planning `auto` flags (default: the one
         its environment selects, as it is); replicas sharing a GPU count each other's memory
-        as free (see server_set). `launch_turn`, shared by the replicas of one GPU, is held
+        as free (see replicas). `launch_turn`, shared by the replicas of one GPU, is held
         from planning a launch until its start is over: vLLM's start-up memory profiling
         counts whatever another start on the GPU takes meanwhile, so two starts (a restart
         beside another) must never overlap."""

@@ -1,7 +1,7 @@
 """The daemon's side of the engine worker: page tasks and results, the worker's handle, the pipe.
 
 The parent submits `PageTask`s and collects `PageResult`s; the worker process
-(`engine_process`) renders each page itself (so page images never cross the process boundary
+(`worker.main`) renders each page itself (so page images never cross the process boundary
 or pile up in the daemon) and runs the real `paddleocr.PaddleOCRVL` pipeline on it.
 paddleocr's host memory grows over many `predict` calls, hence the worker is replaced after
 N pages or above an RSS limit.

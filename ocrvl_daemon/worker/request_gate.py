@@ -98,10 +98,9 @@ class RequestGate:
         `cap.places` places until a resize without a cap. Their young requests above it
         (sent within BUMP_MAX_AGE seconds) are taken back from the server at once, youngest
         first, and sent again once the cap allows. Why: vLLM prepares images one at a time
-        in its API process (~25 a second on a data-centre card), so a letter dropped during
-        a book's first batch of 128 otherwise queues behind ~100 book requests the server
-        has accepted and not started, then decodes in their batch (3x its time alone, where
-        1.7x with the take-back). A young request costs little to redo: it has mostly waited.
+        in its API process, so a letter dropped during a book's first batch otherwise queues
+        behind the book requests the server has accepted and not started, then decodes in
+        their batch. A young request costs little to redo: it has mostly waited.
         """
         with self._cond:
             self._limit = max(1, limit)
