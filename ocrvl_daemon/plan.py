@@ -20,8 +20,9 @@ While a small document runs beside a big one, the big ones yield: their pages go
 fewer than `yield_room(bound)` pages are in flight in all, the small documents' included: a
 YIELD_SHAREth of the bound, at most YIELD_PAGES. Why: a page decodes in a batch with every
 other request at the server, so a letter's page in a book's big batch takes several times
-its time alone, and little more in a small one (bench/RESULTS.md). Each endpoint's gate gets a `YieldCap` on
-the big documents, and takes their young requests above it back from the server.
+its time alone, and little more in a small one (bench/RESULTS.md). Each endpoint's gate
+gets a `YieldCap` on the big documents, and takes their young requests above it back from
+the server.
 
 After an engine worker crash with several pages in flight, only those pages (the
 documents' `suspects`) are sent, at most `isolation_bound` at a time, until the page that
