@@ -18,14 +18,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from ocrvl_daemon.config_errors import KeyProblem
-from ocrvl_daemon.errors import DependencyError, UnsetVariableError
+from ocrvl_daemon.errors import UnsetVariableError
 from ocrvl_daemon.model_registry import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
@@ -149,19 +148,6 @@ class ModelConfig(_Section):
         return self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
 
-class _Owner:
-    """The Config a section belongs to, left out of comparisons: two sections with the same
-    values are equal, and comparing the Configs (which hold the sections) must not recurse."""
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Owner)
-
-
 class PipelineConfig(_Section):
     """PaddleOCR-VL pipeline settings and how pages are fed to it."""
 
@@ -185,9 +171,6 @@ class PipelineConfig(_Section):
     worker_max_rss_mb: int = Field(6144, ge=256)
     # Engine worker processes (rendering, encoding, layout detection): `auto` or a number.
     workers: int | Literal["auto"] = "auto"
-    # The whole configuration this section belongs to: `auto` workers depend on where the
-    # layout model runs, which depends on the model and the server too.
-    _whole: _Owner | None = PrivateAttr(default=None)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -223,31 +206,6 @@ class PipelineConfig(_Section):
     def wanted_layout_device(self) -> str:
         """layout_device, or the older `device` where only that is set."""
         return self.device if self.layout_device == AUTO and self.device else self.layout_device
-
-    @property
-    def worker_count(self) -> int:
-        """How many engine worker processes run: `workers`, or for `auto` as the layout
-        model's place decides (`layout_engine.cpu_layout_plan`).
-
-        Layout on the CPU: a worker runs its layout model one page at a time, so workers are
-        added (up to 8) until each has 2 of three quarters of the cores. Otherwise a quarter
-        of the cores, 1 to 4 (on the GPU, no more than its memory has room for): each
-        worker's pages take a core between them (rendering, encoding) and the daemon, the
-        server's own preprocessing and the system need the rest; beyond 4 the server, not
-        the client, is the limit (issue 19).
-        """
-        if isinstance(self.workers, int):
-            return self.workers
-        if not self.use_layout_detection:
-            return layout_engine.default_workers(layout_engine.cpu_count())
-        # Imported here: autotune plans the GPU's memory from this module's Config.
-        from ocrvl_daemon.server.autotune import layout_choice
-
-        try:
-            whole = self._whole.config if self._whole else Config(pipeline=self)
-            return layout_choice(whole).workers
-        except DependencyError:  # the worker itself reports it, with the fix
-            return layout_engine.default_workers(layout_engine.cpu_count())
 
     @property
     def page_pixel_limit(self) -> int:
@@ -554,7 +512,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        self.pipeline._whole = _Owner(self)
         server = self.server
         if server.mode == "external" and not server.url and not server.urls:
             raise KeyProblem(

@@ -17,6 +17,7 @@ from ocrvl_daemon.model_registry import (
     PROMPT_TOKEN_BUDGET,
 )
 from ocrvl_daemon.server import gpu
+from ocrvl_daemon.server.autotune import engine_workers
 from ocrvl_daemon.worker import layout_engine
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
@@ -129,10 +130,10 @@ def test_auto_engine_workers_follow_the_cores_and_where_the_layout_model_runs(
     monkeypatch.setattr(gpu, "read_gpus", lambda: [])
     # Layout off (or on the GPU): a quarter of the cores, 1 to 4.
     off = {"pipeline": {"use_layout_detection": False}}
-    assert validate_config(off).pipeline.worker_count == workers
+    assert engine_workers(validate_config(off)) == workers
     # Layout on the CPU: a worker per 2 of three quarters of the cores, up to 8.
-    assert validate_config({}).pipeline.worker_count == with_cpu_layout
-    assert validate_config({"pipeline": {"workers": 3}}).pipeline.worker_count == 3
+    assert engine_workers(validate_config({})) == with_cpu_layout
+    assert engine_workers(validate_config({"pipeline": {"workers": 3}})) == 3
 
 
 @pytest.mark.quick

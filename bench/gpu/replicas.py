@@ -49,6 +49,8 @@ from bench.gpu.run import (
 )
 from bench.gpu.vllm_server import Metrics, managed_vllm, model_dir_parser, version
 from bench.run import Ocrvl, drop, md_done
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.server.autotune import engine_workers
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import managed_fake_server, run_ocrvl, write_config
@@ -134,7 +136,7 @@ class ReplicaDaemon:
         if self.proc.proc.poll() is not None:
             raise RuntimeError(f"ocrvl run exited; its log ends:\n{self.tail()}")
         workers = sum(bool(WORKER_READY.search(line)) for line in self.proc.grep("ready in"))
-        if workers < PIPELINE.worker_count:
+        if workers < engine_workers(Config(pipeline=PIPELINE)):
             return False
         out = run_ocrvl("status", "--config", self.config, "--json", timeout=60)
         servers = (json.loads(out.stdout).get("servers") or []) if out.returncode == 0 else []
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(args.results.read_text()) if args.merge and args.results.exists() else {}
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
-        "cores": os.cpu_count(), "workers": PIPELINE.worker_count,
+        "cores": os.cpu_count(), "workers": engine_workers(Config(pipeline=PIPELINE)),
         "server": "fake (testkit)" if args.fake else args.model_dir,
         "replicas": {k: v for k, v in (old.get("replicas") or {}).items()
                      if int(k) not in args.counts},

@@ -141,6 +141,28 @@ def layout_choice(config: Config, visible: list[GpuReading] | None = None,
     return _choose_layout(config, gpu, installed, cores)
 
 
+def engine_workers(config: Config) -> int:
+    """How many engine worker processes run: `pipeline.workers`, or for `auto` as the layout
+    model's place decides (`layout_engine.choose`).
+
+    Layout on the CPU: a worker runs its layout model one page at a time, so workers are
+    added (up to 8) until each has 2 of three quarters of the cores. Otherwise a quarter of
+    the cores, 1 to 4 (on the GPU, no more than its memory has room for): each worker's pages
+    take a core between them (rendering, encoding) and the daemon, the server's own
+    preprocessing and the system need the rest; beyond 4 the server, not the client, is the
+    limit.
+    """
+    workers = config.pipeline.workers
+    if isinstance(workers, int):
+        return workers
+    if not config.pipeline.use_layout_detection:
+        return layout_engine.default_workers(layout_engine.cpu_count())
+    try:
+        return layout_choice(config).workers
+    except DependencyError:  # the worker itself reports it, with the fix
+        return layout_engine.default_workers(layout_engine.cpu_count())
+
+
 def _choose_layout(config: Config, gpu: GpuReading | None, installed: Installed | None,
                    cores: int | None = None) -> LayoutChoice:
     """`layout_choice` with `gpu` the GPU the layout's device names."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.server.autotune import engine_workers
 from ocrvl_daemon.worker.client import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
@@ -59,7 +60,7 @@ class EnginePool:
         self.starts = starts
         self._new_worker = new_worker
         # The workers taking pages, one place each (None: to be started at its _retry_at).
-        self._slots: list[EngineWorker | None] = [None] * config.pipeline.worker_count
+        self._slots: list[EngineWorker | None] = [None] * engine_workers(config)
         self._retry_at = [0.0] * len(self._slots)
         self._retiring: list[EngineWorker] = []
         self._arrived = threading.Event()  # any worker's message
@@ -216,7 +217,7 @@ class EnginePool:
             log.info("pipeline settings changed; replacing the engine workers")
             for slot in range(len(self._slots)):
                 self._retire(slot)
-        count = config.pipeline.worker_count
+        count = engine_workers(config)
         self._slots = (self._slots + [None] * count)[:count]
         self._retry_at = (self._retry_at + [0.0] * count)[:count]
 
