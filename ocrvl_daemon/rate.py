@@ -8,7 +8,7 @@ from collections import deque
 # Rates are measured over this much recent time: long enough to smooth the bursts in which
 # pages come back, short enough to follow a server that slowed down.
 RATE_WINDOW = 60.0
-# ...and over at least this long before a rate is given: pages come back in bursts.
+# ...and over at least this long: pages come back in bursts.
 RATE_MIN_SPAN = 3.0
 
 
@@ -36,11 +36,15 @@ class RateMeter:
             self._samples.popleft()
 
     def tick(self, now: float) -> None:
-        """Record one more event (a page recognised) at `now`."""
-        self.add(now, (self._samples[-1][1] if self._samples else self._first or 0) + 1)
+        """Record one more event (a page recognised) at `now`; the first is the base."""
+        if self._first is None:
+            self._first = 0
+        self.add(now, (self._samples[-1][1] if self._samples else 0) + 1)
 
     def rate(self, now: float) -> float:
-        """Pages per second (0 while not known yet); falls while nothing advances."""
-        if len(self._samples) < 2 or now - self._samples[0][0] < RATE_MIN_SPAN:
+        """Pages per second (0 while not known yet); falls while nothing advances. A burst is
+        spread over at least RATE_MIN_SPAN: pages come back in bursts."""
+        if len(self._samples) < 2:
             return 0.0  # not known yet
-        return (self._samples[-1][1] - self._samples[0][1]) / (now - self._samples[0][0])
+        span = max(now - self._samples[0][0], RATE_MIN_SPAN)
+        return (self._samples[-1][1] - self._samples[0][1]) / span

@@ -141,7 +141,9 @@ def test_gpu_bench_quick_mode_against_the_fake_server(tmp_path: Path) -> None:
         extra = data["detail"]["results"][name]["extra"]
         assert extra.get("server_api_cpu_s_per_page", 0) > 0, (
             f"the server's CPU per page was not measured for {name}: {extra}")
-        assert 0 < extra["machine_busy_cores"] <= extra["machine_cpus"], (
+        # The CPU times and the wall clock are read a moment apart: a fully busy machine can
+        # read a little over its core count.
+        assert 0 < extra["machine_busy_cores"] <= 1.1 * extra["machine_cpus"], (
             f"the machine's busy CPUs were not measured for {name}: {extra}")
     assert "server CPU s per page, API process + engine core (+ everything else on the " \
         "machine): capacity" in stdout, stdout

@@ -249,9 +249,10 @@ def test_watchdog_pings_stop_while_the_main_loop_is_stuck(notified) -> None:
     db = running.root / "state" / "jobs.sqlite"
     lock = sqlite3.connect(db, timeout=10, isolation_level=None)
     try:
-        # The loop publishes its status to the store every 2 s: that write now waits.
+        # The loop takes a PDF dropped in the inbox into the store: that write now waits.
         lock.execute("BEGIN EXCLUSIVE")
         locked_at = time.monotonic()
+        make_pdf(running.inbox / "blocked.pdf", 1)
         silent = 2.5 * WATCHDOG_SECONDS / 2
 
         def quiet_long_enough() -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.progress import progress_line
-from ocrvl_daemon.rate import RateMeter
+from ocrvl_daemon.rate import RATE_MIN_SPAN, RateMeter
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, wait_until
 from testkit.runner import (
@@ -51,13 +51,14 @@ def test_progress_line_reads_like_the_readme_promises():
 
 
 @pytest.mark.quick
-def test_rate_ignores_the_wait_before_the_first_pages_and_single_bursts():
+def test_rate_ignores_the_wait_before_the_first_pages_and_spreads_a_single_burst():
     meter = RateMeter()
     meter.add(0.0, 0)
     meter.add(20.0, 0)  # the worker starts
     meter.add(21.0, 4)
     meter.add(21.5, 8)
-    assert meter.rate(21.5) == 0.0, "a rate from one burst of pages is a guess"
+    assert meter.rate(21.5) == pytest.approx(4 / RATE_MIN_SPAN), (
+        "one burst of pages must be spread over RATE_MIN_SPAN, not taken as its own rate")
     meter.add(25.0, 12)
     assert meter.rate(25.0) == pytest.approx(2.0)
 
