@@ -75,7 +75,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with start_fake_server(free_port()) as server:
         result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url,
                            book, broken)
-    assert result.returncode == 4, f"broken.pdf should fail (a bad input, exit 4), book.pdf convert:\n{result.stderr}"
+    assert result.returncode == 4, (
+        f"broken.pdf should fail as a bad input (exit 4), book.pdf convert:\n{result.stderr}")
     done, failed = records(done_log), records(failed_log)
     assert len(done) == 1 and len(failed) == 1, (
         f"each hook should run once, per document: on_done {done}, on_failed {failed}\n"
