@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.stages import StageLoad
 from ocrvl_daemon.units import format_duration, format_rate
 
 # The runtime file, in the state_dir beside the job store.
@@ -105,6 +106,7 @@ class DaemonState:
     engine_error: str | None = None
     hook_failures: Mapping[str, int] = field(default_factory=dict)
     gpus: tuple[GpuView, ...] = ()  # the GPUs of a managed server; () for an external one
+    stages: StageLoad = field(default_factory=StageLoad)  # which stage sets the pace
 
     def documents(self) -> dict[str, int]:
         """Documents by job state."""
@@ -116,6 +118,7 @@ class DaemonState:
         data = asdict(self)
         data["servers"] = data.pop("endpoints")
         data["hook_failures"] = dict(self.hook_failures)
+        data["stages"] = self.stages.to_json()
         return data
 
 
@@ -153,7 +156,8 @@ def _format_work(state: DaemonState) -> str:
             if state.page_total:
                 left = max(state.page_total - state.page_done, 0) / state.pages_per_s
                 eta = f"ETA {format_duration(left)}"
-        return _join(f"{state.current_doc} {pages}", rate, eta, queue, failed)
+        return _join(f"{state.current_doc} {pages}", rate, eta,
+                     state.stages.before_server() or "", queue, failed)
     idle = f"idle, {state.done} done, {state.queued} queued"
     return f"{idle}, {failed}" if failed else idle
 

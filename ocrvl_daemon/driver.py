@@ -46,6 +46,8 @@ from ocrvl_daemon.page_quality import Redo
 from ocrvl_daemon.plan import EndpointRoom, isolation_bound, plan
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.rate import RateMeter
+from ocrvl_daemon.server.autotune import layout_choice
+from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool, StoppedWorker
@@ -105,6 +107,9 @@ class Converter:
         self.failed_pages = 0
         self.flagged_pages = 0
         self._recent = RateMeter()  # pages recognised
+        # Each stage's work, from the spans the workers time (`stage_load`).
+        self._busy = {stage: BusyMeter() for stage in Stage}
+        self._layout_device: str | None = None  # read when first shown
         # How many pages suspected of the last worker crash may be in flight together.
         self._suspects_together = 1
         self._wake = True
@@ -254,6 +259,7 @@ class Converter:
             if doc is not None:
                 doc.reached_server(sent.page)
         for result in results:
+            self._note_work(result)
             full = self._take_result(result) or full
         if full is not None:
             raise full
@@ -262,6 +268,16 @@ class Converter:
                 self._apply(doc, action)
         for job_id in [j for j, d in self.active.items() if d.finished]:
             self._finish(job_id)
+
+    def _note_work(self, result: PageResult) -> None:
+        """Add the work a page took in each stage to that stage's meter (also for a page no
+        longer awaited: the work was done)."""
+        if result.render_span is not None:
+            self._busy[Stage.RENDERING].add(*result.render_span)
+        for span in result.layout_spans:
+            self._busy[Stage.LAYOUT].add(*span)
+        for span in result.request_spans:
+            self._busy[Stage.SERVER].add(*span)
 
     def _take_result(self, result: PageResult) -> StateFullError | None:
         """`_on_result`, except that a result the full store cannot take goes back to be
@@ -410,6 +426,7 @@ class Converter:
         self.engines.reconfigure(config)
         self.place = output.output_place(config)
         self.dispatcher.reconfigure(config)
+        self._layout_device = None
         if config.model.name != self.model:
             self.model = config.model.name
             for job_id in list(self.active):
@@ -441,6 +458,22 @@ class Converter:
             self.in_flight,
         )
 
+    def stage_load(self, now: float) -> StageLoad:
+        """How busy each stage was over the last minute, each against its capacity: rendering
+        and layout run one page at a time in each engine worker (PDFium's lock, the layout
+        model's lock); the server's capacity is the endpoints' bounds, in requests (the
+        request gates hold each to its bound), so its load is how full the bound was."""
+        if self._layout_device is None:
+            self._layout_device = _layout_device(self.config)
+        workers = self.engines.size
+        bound = sum(e.concurrency.limit for e in self.dispatcher.endpoints)
+        return StageLoad(
+            rendering=self._busy[Stage.RENDERING].busy(now, workers),
+            layout=self._busy[Stage.LAYOUT].busy(now, workers),
+            server=self._busy[Stage.SERVER].busy(now, bound),
+            layout_device=self._layout_device,
+        )
+
     def running(self) -> list[DocumentProgress]:
         """Pages done of each document being converted, oldest first."""
         return [
@@ -470,6 +503,17 @@ class Converter:
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
     """Structured journald fields for a log line about `job` (and 0-based `page`)."""
     return doc_fields(job.path, None if page is None else page + 1, job.id)
+
+
+def _layout_device(config: Config) -> str:
+    """Where the workers run the layout model ("cpu", "gpu:0"); "" with layout detection off,
+    or when it cannot run (the workers report why)."""
+    if not config.pipeline.use_layout_detection:
+        return ""
+    try:
+        return layout_choice(config).device
+    except OcrvlError:
+        return ""
 
 
 def _unexpected(exc: Exception) -> OcrvlError:

@@ -21,6 +21,7 @@ from ocrvl_daemon.config import MetricsConfig
 from ocrvl_daemon.daemon_state import DaemonState
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.server.gpu import MIB
+from ocrvl_daemon.stages import SATURATED
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,13 @@ class _SnapshotCollector(Collector):
         yield in_flight
         yield rate
         yield from _gpu_metrics(snap)
+        stages = GaugeMetricFamily("ocrvl_stage_busy_ratio",
+                                   "Share of each stage's capacity in use over the last minute "
+                                   f"(the busiest, from {SATURATED}, sets the pace).",
+                                   labels=["stage"])
+        for stage, load in snap.stages.loads().items():
+            stages.add_metric([stage.value], load)
+        yield stages
 
 
 def _gpu_metrics(snap: DaemonState) -> Iterator[Metric]:

@@ -17,6 +17,7 @@ from ocrvl_daemon.daemon_state import (
     read_runtime_file,
     write_runtime_file,
 )
+from ocrvl_daemon.stages import StageLoad
 from ocrvl_daemon.units import format_duration
 
 pytestmark = pytest.mark.quick
@@ -35,6 +36,12 @@ URL = "http://127.0.0.1:8118/v1"
     (DaemonState(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24),
      "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
     (DaemonState(current_doc="scan.pdf", page_done=0), "scan.pdf p.0"),
+    (DaemonState(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24, queued=1,
+                 stages=StageLoad(rendering=0.03, layout=0.97, server=0.4, layout_device="cpu")),
+     "book.pdf p.3/10 · 0.24 p/s · ETA 29s · layout 97% is the limit · 1 queued"),
+    (DaemonState(current_doc="book.pdf", page_done=3, page_total=10, pages_per_s=0.24,
+                 stages=StageLoad(rendering=0.03, layout=0.3, server=0.97)),
+     "book.pdf p.3/10 · 0.24 p/s · ETA 29s"),
     (DaemonState(current_doc="a.pdf", page_done=5, page_total=9, failed=2),
      "a.pdf p.5/9 · 2 failed"),
     (DaemonState(server=ServerView("restarting", attempt=3, cause="out of memory"),
@@ -77,9 +84,14 @@ def test_the_runtime_file_holds_the_whole_state_and_leaves_no_temporary(tmp_path
     state = DaemonState(pid=os.getpid(), updated=time.time(), server=ServerView("ready", url=URL),
                         endpoints=(EndpointState("server", URL, "ready", in_flight=3),),
                         current_doc="book.pdf", page_done=4, page_total=9, queued=1,
-                        hook_failures={"on_done": 1})
+                        hook_failures={"on_done": 1},
+                        stages=StageLoad(rendering=0.031, layout=0.9712, server=0.4,
+                                         layout_device="cpu"))
     write_runtime_file(tmp_path, state.to_json())
     read = read_runtime_file(tmp_path)
+    assert read["stages"]["layout"] == 0.971 and read["stages"]["limit"] == "layout"
+    assert "pipeline.layout_device: gpu" in read["stages"]["advice"]
+    assert StageLoad.from_json(read["stages"]).limit() is state.stages.limit()
     assert read["servers"][0]["in_flight"] == 3 and read["server"]["url"] == URL
     assert read["current_doc"] == "book.pdf" and read["hook_failures"] == {"on_done": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["daemon.json"]

@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 
+from ocrvl_daemon.daemon_state import read_runtime_file
 from testkit.documents import LAYOUT_PAGE, make_layout_pdf
-from testkit.harness import free_port, start_fake_server
-from testkit.runner import ocrvl_env, run_ocrvl, write_config
+from testkit.harness import free_port, start_fake_server, wait_until
+from testkit.runner import DaemonProcess, managed_fake_server, ocrvl_env, run_ocrvl, write_config
 
 PAGES = 2
+# Pages of the book whose layout keeps one worker busy for long enough to be measured.
+LIMIT_PAGES = 40
 # Each page's blocks in reading order (page 1 opens with the book's title).
 FIRST_PAGE = ["doc_title", "text", "table", "display_formula", "image", "paragraph_title",
               "text", "number"]
@@ -130,3 +133,33 @@ def test_each_page_is_laid_out_from_its_own_image(
     assert labels == [FIRST_PAGE] + [LATER_PAGE] * (PAGES - 1)
     blank = re.findall(r"fake-ocr \w+ \d+x\d+ mean=255 ", (folder / "book.md").read_text())
     assert not blank, "blocks cut from where their page has no ink"
+
+
+@pytest.mark.slow
+def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_help(
+        layout_cache: Path, tmp_path: Path) -> None:
+    """One worker lays out pages on the CPU while the fake server answers at once: layout
+    sets the pace, and `ocrvl status` says so and points at the GPU engine."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    config = write_config(
+        tmp_path / "config.yaml",
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+        pipeline={"use_layout_detection": True, "layout_device": "cpu", "workers": 1},
+        server=managed_fake_server(free_port()))
+    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(layout_cache)) as daemon:
+        daemon.wait_ready()
+        make_layout_pdf(inbox / "book.pdf", LIMIT_PAGES)
+        wait_until(lambda: read_runtime_file(tmp_path / "state")["stages"]["limit"] == "layout",
+                   180, interval=0.5, what="layout to be named the limit")
+        shown = json.loads(run_ocrvl("status", "--json", "--config", config).stdout)
+        text = run_ocrvl("status", "--config", config).stdout
+        assert read_runtime_file(tmp_path / "state")["current_doc"] == "book.pdf", (
+            "the book was done before status was read: make it longer")
+    stages = shown["daemon"]["stages"]
+    assert stages["limit"] == "layout" and stages["layout_device"] == "cpu", stages
+    assert stages["layout"] > stages["server"] and stages["rendering"] < stages["layout"]
+    assert "pipeline.layout_device: gpu" in stages["advice"], stages
+    line = next(line for line in text.splitlines() if line.startswith("stages: "))
+    assert re.match(r"stages: layout \d+% \(limit\) · ", line), text
+    assert "pipeline.layout_device: gpu" in text, text

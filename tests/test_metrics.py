@@ -12,7 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.daemon_state import read_runtime_file
 from ocrvl_daemon.errors import ConfigError, ExitCode
+from ocrvl_daemon.stages import SATURATED
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import (
@@ -21,6 +23,8 @@ from testkit.runner import (
     run_ocrvl,
     write_config,
 )
+
+SERVER_BUSY = ("ocrvl_stage_busy_ratio", (("stage", "server"),))
 
 
 def scrape(listen: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -94,7 +98,7 @@ def test_a_metrics_port_already_taken_stops_the_daemon_at_start_naming_the_key(t
 def test_metrics_scraped_while_a_book_converts_show_pages_documents_and_server(tmp_path):
     listen = f"127.0.0.1:{free_port()}"
     config, inbox = daemon_config(tmp_path, listen, "--step-t0-ms", "25")
-    pages = 24
+    pages = 48
     with DaemonProcess(config) as daemon:
         daemon.wait_ready()
         make_pdf(inbox / "book.pdf", pages)
@@ -109,14 +113,26 @@ def test_metrics_scraped_while_a_book_converts_show_pages_documents_and_server(t
         assert during[("ocrvl_server_state", (*endpoint, ("state", "ready")))] == 1
         assert during[("ocrvl_server_state", (*endpoint, ("state", "restarting")))] == 0
         assert during[("ocrvl_server_restarts_total", endpoint)] == 0
+        # Held to 4 requests (max_concurrency), the server sets the pace: nothing before it.
+        def server_busy() -> tuple[dict, dict] | None:
+            metrics = scrape(listen)
+            stages = read_runtime_file(tmp_path / "state")["stages"]  # `status --json`'s
+            return ((metrics, stages) if metrics[SERVER_BUSY] >= SATURATED
+                    and stages["limit"] == "server" else None)
+
+        busy, stages = wait_until(server_busy, 60, what="the server to be named the limit")
+        assert stages["advice"] is None, stages
+        assert busy[("ocrvl_stage_busy_ratio", (("stage", "layout"),))] == 0
+        assert busy[("ocrvl_stage_busy_ratio", (("stage", "rendering"),))] < SATURATED
+        # The rate is known once pages came back over a few seconds (rate.RATE_MIN_SPAN).
         after = wait_until(
-            lambda: (m := scrape(listen))[("ocrvl_documents", (("state", "done"),))] == 1 and m,
-            90, what="the book to be done")
+            lambda: (m := scrape(listen))[("ocrvl_documents", (("state", "done"),))] == 1
+            and m[("ocrvl_pages_per_second", ())] > 0 and m,
+            90, what="the book to be done and its rate known")
         assert after[("ocrvl_pages_done_total", ())] == pages
         assert after[("ocrvl_pages_failed_total", ())] == 0
         assert after[("ocrvl_pages_flagged_total", ())] == 0
         assert after[("ocrvl_documents", (("state", "queued"),))] == 0
-        assert after[("ocrvl_pages_per_second", ())] > 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{listen}/metrics", timeout=2)
 

@@ -16,6 +16,7 @@ import pytest
 
 from ocrvl_daemon.commands.status import finish_times
 from ocrvl_daemon.daemon_state import write_runtime_file
+from ocrvl_daemon.stages import StageLoad
 from ocrvl_daemon.store import PageFailure, Store
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
@@ -62,11 +63,12 @@ def dead_pid() -> int:
 
 
 def daemon_said(store: Store, pid: int, server: dict, rate: float = 0.0,
-                servers: list[dict] | None = None) -> None:
+                servers: list[dict] | None = None, stages: StageLoad | None = None) -> None:
     """Write the runtime file a daemon writes every second, as the daemon `pid`."""
     write_runtime_file(store.path.parent, {
         "pid": pid, "updated": time.time(), "pages_per_s": rate,
-        "server": {"url": "http://127.0.0.1:8118/v1", **server}, "servers": servers or []})
+        "server": {"url": "http://127.0.0.1:8118/v1", **server}, "servers": servers or [],
+        "stages": (stages or StageLoad()).to_json()})
 
 
 def status_of(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -128,6 +130,17 @@ def test_status_shows_each_server_endpoint_with_its_pages_in_flight_and_rate(sta
     assert ("server gpu0/1: restarting, loading weights at http://127.0.0.1:8119/v1, 0 in "
             "flight, 0.00 pages/s" in text), text
     assert "last error: the server exited with status 1" in text, text
+
+
+def test_status_shows_each_stages_load_and_what_would_help_the_one_that_sets_the_pace(state):
+    config, store = state
+    daemon_said(store, os.getpid(), {"state": "ready"},
+                stages=StageLoad(rendering=0.03, layout=0.97, server=0.4, layout_device="cpu"))
+    lines = status_of(config).stdout.splitlines()
+    at = lines.index("stages: layout 97% (limit) · server 40% · rendering 3%")
+    assert "pipeline.layout_device: gpu" in lines[at + 1], lines
+    daemon_said(store, os.getpid(), {"state": "ready"})
+    assert "stages:" not in status_of(config).stdout, "an idle daemon's stages are noise"
 
 
 def test_with_one_server_the_status_line_stays_as_it_was(state):

@@ -276,6 +276,7 @@ class Daemon:
             engine_error=self.converter.engines.start_error,
             hook_failures=dict(self.converter.hooks.failures),
             gpus=self._gpus,
+            stages=self.converter.stage_load(time.monotonic()),
         )
 
     def _endpoints(self) -> list[EndpointState]:

@@ -29,6 +29,7 @@ from ocrvl_daemon.output import (
     shortened_names,
 )
 from ocrvl_daemon.pdf import page_count, repair_fix, retry_command
+from ocrvl_daemon.stages import StageLoad
 from ocrvl_daemon.state_lock import paused_note
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.units import format_duration
@@ -225,6 +226,7 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False,
             lines.append(f"server: {state}{_phase(server)} at {server.get('url', '?')}"
                          f"{outlook}")
         lines += [GpuView(**gpu).summary() for gpu in daemon.get("gpus") or []]
+        lines += _stage_lines(daemon.get("stages"))
         if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
@@ -301,6 +303,16 @@ def _server_outlook(server: dict[str, Any], external: bool, config_path: Path | 
         return (" (the daemon does not start it again: fix the cause below, then stop the "
                 f"daemon and start it again with {start_command(config_path)})")
     return ""
+
+
+def _stage_lines(stages: dict[str, Any] | None) -> list[str]:
+    """"stages: layout 97% (limit) · server 40% · rendering 3%", and what would help; nothing
+    while no stage worked in the last minute (or the daemon predates stages)."""
+    load = StageLoad.from_json(stages or {})
+    if not any(load.loads().values()):
+        return []
+    advice = load.advice()
+    return [f"stages: {load.summary()}"] + ([f"  {advice}"] if advice else [])
 
 
 def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:

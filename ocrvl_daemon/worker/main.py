@@ -106,9 +106,24 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
     return kwargs
 
 
+class _LockedSpans(threading.local):
+    """Where the calls into the locked models made on this thread are timed: the list of the
+    page being recognised (`PageResult.layout_spans`), None outside a page."""
+
+    spans: list[tuple[float, float]] | None = None
+
+
+_LOCKED_SPANS = _LockedSpans()
+
+
 class _Locked:
     """Serialises calls into a model that is not thread-safe (the layout detector): `lock`
-    guards the target's state, held for each whole call."""
+    guards the target's state, held for each whole call.
+
+    Each call is timed, lock held, for the page on this thread: the layout stage's load. The
+    document preprocessor shares the lock, so its calls count there too: the lock is the
+    lane both take turns in.
+    """
 
     def __init__(self, target: Any, lock: threading.Lock) -> None:
         self._target = target
@@ -116,7 +131,12 @@ class _Locked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            return list(self._target(*args, **kwargs))
+            start = time.monotonic()
+            found = list(self._target(*args, **kwargs))
+            span = (start, time.monotonic())
+        if _LOCKED_SPANS.spans is not None:
+            _LOCKED_SPANS.spans.append(span)
+        return found
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
@@ -135,6 +155,23 @@ class _Completions(threading.local):
 
 
 _COMPLETIONS = _Completions()
+
+
+class _TimedRequests(list[Future[Any]]):
+    """A page's chat requests (futures), as `_track_completions` adds each one once it has its
+    place at the server; notes into `spans` when each got its place and when it ended: the
+    server stage's load in the units of the bound (requests). A request bumped and sent
+    again keeps its place's time while it waits for another (rare, and short)."""
+
+    def __init__(self, spans: list[tuple[float, float]]) -> None:
+        super().__init__()
+        self._spans = spans
+
+    def append(self, request: Future[Any]) -> None:
+        """Add the request, which has its place at the server now."""
+        super().append(request)
+        placed = time.monotonic()
+        request.add_done_callback(lambda _: self._spans.append((placed, time.monotonic())))
 
 
 class _Endpoints:
@@ -364,7 +401,7 @@ def _run_page(
     pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
 ) -> None:
     from ocrvl_daemon.errors import OcrvlError, PageDamagedError
-    from ocrvl_daemon.pdf import check_unchanged, render_page
+    from ocrvl_daemon.pdf import PDFIUM_LOCK, check_unchanged, render_page
 
     started = time.monotonic()
     result = PageResult(task.job_id, task.page, url=task.url)
@@ -373,11 +410,17 @@ def _run_page(
     _COMPLETIONS.announce = lambda: channel.send(RequestSent(task.job_id, task.page))
     _COMPLETIONS.priority = task.priority
     _COMPLETIONS.document = task.job_id
+    _LOCKED_SPANS.spans = result.layout_spans
     try:
         check_unchanged(path, task.size, task.mtime)
-        image = render_page(
-            path, task.page, config.pipeline.render_scale, config.pipeline.page_pixel_limit
-        )
+        # Timed with PDFium's lock held (render_page takes it again): rendering is one lane
+        # per worker, and the time spent waiting for it is not work.
+        with PDFIUM_LOCK:
+            rendering = time.monotonic()
+            image = render_page(
+                path, task.page, config.pipeline.render_scale, config.pipeline.page_pixel_limit
+            )
+            result.render_span = (rendering, time.monotonic())
         # Checked again: the file may have been replaced while the page was being rendered.
         check_unchanged(path, task.size, task.mtime)
         result.has_ink = has_ink(image)
@@ -405,6 +448,7 @@ def _run_page(
         _COMPLETIONS.started = _COMPLETIONS.announce = None
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
+        _LOCKED_SPANS.spans = None
     result.seconds = time.monotonic() - started
     channel.send(result)
 
@@ -413,7 +457,7 @@ def _recognise(
     pipeline: Any, config: Config, server_url: str, image: Any, task: PageTask, result: PageResult
 ) -> Any:
     """Run the pipeline on one page and note whether (and how) an answer was cut off."""
-    _COMPLETIONS.started = []
+    _COMPLETIONS.started = _TimedRequests(result.request_spans)
     sampling: dict[str, Any] = {}
     if task.repetition_penalty is not None:  # PaddleX sends it in the request's extra_body
         sampling["repetition_penalty"] = task.repetition_penalty

@@ -138,6 +138,12 @@ class PageResult:
     size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
     blocks: list[Block] = field(default_factory=list)
     url: str = ""  # the endpoint that answered (the task's)
+    # When (time.monotonic(): one clock for all processes on Linux) the page was rendered, each
+    # layout model call for it ran, and each of its requests held a place at the server: each
+    # stage's load (`stages.BusyMeter`).
+    render_span: tuple[float, float] | None = None
+    layout_spans: list[tuple[float, float]] = field(default_factory=list)
+    request_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 WorkerMessage = WorkerReady | WorkerFailed | RequestSent | PageResult | LogRecord

@@ -72,6 +72,11 @@ class EnginePool:
     def _workers(self) -> list[EngineWorker]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
 
+    @property
+    def size(self) -> int:
+        """How many workers it keeps (taking pages or being started)."""
+        return len(self._slots)
+
     def taking(self) -> list[EngineWorker]:
         """The workers that take pages now."""
         return [w for w in self._slots if w is not None and w.ready]

@@ -1,0 +1,63 @@
+"""Which stage sets the pace: each stage's load from the work it did, and the advice shown."""
+
+from __future__ import annotations
+
+import pytest
+
+from ocrvl_daemon.rate import RATE_WINDOW
+from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
+
+pytestmark = pytest.mark.quick
+
+
+def test_a_layout_model_working_every_second_of_the_window_is_fully_busy():
+    meter = BusyMeter()
+    for second in range(120):
+        meter.add(second, second + 1.0)
+    assert meter.busy(120.0) == pytest.approx(1.0)
+
+
+def test_two_workers_each_half_busy_make_the_stage_half_busy():
+    meter = BusyMeter()
+    for second in range(0, 100, 2):
+        meter.add(second, second + 1.0)  # worker 1
+        meter.add(second + 1.0, second + 2.0)  # worker 2
+    assert meter.busy(100.0, capacity=2) == pytest.approx(0.5)
+
+
+def test_load_is_measured_since_the_first_work_and_forgets_old_work():
+    meter = BusyMeter()
+    assert meter.busy(5.0) == 0.0
+    meter.add(10.0, 12.0)
+    assert meter.busy(14.0) == pytest.approx(0.5), "the idle time before the first page counts"
+    assert meter.busy(12.0 + RATE_WINDOW + 1) == 0.0, "work a minute old still counts"
+
+
+def test_a_saturated_layout_on_the_cpu_is_named_with_what_would_help():
+    load = StageLoad(rendering=0.03, layout=0.97, server=0.40, layout_device="cpu")
+    assert load.limit() is Stage.LAYOUT
+    assert load.summary() == "layout 97% (limit) · server 40% · rendering 3%"
+    assert "pipeline.layout_device: gpu" in (load.advice() or "")
+
+
+def test_a_busy_server_is_the_limit_and_needs_no_advice():
+    load = StageLoad(rendering=0.05, layout=0.3, server=0.95, layout_device="gpu:0")
+    assert load.limit() is Stage.SERVER and load.advice() is None
+    assert load.before_server() is None, "STATUS= names only a stage holding the server back"
+
+
+def test_slow_rendering_asks_for_more_workers():
+    load = StageLoad(rendering=0.9, server=0.5)
+    assert load.before_server() == "rendering 90% is the limit"
+    assert "pipeline.workers" in (load.advice() or "")
+
+
+def test_a_long_piece_of_work_that_ended_in_the_window_counts_whole():
+    meter = BusyMeter()
+    meter.add(0.0, 30.0)
+    meter.add(30.0, 100.0)  # began before the window [40, 100]: work still under way is unknown
+    assert meter.busy(100.0) == pytest.approx(1.0)
+
+
+def test_no_stage_is_the_limit_while_all_have_room():
+    assert StageLoad(rendering=0.1, layout=0.5, server=0.6).limit() is None
