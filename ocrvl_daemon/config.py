@@ -167,6 +167,9 @@ class PipelineConfig(_Section):
     max_page_pixels: int = Field(25_000_000, ge=100_000)
     page_retries: int = Field(3, ge=0, le=20)
     fail_on_page_error: bool = False
+    # Read answers as they stream and stop one as soon as it loops (`worker.streaming`),
+    # instead of decoding it to its token limit.
+    stop_loops_early: bool = True
     worker_max_pages: int = Field(2000, ge=1)
     worker_max_rss_mb: int = Field(6144, ge=256)
     # Engine worker processes (rendering, encoding, layout detection): `auto` or a number.

@@ -143,10 +143,14 @@ def assess(text: str, finish_reason: str | None, output_tokens: int, looping: bo
 
 
 class Later(Enum):
-    """A page's next loop-breaking retry waits until the document's other pages are in: each
-    looping page gets its first retry before any page gets a second."""
+    """A page's next loop-breaking retry waits until the document's other pages are in."""
 
+    # Each looping page gets its first retry before any page gets a second.
     AFTER_FIRST_RETRIES = "after-first-retries"
+    # A loop stopped as soon as it shows comes back before most of its document's pages, when
+    # the budget (a share of what they generate) knows little of them: a retry it refuses
+    # then is decided again once they are in.
+    AFTER_FIRST_PASS = "after-first-pass"
 
 
 class KeptBecause(str, Enum):
@@ -208,7 +212,8 @@ class RedoLedger:
 
         `ceiling`: the most new tokens the server allows a request (0: it does not say).
         `others_out`: other pages of the document are still to come back, which may loop
-        and need their first retry: a second one waits for them (`Later`, then `release`).
+        and need their first retry: a second one waits for them (`Later`, then `release`), and
+        so does a loop's retry that the budget refuses before they are in.
         """
         before = self.redos.get(page)
         if looping:
@@ -235,6 +240,9 @@ class RedoLedger:
         # for: a loop broken stops far below its limit), so pages cut off together cannot
         # all start one before the first is counted.
         if self.extra + sum(self._out.values()) >= self.cap:
+            if looping and others_out:
+                self.held[page] = (cut_at, ceiling)
+                return Later.AFTER_FIRST_PASS
             return KeptBecause.BUDGET
         if looping:
             self.loop_tries[page] = self.loop_tries.get(page, 0) + 1

@@ -27,6 +27,7 @@ from ocrvl_daemon.page_quality import (
     LOOP_PENALTIES,
     REDO_SHARE,
     KeptBecause,
+    Later,
     Redo,
     RedoLedger,
     Verdict,
@@ -100,6 +101,26 @@ def test_a_loop_is_sent_again_twice_with_a_penalty_then_kept():
     assert ledger.extra + 2 * 4096 == ledger.cap == int(REDO_SHARE * 20 * 4096)
     assert ledger.decide(3, 4096, 8192, looping=True) is KeptBecause.BUDGET, (
         "a redo started although the document's redos took their share")
+
+
+@pytest.mark.quick
+def test_a_loop_stopped_early_is_not_refused_its_retry_before_its_document_is_in():
+    """A loop stopped as soon as it shows comes back while its document's other pages are
+    still out: a retry the budget refuses then waits, and is decided again once they are in,
+    when the budget knows the whole first pass."""
+    ledger = RedoLedger()
+    ledger.count(0, 400)  # two loops stopped early, the first answers of a 20-page book
+    ledger.count(1, 400)
+    assert ledger.decide(0, 4096, 8192, looping=True, others_out=True) == Redo(
+        4096, LOOP_PENALTIES[0])
+    assert ledger.decide(1, 4096, 8192, looping=True, others_out=True) is (
+        Later.AFTER_FIRST_PASS), "the budget of two answers refused a loop its first retry"
+    for page in range(2, 20):
+        ledger.count(page, 700)
+    assert ledger.release(1) == Redo(4096, LOOP_PENALTIES[0])
+    # With the whole document in, what the budget refuses stays refused.
+    assert ledger.decide(2, 4096, 8192, looping=False) == Redo(8192)
+    assert ledger.decide(3, 4096, 8192, looping=False) is KeptBecause.BUDGET
 
 
 @pytest.mark.quick

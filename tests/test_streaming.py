@@ -1,16 +1,19 @@
 """A streamed chat completion is read as it comes and stopped as soon as it loops
-(ocrvl_daemon.worker.streaming), against the fake vLLM over real HTTP."""
+(ocrvl_daemon.worker.streaming), against the fake vLLM over real HTTP; and a book whose pages
+loop, converted end to end."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS
+from bench.loop_savings import convert
+from ocrvl_daemon.page_quality import LOOP_PENALTIES, LOOP_WINDOW_CHARS
 from ocrvl_daemon.worker.streaming import (
     CHECK_EVERY_TOKENS,
     LOOP,
@@ -19,8 +22,10 @@ from ocrvl_daemon.worker.streaming import (
     request_body,
     stream_completion,
 )
+from testkit.documents import make_pdf
 from testkit.fake_server import DEFAULT_MODEL, FakeServerConfig, InProcessFakeServer
 from testkit.harness import chat_payload, make_test_jpeg, wait_until
+from testkit.plain_server import plain_openai_server
 
 CHAT = "/v1/chat/completions"
 LOOPING = 64  # the width of the page images that loop
@@ -120,6 +125,12 @@ def test_a_loop_broken_by_a_repetition_penalty_ends_normally(
     assert (answer.finish_reason, answer.tokens) == ("stop", 300)
 
 
+def test_a_server_that_does_not_stream_is_read_whole() -> None:
+    with plain_openai_server(finish_reason="length") as url:
+        answer = asyncio.run(_stream_to(url.removesuffix("/v1")))
+    assert answer == StreamedAnswer("plain server saw OCR:", "length", 1)
+
+
 @pytest.mark.parametrize(
     ("options", "status"),
     [({"served_model_names": ("other",)}, 404), ({"error_500_every": 1}, 500)],
@@ -162,3 +173,25 @@ async def _stream_to(url: str) -> StreamedAnswer:
     async with httpx.AsyncClient() as client:
         return await stream_completion(client, url + CHAT,
                                        request_body(DEFAULT_MODEL, messages, kwargs), {}, 5)
+
+
+@pytest.mark.slow
+def test_a_book_whose_pages_loop_converts_the_same_with_the_loops_stopped_early(
+        tmp_path: Path) -> None:
+    """`ocrvl convert` end to end: a loop stopped early gets the same loop-breaking retry, and
+    the book the same Markdown, as one that ran to its limit; the server decoded far less."""
+    looping = (1, 4)
+    book = make_pdf(tmp_path / "book.pdf", 6)
+    stopped, to_the_limit = (
+        convert(tmp_path / str(stop), book, looping, stop, answer_tokens="fixed:300")
+        for stop in (True, False))
+    assert stopped.markdown == to_the_limit.markdown
+    assert "ocrvl:" not in stopped.markdown, "a page whose loop was broken is flagged"
+    for run in (stopped, to_the_limit):
+        assert [[r["repetition_penalty"] for r in tries] for tries in run.loop_requests] == [
+            [None, LOOP_PENALTIES[0]]] * len(looping), "not the same loop-breaking retries"
+        assert all(tries[1]["tokens"] == 300 for tries in run.loop_requests)
+    assert to_the_limit.loop_first == [4096] * len(looping)
+    assert all(tries[0].get("aborted") for tries in stopped.loop_requests)
+    assert max(stopped.loop_first) <= LOOP_WINDOW_CHARS // 6 + 2 * CHECK_EVERY_TOKENS
+    assert to_the_limit.generated - stopped.generated >= len(looping) * 3500

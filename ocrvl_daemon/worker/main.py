@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -47,6 +48,13 @@ from ocrvl_daemon.worker.messages import (
 )
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
+from ocrvl_daemon.worker.streaming import (
+    LOOP,
+    StatusError,
+    StreamedAnswer,
+    request_body,
+    stream_completion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,20 +183,22 @@ class _TimedRequests(list[Future[Any]]):
 
 
 class _Endpoints:
-    """One OpenAI client and one `RequestGate` per server endpoint, made on first use.
+    """One `RequestGate` per server endpoint, made on first use, and the chat completions
+    sent to each: streamed (`streaming.stream_completion`), so that an answer that loops is
+    stopped as soon as it shows (`pipeline.stop_loops_early`).
 
     The pipeline is built with one server URL; a page's requests go to the endpoint the
-    converter chose for it (`PageTask.url`) through a client of the same kind for that URL.
+    converter chose for it (`PageTask.url`).
     """
 
-    def __init__(self, config: Config, server_url: str, client: Any) -> None:
+    def __init__(self, config: Config, server_url: str) -> None:
         self._config = config
         self._first = server_url
-        self._kind = type(client)
-        self._lock = threading.Lock()  # guards both dicts
-        # Each endpoint's (untracked) chat call; the pipeline's own client is the first's.
-        self._create: dict[str, Callable[..., Any]] = {server_url: client.create_chat_completion}
+        self._lock = threading.Lock()  # guards _gates
         self._gates: dict[str, RequestGate] = {}
+        # Used on PaddleX's event-loop thread only. The gates bound the requests in flight.
+        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        self._headers = bearer_header(config.server.api_key)
 
     def gate(self, url: str) -> RequestGate:
         """The request gate of `url` ("": the first endpoint)."""
@@ -198,34 +208,49 @@ class _Endpoints:
                 self._gates[url] = RequestGate(self._config.pipeline.max_concurrency)
             return self._gates[url]
 
-    def create(self, url: str) -> Callable[..., Any]:
-        """The chat completion call of `url`'s client ("": the pipeline's own)."""
-        url = url or self._first
-        with self._lock:
-            if url not in self._create:
-                self._create[url] = self._kind(
-                    backend="vllm-server", base_url=url,
-                    max_concurrency=self._config.pipeline.max_concurrency,
-                    model_name=self._config.model.served,
-                    api_key=self._config.server.api_key or "null").create_chat_completion
-            return self._create[url]
+    def send(self, url: str, messages: Any, kwargs: dict[str, Any]) -> Future[_Completion]:
+        """Send a chat completion (PaddleX's `create_chat_completion` arguments) to `url`
+        ("": the first endpoint) on PaddleX's event loop; cancelling the future aborts it."""
+        from paddlex.inference.models.common.genai import run_async
+
+        body = request_body(self._config.model.served, messages, kwargs)
+        return run_async(self._complete(url or self._first, body, kwargs.get("timeout", 600)),
+                         return_future=True)
+
+    async def _complete(self, url: str, body: dict[str, Any], timeout: float) -> _Completion:
+        answer = await stream_completion(
+            self._client, f"{url.rstrip('/')}/chat/completions", body, self._headers, timeout,
+            stop_loops=self._config.pipeline.stop_loops_early)
+        return _Completion(answer)
+
+
+@dataclass(frozen=True)
+class _Completion:
+    """A streamed answer, shaped as PaddleX reads a chat completion
+    (`choices[0].message.content`)."""
+
+    answer: StreamedAnswer
+
+    @property
+    def choices(self) -> list[Any]:
+        """The answer's one choice."""
+        return [SimpleNamespace(message=SimpleNamespace(content=self.answer.text))]
 
 
 def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
-    """Send every chat completion to its page's endpoint through that endpoint's gate, and
-    record it on the thread that asked.
+    """Send every chat completion to its page's endpoint through that endpoint's gate,
+    streamed, and record it on the thread that asked.
 
-    PaddleX keeps only `choices[0].message.content`, so whether an answer was cut off at
-    the token limit is lost. The request runs on PaddleX's event-loop thread, where the page
-    is unknown; the call that starts it runs on the page's thread, so that is where the
-    future is noted, and read again once `predict` returned.
+    PaddleX keeps only the answer's text, so whether it was cut off at the token limit or
+    stopped as a loop would be lost. The request runs on PaddleX's event-loop thread, where
+    the page is unknown; the call that starts it runs on the page's thread, so that is where
+    the future is noted, and read again once `predict` returned.
     """
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
         url = _COMPLETIONS.url
-        send = endpoints.create(url)
         request = GatedRequest(
             endpoints.gate(url),
-            lambda: send(messages, return_future=True, **kwargs),
+            lambda: endpoints.send(url, messages, kwargs),
             _COMPLETIONS.priority,
             _COMPLETIONS.document,
         )
@@ -240,27 +265,10 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
     pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
 
 
-@dataclass(frozen=True)
-class _Answer:
-    finish_reason: str | None
-    text: str
-    tokens: int
-
-
-def _answers(started: list[Any]) -> list[_Answer]:
-    """The page's completions that came back: how each ended, its text, its token count."""
-    answers = []
-    for item in started:
-        if isinstance(item, Future):
-            if not item.done() or item.cancelled() or item.exception() is not None:
-                continue
-            item = item.result()
-        with contextlib.suppress(AttributeError, IndexError, TypeError):
-            usage = getattr(item, "usage", None)
-            answers.append(_Answer(item.choices[0].finish_reason,
-                                   item.choices[0].message.content or "",
-                                   int(getattr(usage, "completion_tokens", 0) or 0)))
-    return answers
+def _answers(started: list[Future[Any]]) -> list[StreamedAnswer]:
+    """The page's completions that came back: how each ended, its text, its tokens."""
+    return [f.result().answer for f in started
+            if f.done() and not f.cancelled() and f.exception() is None]
 
 
 def _token_ceiling(config: Config, server_url: str) -> int:
@@ -359,8 +367,7 @@ def serve() -> None:
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
             setattr(inner, name, _Locked(getattr(inner, name), lock))
-    endpoints = _Endpoints(config, server_url,
-                           pipeline.paddlex_pipeline.vl_rec_model.genai_client)
+    endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
     channel.send(WorkerReady(os.getpid()))
@@ -465,11 +472,13 @@ def _recognise(
     answers = _answers(_COMPLETIONS.started)
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
-    cut = [a for a in answers if a.finish_reason == "length"]
+    # An answer stopped because it looped is one that would have run to the limit: judged
+    # as cut off there and looping, it gets the loop-breaking retry at the same limit.
+    cut = [a for a in answers if a.finish_reason in ("length", LOOP)]
     result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
     if cut:
         result.truncated_at = task.max_new_tokens
-        result.looping = any(looks_like_a_loop(a.text) for a in cut)
+        result.looping = any(a.finish_reason == LOOP or looks_like_a_loop(a.text) for a in cut)
         if not result.looping:
             result.token_ceiling = _token_ceiling(config, task.url or server_url)
     return res
@@ -494,15 +503,13 @@ def _request_failure(exc: Exception, requests: list[Any]) -> tuple[Failure, str]
     decides, not the error's name: a 5xx answer is the server failing the request, and no
     answer at all is the server being gone.
     """
-    import openai  # the worker has it (PaddleX's client); only a failure needs it
-
     failed = [f.exception() for f in requests
               if isinstance(f, Future) and f.done() and not f.cancelled()]
     for error in [e for e in failed if e is not None] + list(_chain(exc)):
-        if isinstance(error, openai.APIStatusError):
+        if isinstance(error, StatusError):
             kind = Failure.SERVER_ERROR if error.status_code >= 500 else Failure.PAGE
-            return kind, f"HTTP {error.status_code}: {_server_message(error)}"
-        if isinstance(error, (openai.APIConnectionError, ConnectionError, TimeoutError)):
+            return kind, str(error)
+        if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):
             return Failure.SERVER_DOWN, f"{type(error).__name__}: {error}"
     return None
 
@@ -513,11 +520,3 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
     while seen is not None:
         yield seen
         seen = seen.__cause__ or seen.__context__
-
-
-def _server_message(error: Any) -> str:
-    """The message in an OpenAI-style error body (`{"message": ...}`), else the client's."""
-    body = error.body
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return str(body["message"])
-    return str(error.message)

@@ -76,6 +76,8 @@ from testkit.fake_server.startup import (
     stop_engine_child,
 )
 
+CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's)
+
 
 class FakeServer:
     """The fake vLLM: start-up, HTTP app and fault switches, around the batching simulation."""
@@ -312,14 +314,12 @@ class FakeServer:
         except RequestError as exc:
             response = exc.response()
             status = response.status
-        # The client went away (a write to a closed stream may notice first): vLLM aborts
-        # the request too.
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.aborted += 1
-            self.finished["abort"] += 1
-            record.update(status=499, aborted=True, done=time.time())
-            self._log_request(record)
+        except asyncio.CancelledError:  # the client went away: vLLM aborts the request too
+            self._aborted(record)
             raise
+        if status == CLIENT_GONE:
+            self._aborted(record)
+            return response
         if status == 200:
             self.completed += 1
             if (
@@ -424,6 +424,14 @@ class FakeServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        try:
+            return response, await self._events(response, answer, seq, record)
+        except ConnectionResetError:  # the client closed the stream, and a write saw it first
+            return response, CLIENT_GONE
+
+    async def _events(self, response: web.StreamResponse, answer: _Answer,
+                      seq: SimSequence | None, record: dict[str, Any]) -> int:
+        """Write a stream's events (see `_stream`); return the status it ended with."""
         head = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created,
                 "model": answer.chat.model}
 
@@ -451,14 +459,21 @@ class FakeServer:
         except RequestError as exc:  # the engine died mid-answer: vLLM ends the stream so
             await send(exc.body())
             await response.write(b"data: [DONE]\n\n")
-            return response, exc.status
-        self._answered(answer, record)
+            return exc.status
         await send(chunk({"content": ""}, answer.finish))
         if answer.chat.include_usage:
             await send(head | {"choices": [], "usage": answer.usage})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response, 200
+        self._answered(answer, record)
+        return 200
+
+    def _aborted(self, record: dict[str, Any]) -> None:
+        """Count and log a request whose client went away before its answer ended."""
+        self.aborted += 1
+        self.finished["abort"] += 1
+        record.update(status=CLIENT_GONE, aborted=True, done=time.time())
+        self._log_request(record)
 
     def _answered(self, answer: _Answer, record: dict[str, Any]) -> None:
         """Count an answer given in full."""
