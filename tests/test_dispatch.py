@@ -16,8 +16,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from stand_in_worker import converter_with_stand_in
-from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.dispatch import SUSPEND_SECONDS
@@ -30,6 +28,7 @@ from ocrvl_daemon.worker.messages import Failure, PageResult
 from ocrvl_daemon.worker.pool import EnginePool
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, start_fake_server, wait_until
+from testkit.stand_in_worker import ReadyServer, converter_with_stand_in
 
 # Slow enough that a page is at a server for a while (a kill catches pages in flight).
 SLOW = ("--step-t0-ms", "20", "--output-tokens", "fixed:40")

@@ -17,124 +17,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from stand_in_worker import StandInWorker
 
 from ocrvl_daemon import jobs, output
 from ocrvl_daemon.commands import retry, status
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError
-from ocrvl_daemon.jobs import enqueue_file, open_store
+from ocrvl_daemon.jobs import enqueue_file
 from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.store import Job, JobState
 from ocrvl_daemon.worker.messages import Failure, PageResult
-from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown
-
-
-class ReadyServer:
-    """A server handle that is always ready (the converter never talks to it itself)."""
-
-    name = "server"
-    url = "http://127.0.0.1:8118/v1"
-
-    def status(self) -> None:
-        return None
-
-    def is_ready(self) -> bool:
-        return True
-
-    def note_progress(self, in_flight: int, completed_total: int) -> None:
-        pass
-
-    def metrics(self, want: bool = True) -> None:
-        return None
-
-    def note_unreachable(self, reason: str) -> None:
-        pass
-
-
-class Policy:
-    """A converter over a real store and real PDFs, with page results given by hand to its
-    stand-in engine worker. Its clock moves only when a test says so."""
-
-    def __init__(self, tmp_path: Path, server: dict | None = None, **pipeline: object) -> None:
-        self.folder = tmp_path / "inbox"
-        self.folder.mkdir()
-        self.config = Config.model_validate(
-            {"state_dir": str(tmp_path / "state"), "pipeline": {"workers": 1, **pipeline},
-             "server": server or {}})
-        self.store = open_store(self.config)
-        self.workers: list[StandInWorker] = []
-        engines = EnginePool(self.config, new_worker=self._new_worker)  # type: ignore[arg-type]
-        self.converter = Converter(self.config, self.store, [ReadyServer()], engines=engines)
-        self.now = 0.0
-        self._handed = 0  # pages of the worker's `order` that `send()` returned already
-
-    def _new_worker(self, config: Config, server_url: str) -> StandInWorker:
-        self.workers.append(StandInWorker(config, server_url))
-        self._handed = 0
-        return self.workers[-1]
-
-    @property
-    def worker(self) -> StandInWorker:
-        """The worker started last."""
-        return self.workers[-1]
-
-    def tick(self) -> None:
-        self.converter.tick(self.now)
-
-    def activate(self) -> None:
-        """Look at the queue on this tick (the converter was told of a job)."""
-        self.converter.wake()
-        self.tick()
-
-    def queue(self, pdf: Path) -> Job:
-        job = enqueue_file(self.store, pdf, self.config.model.name)
-        self.activate()
-        return job
-
-    def send(self) -> list[tuple[int, int]]:
-        """Tick until the converter hands the worker no more pages (each page reaches the
-        server at once); the pages handed to it since the last call."""
-        while True:
-            handed = len(self.worker.order)
-            self.worker.reach_server()
-            self.tick()
-            if len(self.worker.order) == handed:
-                break
-        sent, self._handed = self.worker.order[self._handed:], len(self.worker.order)
-        return sent
-
-    def deliver(self, result: PageResult) -> None:
-        """The worker reports `result`; the converter takes it on this tick."""
-        self.worker.results.append(result)
-        self.tick()
-
-    def answer(self, job: Job, page: int, error: str | None = None, kind: Failure = Failure.PAGE,
-               truncated_at: int | None = None) -> None:
-        result = PageResult(job.id, page, truncated_at=truncated_at)
-        if error is None:
-            result.markdown = f"text of page {page + 1}"
-        else:
-            result.error, result.error_kind = error, kind
-        self.deliver(result)
-
-    def crash(self, failure: str) -> None:
-        """The worker dies with every page it had; time passes until another may start."""
-        self.worker.die(failure)
-        self.tick()
-        self.now += WORKER_RESTART_SECONDS
-
-    def job(self, job: Job) -> Job | None:
-        return self.store.job(job.id)
-
-    def view(self, pdf: Path) -> dict:
-        docs = json.loads(status.render_status(self.config, as_json=True, everything=True))[
-            "documents"]
-        return next(d for d in docs if d["path"] == str(pdf))
+from testkit.stand_in_worker import Policy
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import jsonschema
 import numpy as np
 import pytest
 import yaml
-from test_failure_policy import Policy
 
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output import Page, write_document
@@ -39,6 +38,7 @@ from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown
 from testkit.runner import run_ocrvl
+from testkit.stand_in_worker import Policy
 
 SCHEMA = json.loads(resources.files("ocrvl_daemon").joinpath("data/document.schema.json")
                     .read_text("utf-8"))

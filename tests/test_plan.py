@@ -8,8 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from stand_in_worker import converter_with_stand_in
-from test_failure_policy import ReadyServer
 
 from ocrvl_daemon.document import SMALL_DOCUMENT_PAGES, Document
 from ocrvl_daemon.jobs import enqueue_file
@@ -18,6 +16,7 @@ from ocrvl_daemon.worker.messages import GateLimit, PageResult
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 from testkit.core import URL, document
 from testkit.documents import make_pdf
+from testkit.stand_in_worker import ReadyServer, converter_with_stand_in
 
 
 def step(docs: list[Document], limit: int, reach_server: bool = True,
