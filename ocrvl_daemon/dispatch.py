@@ -91,7 +91,8 @@ class Endpoint:
         self.answered = 0  # requests that came back (for hang detection)
         self.answers = RateMeter()  # pages it recognised
         self.suspended_until = 0.0
-        # While its requests find no server: since when (monotonic), and how many failed.
+        # While its requests find no server or fail (HTTP 5xx): since when (monotonic), and
+        # how many failed; said once when it begins and once when it answers again.
         self.down_since: float | None = None
         self.failed_while_down = 0
 
@@ -134,15 +135,23 @@ class Dispatcher:
         return [e for e in self.endpoints if e.usable(now)]
 
     def answered(self, url: str, now: float, recognised: bool,
-                 server_down: str | None = None) -> None:
+                 server_down: str | None = None, server_error: str | None = None) -> bool:
         """The awaited answer of a page sent to `url` came back; `server_down`: why that
-        endpoint is gone."""
+        endpoint is gone; `server_error`: the error it answered with (HTTP 5xx). True when
+        that failure is the first of its episode (the caller names it; the rest are counted
+        and said when the endpoint answers again)."""
         endpoint = next((e for e in self.endpoints if e.url == url), None)
         if endpoint is None:
-            return  # replaced by a reload meanwhile
+            return False  # replaced by a reload meanwhile
         if server_down is not None:
             self._went_down(endpoint, now, server_down)
-            return
+            return False
+        if server_error is not None:
+            endpoint.failed_while_down += 1
+            if endpoint.down_since is not None:
+                return False
+            endpoint.down_since, endpoint.failed_while_down = now, 1
+            return True
         if endpoint.down_since is not None:
             log.info("%s at %s answers again after %.0f s; %d failed request(s) in between",
                      endpoint.handle.name, endpoint.url, now - endpoint.down_since,
@@ -151,19 +160,20 @@ class Dispatcher:
         endpoint.answered += 1
         if recognised:
             endpoint.answers.tick(time.monotonic())
+        return False
 
     def _went_down(self, endpoint: Endpoint, now: float, reason: str) -> None:
         """A request to `endpoint` found no server: its pages wait (or go to the others) for
         SUSPEND_SECONDS, and it is said once per outage."""
         endpoint.suspended_until = now + SUSPEND_SECONDS
         endpoint.failed_while_down += 1
+        endpoint.handle.note_unreachable(reason)
         if endpoint.down_since is not None:
-            return
+            return  # said when the episode began (maybe as a failed request: a dying server)
         endpoint.down_since, endpoint.failed_while_down = now, 1
         others = " go to the others" if len(self.endpoints) > 1 else " wait for it"
         log.warning("%s at %s did not answer (%s); its pages%s", endpoint.handle.name,
                     endpoint.url, reason, others)
-        endpoint.handle.note_unreachable(reason)
 
     def reclaim(self, now: float, documents: Sequence[Document]) -> list[tuple[Document, int]]:
         """The pages in flight at endpoints that are not usable now, to be taken from them when

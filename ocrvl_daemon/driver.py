@@ -296,19 +296,26 @@ class Converter:
         if doc is None or not is_awaited(result, doc):
             return  # the job failed or was dropped meanwhile, or the page went elsewhere
         server_down = result.error_kind is Failure.SERVER_DOWN
-        self.dispatcher.answered(doc.sent[result.page].endpoint, self._now, result.error is None,
-                                 result.error or "no answer" if server_down else None)
-        self._apply(doc, decide(result, doc, self.rules))
+        server_error = result.error_kind is Failure.SERVER_ERROR
+        first = self.dispatcher.answered(
+            doc.sent[result.page].endpoint, self._now, result.error is None,
+            server_down=result.error or "no answer" if server_down else None,
+            server_error=result.error or "no reason given" if server_error else None)
+        # A server failing every request fails every page in flight: the first is named, the
+        # others are counted and said when it answers again.
+        self._apply(doc, decide(result, doc, self.rules), quiet=server_error and not first)
 
-    def _apply(self, doc: Document, action: Action) -> None:
+    def _apply(self, doc: Document, action: Action, quiet: bool = False) -> None:
         """Carry out `action` for a page of `doc`: the store first, so that a full disk
-        (StateFullError) leaves the document as it was."""
+        (StateFullError) leaves the document as it was. `quiet`: its reason is logged at
+        DEBUG (one of many alike)."""
         job = doc.job
         if isinstance(action, Checkpoint):
             self._checkpoint(doc, action)
         elif isinstance(action, SendAgain):
             if action.why is not None:
-                log.warning("%s %s", job.path.name, action.why, extra=_fields(job, action.page))
+                log.log(logging.DEBUG if quiet else logging.WARNING, "%s %s", job.path.name,
+                        action.why, extra=_fields(job, action.page))
             if action.ledger is not None:
                 doc.ledger = action.ledger
             if action.counted:

@@ -231,8 +231,8 @@ def test_an_external_server_killed_mid_book_is_reported_once_and_status_says_it_
             make_pdf(tmp_path / "book.pdf", 40).rename(inbox / "book.pdf")
             wait_until(lambda: "book.pdf: 40 pages queued" in daemon.log(), 60,
                        what="the book to start")
+            killed_at = len(daemon.log())  # what it says while the server dies counts too
             server.stop()
-            killed_at = len(daemon.log())
 
             def server_state() -> str:
                 done = run_ocrvl("status", "--json", "--config", config, timeout=60)

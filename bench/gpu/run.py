@@ -70,6 +70,7 @@ from ocrvl_daemon.model_registry import (  # noqa: E402
     MAX_IMAGE_PIXELS,
 )
 from ocrvl_daemon.pdf import render_page  # noqa: E402
+from ocrvl_daemon.worker.streaming import STREAM_OPTIONS  # noqa: E402
 from testkit.documents import make_pdf  # noqa: E402
 from testkit.harness import chat_payload, free_port, wait_until  # noqa: E402
 from testkit.runner import write_config  # noqa: E402
@@ -340,10 +341,11 @@ def warm_up(urls: list[str], work: Path) -> None:
 
 
 def page_requests(pdf: Path, pages: int) -> list[dict[str, Any]]:
-    """The chat requests of `pdf`'s first `pages` pages, as ocrvl and PaddleX send them (the
-    same image, token limit and processor settings per page)."""
+    """The chat requests of `pdf`'s first `pages` pages, as ocrvl sends them (the same image,
+    token limit and processor settings per page as PaddleX, streamed)."""
     return [chat_payload(j, model=DEFAULT_MODEL, max_completion_tokens=DEFAULT_MAX_NEW_TOKENS,
-                         **PADDLEX_REQUEST_EXTRA) for j in page_jpegs(pdf, pages)]  # fmt: skip
+                         **PADDLEX_REQUEST_EXTRA, stream=True, stream_options=STREAM_OPTIONS)
+            for j in page_jpegs(pdf, pages)]  # fmt: skip
 
 
 def page_jpegs(pdf: Path, pages: int) -> list[bytes]:
