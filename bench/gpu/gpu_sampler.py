@@ -3,39 +3,33 @@
 from __future__ import annotations
 
 import statistics
-import threading
-import time
+from contextlib import AbstractContextManager
 
-from ocrvl_daemon.server.gpu import read_gpus
+from ocrvl_daemon.server.gpu import GpuMonitor, GpuReading
 
 SAMPLE_SECONDS = 1.0
 
 
-class GpuSampler:
-    """Samples every visible GPU (NVML, else nvidia-smi) on a thread until `stop()`."""
+class GpuSampler(AbstractContextManager["GpuSampler"]):
+    """Every visible GPU's busy share and power, once a second while in its `with` block."""
 
     def __init__(self) -> None:
         self._samples: list[tuple[float, float, float]] = []  # (time, busy %, watts), summed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._monitor = GpuMonitor(SAMPLE_SECONDS, self._note)
 
     def __enter__(self) -> GpuSampler:
-        self._thread.start()
+        self._monitor.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._monitor.stop()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            readings = read_gpus()
-            if readings and all(r.busy_pct is not None for r in readings):
-                # Several GPUs: their mean busy share and their summed power.
-                busy = statistics.fmean(r.busy_pct or 0 for r in readings)
-                watts = sum(r.power_w or 0.0 for r in readings)
-                self._samples.append((time.monotonic(), busy, watts))
-            self._stop.wait(SAMPLE_SECONDS)
+    def _note(self, at: float, readings: list[GpuReading]) -> None:
+        if readings and all(r.busy_pct is not None for r in readings):
+            # Several GPUs: their mean busy share and their summed power.
+            busy = statistics.fmean(r.busy_pct or 0 for r in readings)
+            watts = sum(r.power_w or 0.0 for r in readings)
+            self._samples.append((at, busy, watts))
 
     def over(self, start: float, end: float) -> dict[str, float]:
         """Mean GPU busy % and watts between `start` and `end` ({} without a reading)."""

@@ -49,7 +49,7 @@ from ocrvl_daemon.logs import set_level
 from ocrvl_daemon.metrics import MetricsEndpoint
 from ocrvl_daemon.progress import ProgressLog
 from ocrvl_daemon.sd_notify import Notifier
-from ocrvl_daemon.server.gpu import read_gpus
+from ocrvl_daemon.server.gpu import GpuMonitor
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.shutdown import StopSignals
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.1
 IDLE_TICK_SECONDS = 0.5
 STATUS_SECONDS = 1.0
-# A managed server's GPUs are read this often (nvidia-smi, where NVML is missing, is slow).
+# A managed server's GPUs are read this often, on their own thread.
 GPU_SECONDS = 5.0
 # How much more time to ask systemd for, each time, while the model server starts.
 EXTEND_SECONDS = 90.0
@@ -83,8 +83,8 @@ class Daemon:
         self._ready_sent = False
         self._last_extend = 0.0
         self._last_status = 0.0
-        self._last_gpu_read = -GPU_SECONDS
-        self._gpus: tuple[GpuView, ...] = ()
+        # A managed server's GPUs, read on their own thread (nvidia-smi can take seconds).
+        self.gpus = GpuMonitor(GPU_SECONDS)
         # The latest state, for the metrics endpoint's thread (no lock: it is replaced whole,
         # never changed in place).
         self.state: DaemonState | None = None
@@ -131,6 +131,8 @@ class Daemon:
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
+            if config.server.mode == "managed":
+                self.gpus.start()
             self.servers.start()
             self.watcher.start()
             code = self._loop()
@@ -229,10 +231,6 @@ class Daemon:
         if now - self._last_status < STATUS_SECONDS:
             return  # counting jobs is a query; once a second is plenty for a status line
         self._last_status = now
-        if self.config.server.mode == "managed" and now - self._last_gpu_read >= GPU_SECONDS:
-            self._last_gpu_read = now
-            self._gpus = tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct,
-                                       r.power_w) for r in read_gpus())
         state = self._state(server)
         self.state = state
         self.notifier.status(format_status(state), now)
@@ -275,7 +273,8 @@ class Daemon:
             engine_failed_starts=self.converter.engines.start_failures,
             engine_error=self.converter.engines.start_error,
             hook_failures=dict(self.converter.hooks.failures),
-            gpus=self._gpus,
+            gpus=tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct, r.power_w)
+                       for r in self.gpus.latest()),
             stages=self.converter.stage_load(time.monotonic()),
         )
 
@@ -356,6 +355,7 @@ class Daemon:
             self._old_server_stop.join()  # bounded, as ServerSupervisor.stop is
         self.servers.stop()
         self.metrics.stop()
+        self.gpus.stop()
         # `ocrvl status` must not go on showing the last published state as running.
         with contextlib.suppress(OSError):
             write_runtime_file(self.config.state_dir, {"pid": os.getpid(), "stopped": time.time()})

@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,3 +264,44 @@ def _mib(value: str) -> int:
 def _text(value: str | bytes) -> str:
     # Older nvidia-ml-py releases return bytes.
     return value.decode() if isinstance(value, bytes) else value
+
+
+class GpuMonitor:
+    """Reads every visible GPU on its own thread every `period` seconds until `stop()`, so
+    that nobody waits for a slow nvidia-smi (seconds under WSL2): `latest()` is the last
+    reading; `on_reading(time, readings)`, if given, sees each one."""
+
+    def __init__(self, period: float,
+                 on_reading: Callable[[float, list[GpuReading]], None] | None = None) -> None:
+        self._period = period
+        self._on_reading = on_reading
+        self._latest: list[GpuReading] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> GpuMonitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def latest(self) -> list[GpuReading]:
+        """The last reading ([] before the first, or without a GPU)."""
+        return self._latest  # replaced whole by the thread, never changed in place
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            readings = read_gpus()
+            self._latest = readings
+            if self._on_reading is not None:
+                self._on_reading(time.monotonic(), readings)
+            self._stop.wait(self._period)
