@@ -250,6 +250,8 @@ class ServerConfig(_Section):
     # vLLM servers per GPU and the GPUs they run on (managed only); see `server.replicas`.
     replicas: int | Literal["auto"] = "auto"
     gpus: list[int] | Literal["auto"] = "auto"
+    # NVIDIA MPS for the replicas of one GPU (managed only); see `server.mps`.
+    mps: Literal["auto", "on", "off"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8118, ge=1, le=65535)
     python: Path | None = None
@@ -301,6 +303,17 @@ class ServerConfig(_Section):
             return value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError("must be 'auto' or a whole number of at least 1")
+        return value
+
+    @field_validator("mps", mode="before")
+    @classmethod
+    def _mps(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as true/false.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if value not in (AUTO, "on", "off"):
+            raise KeyProblem("server.mps", value, "must be auto (MPS when replicas share a GPU "
+                             "and nvidia-cuda-mps-control is installed), on or off")
         return value
 
     @field_validator("gpus", mode="before")
@@ -535,6 +548,10 @@ class Config(_Section):
                 raise KeyProblem(f"server.{key}", getattr(server, key), "is for servers ocrvl "
                                  "starts (server.mode: managed); an external server's replicas "
                                  "are listed in server.urls; remove it")
+        if server.mode == "external" and server.mps == "on":
+            raise KeyProblem("server.mps", "on", "is for servers ocrvl starts (server.mode: "
+                             "managed); an external server's MPS is its host's business; use "
+                             "auto or off")
         if server.mode == "managed" and server.launcher == "command" and not server.command:
             raise KeyProblem(
                 "server.command",

@@ -25,8 +25,8 @@ from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.errors import ConfigError, DependencyError
-from ocrvl_daemon.server import autotune, gpu, launchers
+from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
+from ocrvl_daemon.server import autotune, gpu, launchers, mps
 from ocrvl_daemon.server.launchers import server_env
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
@@ -212,8 +212,10 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             "expect slow starts; if it fails, set server.startup_timeout higher and "
             "server.vllm_args.max-num-seqs lower"))
     if _managed_model_server(config):
-        checks.append(_settings_check(config, reading))
-        checks.append(_replicas_check(config, reading))
+        found = mps.probe(config) if config.server.mps != "off" else mps.MpsProbe(None)
+        checks.append(_settings_check(config, reading, found.available))
+        checks.append(_replicas_check(config, reading, found.available))
+        checks.append(_mps_check(config, reading, found))
     return checks
 
 
@@ -231,11 +233,11 @@ def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
                  f"{launchers.external_server_setup(config)}")
 
 
-def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
+def _settings_check(config: Config, reading: gpu.GpuReading, mps_available: bool) -> Check:
     # As each of the replicas on this GPU would start (`auto`: the count it decides).
     replicas = config.server.replicas
     if not isinstance(replicas, int):
-        replicas = autotune.auto_replicas(reading.total_mib)
+        replicas = autotune.auto_replicas(reading.total_mib, mps_available)
     config = config.model_copy(update={"server": config.server.model_copy(
         update={"replicas": replicas})})
     remembered = autotune.load_remembered(config.state_dir, reading, config.model.name,
@@ -248,10 +250,10 @@ def _settings_check(config: Config, reading: gpu.GpuReading) -> Check:
     return Check("server settings", "info", f"{shown} (auto: computed from this GPU)")
 
 
-def _replicas_check(config: Config, reading: gpu.GpuReading) -> Check:
+def _replicas_check(config: Config, reading: gpu.GpuReading, mps_available: bool) -> Check:
     replicas = config.server.replicas
     if replicas == "auto":
-        count = autotune.auto_replicas(reading.total_mib)
+        count = autotune.auto_replicas(reading.total_mib, mps_available)
         return Check("server replicas", "info", f"{count} per GPU (auto, from "
                      f"{_gib(reading.total_mib)} on {reading.name})")
     assert isinstance(replicas, int)
@@ -259,6 +261,20 @@ def _replicas_check(config: Config, reading: gpu.GpuReading) -> Check:
     if problem is not None:
         return Check("server replicas", "fail", problem, "use server.replicas: 1 or auto")
     return Check("server replicas", "ok", f"{replicas} per GPU")
+
+
+def _mps_check(config: Config, reading: gpu.GpuReading, found: mps.MpsProbe) -> Check:
+    """Whether the replicas would run under ocrvl's NVIDIA MPS daemon (server.mps), and why."""
+    replicas = config.server.replicas
+    if not isinstance(replicas, int):
+        replicas = autotune.auto_replicas(reading.total_mib, found.available)
+    try:
+        plan = mps.plan(config, found, replicas > 1)
+    except ServerConfigError as exc:
+        return Check("MPS", "fail", exc.message, exc.fix)
+    where = f"; {mps.CONTROL}: {found.control or 'not on PATH'}"
+    return Check("MPS", "ok" if plan.use else "info",
+                 f"{'used' if plan.use else 'not used'} ({plan.why}){where}")
 
 
 def _wsl_checks(osrelease: str | None) -> list[Check]:

@@ -66,12 +66,26 @@ DESKTOP_MIB = 1024
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
 TUNING_FILE = "server-tuning.json"
-# `server.replicas: auto`: on a large card one server leaves the GPU partly idle (its
-# per-request CPU work is the limit) and a second server helps, a third hardly (figures in
-# bench/RESULTS.md); on 8-24 GB cards the GPU itself is the limit and a replica adds nothing.
-# So: two from a card with room for two servers with a large KV cache each (40 GiB: A100
-# 40 GB, L40S, A6000), else one.
-TWO_REPLICAS_FROM_MIB = 40 * 1024
+
+
+@dataclass(frozen=True)
+class ReplicaRule:
+    """`server.replicas: auto` for cards from `from_mib` of memory: servers per GPU without
+    MPS (`plain`) and with it (`mps`)."""
+
+    from_mib: int
+    plain: int
+    mps: int
+
+
+# `server.replicas: auto`, by card size (the largest `from_mib` a card reaches wins). On a
+# large card one server leaves the GPU partly idle (its per-request CPU work is the limit)
+# and a second server helps, a third hardly without MPS (the processes time-slice the card;
+# figures in bench/gpu/RESULTS.md); on 8-24 GB cards the GPU itself is the limit and a
+# replica adds nothing. So: two from a card with room for two servers with a large KV cache
+# each (40 GiB: A100 40 GB, L40S, A6000), else one. The `mps` counts equal the plain ones
+# until bench/gpu/big_gpu.py measures a winner (it prints the row its figures make).
+REPLICA_RULES = (ReplicaRule(0, 1, 1), ReplicaRule(40 * 1024, 2, 2))
 
 
 @dataclass
@@ -88,9 +102,13 @@ def model_budget(config: Config) -> int:
     return config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
 
 
-def auto_replicas(total_mib: int | None) -> int:
-    """`server.replicas: auto` for a card with `total_mib` of memory (None: no reading)."""
-    return 2 if total_mib is not None and total_mib >= TWO_REPLICAS_FROM_MIB else 1
+def auto_replicas(total_mib: int | None, mps: bool = False) -> int:
+    """`server.replicas: auto` for a card with `total_mib` of memory (None: no reading: one),
+    `mps` where ocrvl can run MPS for them (REPLICA_RULES)."""
+    if total_mib is None:
+        return 1
+    rule = max((r for r in REPLICA_RULES if total_mib >= r.from_mib), key=lambda r: r.from_mib)
+    return rule.mps if mps else rule.plain
 
 
 def replicas_of(config: Config) -> int:

@@ -7,7 +7,8 @@ counts a neighbour that is starting too, and two started at the same moment both
 start in parallel. Once started, each is supervised on its own (one restarting leaves the
 others serving). External (`server.mode: external`): one watcher per URL of `server.url` /
 `server.urls`. Replicas that cannot fit the card are refused, with the numbers, before
-anything starts.
+anything starts. Where `server.mps` says so, ocrvl's MPS control daemon (`mps`) starts before
+the first replica and stops after the last one is reaped; the replicas are its clients.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon.config import AUTO, Config
 from ocrvl_daemon.errors import ServerConfigError, ServerError
-from ocrvl_daemon.server import autotune, launchers
+from ocrvl_daemon.server import autotune, launchers, mps
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu, read_gpus, visible_devices
 from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer, pidfile_name
@@ -60,6 +61,7 @@ class ServerSet:
         self._starters: list[threading.Thread] = []
         # Managed: the replicas of each GPU, in start order.
         self._groups: list[list[ManagedServer]] = []
+        self._mps: mps.MpsDaemon | None = None
         if config.server.mode == "external":
             self.endpoints: list[ServerSupervisor] = self._external()
         else:
@@ -81,7 +83,11 @@ class ServerSet:
 
     def _managed(self, backoff: Callable[[], BackoffPolicy] | None) -> list[list[ManagedServer]]:
         server = self.config.server
-        plan = [(slot, self._replicas(slot)) for slot in self._slots()]
+        found = mps.probe(self.config) if server.mps != "off" else mps.MpsProbe(None)
+        plan = [(slot, self._replicas(slot, found.available)) for slot in self._slots()]
+        mps_plan = mps.plan(self.config, found, any(replicas > 1 for _, replicas in plan))
+        self._mps = mps.MpsDaemon(mps_plan, launchers.server_env(self.config),
+                                  server.stop_timeout)
         total = sum(replicas for _, replicas in plan)
         last_port = server.port + total - 1
         if last_port > 65535:
@@ -95,7 +101,7 @@ class ServerSet:
             turn = threading.Lock()  # one start at a time on this GPU, restarts included
             for replica in range(1, replicas + 1):
                 name = ONE_SERVER if total == 1 else f"gpu{slot.index}/{replica}"
-                env = dict(server.env)
+                env = {**server.env, **mps_plan.client_env()}
                 if slot.device is not None:
                     env["CUDA_VISIBLE_DEVICES"] = slot.device
                 copied = self.config.model_copy(update={"server": server.model_copy(
@@ -131,12 +137,13 @@ class ServerSet:
         return [GpuSlot(i, devices[i] if devices is not None and i < len(devices) else str(i),
                         readings[i] if i < len(readings) else None) for i in indices]
 
-    def _replicas(self, slot: GpuSlot) -> int:
-        """server.replicas for `slot` (`auto` from its memory); refused if they cannot fit."""
+    def _replicas(self, slot: GpuSlot, mps_available: bool) -> int:
+        """server.replicas for `slot` (`auto` from its memory and whether ocrvl can run MPS);
+        refused if they cannot fit."""
         replicas = self.config.server.replicas
         reading = slot.reading
         if replicas == AUTO:
-            return autotune.auto_replicas(reading.total_mib if reading else None)
+            return autotune.auto_replicas(reading.total_mib if reading else None, mps_available)
         assert isinstance(replicas, int)
         if reading is not None and replicas > 1:
             problem = autotune.replicas_fit_problem(self.config, reading, replicas)
@@ -173,7 +180,10 @@ class ServerSet:
         before is ready or has failed its start (on a thread per GPU)."""
         self._stopping.clear()
         if self._groups:
-            self._kill_stale_leftovers()
+            assert self._mps is not None
+            # A leftover replica would be a client of the MPS daemon about to be replaced.
+            self._kill_stale_leftovers(every=self._mps.plan.use)
+            self._mps.start()
             for group in self._groups:
                 group[0].start()
                 if len(group) > 1:
@@ -198,12 +208,13 @@ class ServerSet:
         """Whether `server`'s start is over (ready or failed), or the set is stopping."""
         return server.state is not ServerState.STARTING or self._stopping.is_set()
 
-    def _kill_stale_leftovers(self) -> None:
+    def _kill_stale_leftovers(self, every: bool = False) -> None:
         """End servers a SIGKILLed ocrvl left behind under names this set does not use
-        (e.g. a third replica, before server.replicas went down to two)."""
+        (e.g. a third replica, before server.replicas went down to two); with `every`, those
+        under its own names too (each replica would do it as it starts)."""
         ours = {pidfile_name(server.name) for server in self.endpoints}
         for pidfile in sorted(self.config.state_dir.glob(PIDFILE_GLOB)):
-            if pidfile.name not in ours:
+            if every or pidfile.name not in ours:
                 kill_leftover(pidfile, self.config.server.stop_timeout)
 
     def stop(self) -> None:
@@ -217,12 +228,16 @@ class ServerSet:
             thread.start()
         for thread in stoppers:
             thread.join()  # each stop is bounded (ServerSupervisor.stop)
+        if self._mps is not None:
+            self._mps.stop()  # its clients, the replicas, are reaped by now
 
     def kill(self) -> None:
         """A forced stop: every managed server's group is SIGKILLed now."""
         self._halt()
         for endpoint in self.endpoints:
             endpoint.kill()
+        if self._mps is not None:
+            self._mps.kill()
 
     def _halt(self) -> None:
         self._stopping.set()
