@@ -1,5 +1,9 @@
 """What to do with each page result: one action, decided by a pure function.
 
+A page's answer is one per block (with layout detection; one for the page without): each
+block is judged, the page's verdict is its worst block's, and a redo sends again only the
+blocks that were cut off or looped, keeping the others' answers (`RedoLedger.keep`).
+
 `decide(result, document, rules)` reads the result and the document (its pages, attempts and
 redo ledger) and returns one action: `Checkpoint` an answer, `SendAgain` (a redo, a counted
 retry after a wait, a page held for later, or a page the server never saw), a `Placeholder`
@@ -29,6 +33,7 @@ from ocrvl_daemon.page_quality import (
     RedoLedger,
     assess,
     flag_note,
+    worst_of,
 )
 from ocrvl_daemon.pdf import retry_command
 from ocrvl_daemon.worker.messages import Failure, PageResult
@@ -114,15 +119,16 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     page = result.page
     if result.error is None:
         ledger = document.ledger.copy()
-        ledger.count(page, result.tokens)
+        ledger.count(page, result.generated, max(1, len(result.answers)))
         cut_at = result.truncated_at
-        quality = assess(result.markdown, "length" if cut_at is not None else result.finish_reason,
-                         result.tokens, result.looping, result.has_ink, result.repetition)
         choice: Redo | KeptBecause | Later | None = None
         if cut_at is not None:
+            cut = sum(a.cut for a in result.answers)
             choice = ledger.decide(page, cut_at, result.token_ceiling, result.looping,
-                                   document.others_out)
-        ledger.best(page, quality, result)
+                                   document.others_out, max(1, cut))
+            if not isinstance(choice, KeptBecause):  # only the blocks cut off go again
+                ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
+        ledger.best(page, judge_page(result), result)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)
@@ -142,6 +148,27 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
     return page_failed(document, page, error, rules)
+
+
+def judge_page(result: PageResult) -> PageQuality:
+    """The quality record of a page's answer: its signals over the whole page, and the
+    verdict of its worst block."""
+    cut = result.truncated_at is not None
+    page = assess(result.markdown, "length" if cut else result.finish_reason, result.tokens,
+                  result.looping, result.has_ink, result.repetition)
+    if len(result.answers) < 2:
+        return page  # the page is its one block
+    return worst_of(page, [assess(a.text, "length" if a.cut else a.finish_reason, a.tokens,
+                                  a.looping, has_ink=False) for a in result.answers])
+
+
+def blocks_cut(answer: PageResult) -> str:
+    """The blocks of a page's `answer` that were cut off or looped, named for a log line or
+    note ("block 7 of 30", "blocks 3, 7 of 30"); "" for a page of one block."""
+    numbers = [str(n + 1) for n, a in enumerate(answer.answers) if a.cut]
+    if len(answer.answers) < 2 or not numbers:
+        return ""
+    return f"block{'s' * (len(numbers) > 1)} {', '.join(numbers)} of {len(answer.answers)}"
 
 
 def release_held(document: Document, rules: Rules) -> list[Action]:
@@ -172,15 +199,18 @@ def _redo_or_keep(document: Document, page: int, choice: Redo | KeptBecause | La
     """The action for the ledger's `choice` for `page` (whose last answer was cut off and
     `looping`, if `choice` is set; its answers are in `ledger`): send it again, hold it until
     the document's other pages are in, or keep its best answer."""
-    if isinstance(choice, Redo):
-        how = (f"it loops; sending it again with repetition_penalty {choice.repetition_penalty}"
-               if looping else f"redoing it once with {choice.max_new_tokens}")
-        return SendAgain(page, why=f"p.{page + 1}: answer cut off; {how}", ledger=ledger)
-    if isinstance(choice, Later):
-        return SendAgain(page, wait=math.inf, ledger=ledger)
     kept = ledger.kept(page)
     assert kept is not None, "the ledger keeps every answer of a page until it settles"
     quality, answer = kept
+    if isinstance(choice, Redo):
+        how = (f"it loops; sending it again with repetition_penalty {choice.repetition_penalty}"
+               if looping else f"redoing it once with {choice.max_new_tokens}")
+        what = blocks_cut(answer) or "answer"
+        if ledger.keep.get(page):
+            how += f" (the other {len(ledger.keep[page])} answers kept)"
+        return SendAgain(page, why=f"p.{page + 1}: {what} cut off; {how}", ledger=ledger)
+    if isinstance(choice, Later):
+        return SendAgain(page, wait=math.inf, ledger=ledger)
     return Checkpoint(page, answer, quality,
                       _quality_note(document, answer, quality, choice, rules), ledger)
 
@@ -190,7 +220,7 @@ def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
     """The note of a page kept although it is not ok (None when it is ok)."""
     return flag_note(answer.page, quality, why, answer.truncated_at,
                      retry_command(document.job.path, str(answer.page + 1), rules.again),
-                     external_server=rules.external_server)
+                     external_server=rules.external_server, where=blocks_cut(answer))
 
 
 def _server_failed(document: Document, page: int, error: str | None, url: str,

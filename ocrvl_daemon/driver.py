@@ -249,7 +249,7 @@ class Converter:
             doc.send(page, send.url, send.worker)
             self.engines.submit(send.worker, PageTask(
                 job.id, str(job.path), page, redo.max_new_tokens, job.size, job.mtime,
-                send.priority, redo.repetition_penalty, send.url))
+                send.priority, redo.repetition_penalty, send.url, doc.ledger.keep.get(page, {})))
 
     def _collect(self) -> None:
         full: StateFullError | None = None

@@ -11,16 +11,22 @@ a loop. More tokens help only the first: a cut-off page that does not loop is re
 once, with at most REDO_GROWTH times its first limit (never above what the server's
 `max-model-len` allows). A loop is sent again, at most LOOP_RETRIES times, with vLLM's
 loop-breaking sampling parameter (`repetition_penalty` > 1) and the same limit; every
-looping page gets its first retry before any page gets a second. Every redo starts the page
-from scratch, so the redos of a document may generate about REDO_SHARE of the tokens its
-pages generated the first time. A page that stays bad keeps its best answer, flagged.
+looping page gets its first retry before any page gets a second. The redos of a document may
+generate about REDO_SHARE of the tokens its pages generated the first time. A page that stays
+bad keeps its best answer, flagged.
+
+With layout detection a page is many answers, one per block: each block is judged, the page
+is as good as its worst block (`worst_of`), and a redo sends again only the blocks that were
+cut off or looped (the ledger keeps the others' answers: `keep`), so the budget counts only
+what those generate.
 """
 
 from __future__ import annotations
 
 import unicodedata
 import zlib
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -142,6 +148,18 @@ def assess(text: str, finish_reason: str | None, output_tokens: int, looping: bo
     return PageQuality(finish_reason, output_tokens, rep, empty, share, verdict, reason)
 
 
+def worst_of(page: PageQuality, blocks: Iterable[PageQuality]) -> PageQuality:
+    """The page's record (`page`: its signals over the whole answer) with the verdict and
+    reason of its worst block where that one is worse, and the worst block's share of bad
+    characters: one garbled block among 30 is not diluted by the other 29."""
+    worst = page
+    for block in blocks:
+        if block.verdict.rank < worst.verdict.rank:
+            worst = block
+    share = max([page.bad_chars, *(b.bad_chars for b in blocks)])
+    return replace(page, verdict=worst.verdict, reason=worst.reason, bad_chars=share)
+
+
 class Later(Enum):
     """A page's next loop-breaking retry waits until the document's other pages are in."""
 
@@ -179,9 +197,12 @@ class RedoLedger:
     extra: int = 0
     redos: dict[int, Redo] = field(default_factory=dict)  # page -> how it is sent now
     loop_tries: dict[int, int] = field(default_factory=dict)
-    # Pages whose next loop-breaking retry waits (`Later`): page -> its `decide` arguments.
-    held: dict[int, tuple[int, int]] = field(default_factory=dict)
-    _answers: int = 0  # first-pass answers counted
+    # Pages whose next loop-breaking retry waits (`Later`): page -> its `decide` arguments
+    # (cut_at, ceiling, blocks).
+    held: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # Pages sent again for some of their blocks: page -> the good answers to keep, by key.
+    keep: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    _answers: int = 0  # first-pass answers counted (a block each)
     _grown: set[int] = field(default_factory=set)  # pages redone with more tokens
     _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
@@ -189,31 +210,33 @@ class RedoLedger:
     def copy(self) -> RedoLedger:
         """A ledger of its own with the same entries (`decide.decide` changes a copy)."""
         return RedoLedger(self.first_pass, self.extra, dict(self.redos), dict(self.loop_tries),
-                          dict(self.held), self._answers, set(self._grown), dict(self._out),
-                          dict(self._best))
+                          dict(self.held), dict(self.keep), self._answers, set(self._grown),
+                          dict(self._out), dict(self._best))
 
     @property
     def cap(self) -> int:
         """The extra tokens this document's redos may generate (about; see `decide`)."""
         return int(REDO_SHARE * self.first_pass)
 
-    def count(self, page: int, tokens: int) -> None:
-        """The answer of `page` generated `tokens` (its first time, or a redo)."""
+    def count(self, page: int, tokens: int, answers: int = 1) -> None:
+        """The `answers` of `page` (a block each) generated `tokens` (its first time, or a
+        redo: only what the server generated, not the answers kept)."""
         if page in self._out:
             del self._out[page]
             self.extra += tokens
         elif page not in self.redos:
             self.first_pass += tokens
-            self._answers += 1
+            self._answers += answers
 
     def decide(self, page: int, cut_at: int, ceiling: int, looping: bool,
-               others_out: bool = False) -> Redo | KeptBecause | Later:
+               others_out: bool = False, blocks: int = 1) -> Redo | KeptBecause | Later:
         """How to send `page` again, or why its answer, cut off at `cut_at`, stays.
 
         `ceiling`: the most new tokens the server allows a request (0: it does not say).
         `others_out`: other pages of the document are still to come back, which may loop
         and need their first retry: a second one waits for them (`Later`, then `release`), and
-        so does a loop's retry that the budget refuses before they are in.
+        so does a loop's retry that the budget refuses before they are in. `blocks`: how many
+        of the page's answers are sent again (those cut off; the others are kept).
         """
         before = self.redos.get(page)
         if looping:
@@ -222,11 +245,11 @@ class RedoLedger:
             if tries >= LOOP_RETRIES:
                 return KeptBecause.LOOP
             if tries > 0 and others_out:
-                self.held[page] = (cut_at, ceiling)
+                self.held[page] = (cut_at, ceiling, blocks)
                 return Later.AFTER_FIRST_RETRIES
             redo = Redo(cut_at, LOOP_PENALTIES[tries])
-            # A loop broken reads like the document's other pages.
-            expected = self.first_pass // max(1, self._answers)
+            # A loop broken reads like the document's other answers.
+            expected = self.first_pass // max(1, self._answers) * blocks
         else:
             if page in self._grown:
                 return KeptBecause.CEILING if cut_at >= ceiling else KeptBecause.REDONE
@@ -235,13 +258,13 @@ class RedoLedger:
                 return KeptBecause.CEILING
             # A page that stopped looping keeps its penalty.
             redo = Redo(limit, before.repetition_penalty if before else None)
-            expected = cut_at  # it needed more than that
+            expected = cut_at * blocks  # each needed more than that
         # What redos generated, and what those under way are expected to (not what they ask
         # for: a loop broken stops far below its limit), so pages cut off together cannot
         # all start one before the first is counted.
         if self.extra + sum(self._out.values()) >= self.cap:
             if looping and others_out:
-                self.held[page] = (cut_at, ceiling)
+                self.held[page] = (cut_at, ceiling, blocks)
                 return Later.AFTER_FIRST_PASS
             return KeptBecause.BUDGET
         if looping:
@@ -254,8 +277,8 @@ class RedoLedger:
 
     def release(self, page: int) -> Redo | KeptBecause:
         """The decision for a page held by `Later`, once the document's other pages are in."""
-        cut_at, ceiling = self.held.pop(page)
-        decision = self.decide(page, cut_at, ceiling, looping=True)
+        cut_at, ceiling, blocks = self.held.pop(page)
+        decision = self.decide(page, cut_at, ceiling, looping=True, blocks=blocks)
         assert not isinstance(decision, Later)
         return decision
 
@@ -278,32 +301,37 @@ class RedoLedger:
         self._best.pop(page, None)
         self._out.pop(page, None)
         self.held.pop(page, None)
+        self.keep.pop(page, None)
 
 
 def flag_note(page: int, quality: PageQuality, why: Redo | KeptBecause | None,
-              cut_at: int | None, retry: str, external_server: bool) -> str | None:
+              cut_at: int | None, retry: str, external_server: bool,
+              where: str = "") -> str | None:
     """The note of page `page` (0-based) kept although it is not ok (None when it is ok).
 
     `why` is the ledger's decision, `cut_at` the token limit that cut its answer off,
-    `retry` the command that redoes it; `external_server`: ocrvl does not run the server.
+    `retry` the command that redoes it; `external_server`: ocrvl does not run the server;
+    `where`: the blocks to blame, if the page has several ("block 7 of 30"; "": the page).
     """
     if not quality.flagged:
         return None
     if isinstance(why, KeptBecause) and cut_at is not None:
-        return _cut_off_note(page, cut_at, why, retry, external_server)
+        return _cut_off_note(page, cut_at, why, retry, external_server, where)
     what = {"repetition": "the answer repeats itself (the model looped)",
             "empty": "the answer is empty although the page has ink on it",
             "garbage": f"{quality.bad_chars:.0%} of the answer are replacement or control "
                        "characters",
             "cut-off": "the answer was cut off at the token limit"}.get(
                 quality.reason or "", str(quality.reason))
-    return f"page {page + 1} is {quality.verdict.value}: {what}. Redo it with: {retry}"
+    where = f" ({where})" if where else ""
+    return f"page {page + 1} is {quality.verdict.value}: {what}{where}. Redo it with: {retry}"
 
 
 def _cut_off_note(page: int, cut_at: int, why: KeptBecause, retry: str,
-                  external_server: bool) -> str:
-    """The note of a page kept although its answer was cut off at `cut_at` tokens."""
-    head = f"page {page + 1} was cut off at {cut_at} tokens"
+                  external_server: bool, where: str) -> str:
+    """The note of a page kept although its answer (in the blocks `where`, if named) was cut
+    off at `cut_at` tokens."""
+    head = f"page {page + 1} was cut off at {cut_at} tokens{f' ({where})' if where else ''}"
     if why is KeptBecause.LOOP:
         return (f"{head}: the answer repeats itself (the model looped), also when sent "
                 "again with a repetition penalty; its end may be missing or garbled.")

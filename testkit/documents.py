@@ -115,6 +115,42 @@ def make_layout_pdf(path: Path, pages: int, *, seed: int = 0) -> Path:
     return path
 
 
+RED_MARK = (110, 0, 0)  # dark enough to be ink for the stand-in layout model, and red
+BLOCKS_PAGE_LINES = 30
+
+
+def make_blocks_pdf(path: Path, pages: int, *, marked: frozenset[tuple[int, int]] = frozenset(),
+                    seed: int = 0) -> Path:
+    """A raster PDF of pages of BLOCKS_PAGE_LINES lines of text, each line apart from the next
+    by a blank gap, so that `testkit.layout_model`'s stand-in finds a block per line: a page
+    that is 30 requests. The lines (page, line), 0-based, in `marked` start with a RED_MARK
+    square, which the fake server's `--loop-marked` makes loop."""
+    from PIL import ImageFont
+
+    rng = random.Random(seed)
+    words = ("ink", "page", "scan", "book", "line", "word", "paper", "margin", "verse", "note")
+    font = ImageFont.load_default(size=14)
+    images = []
+    for i in range(pages):
+        img = Image.new("RGB", LAYOUT_PAGE, "white")
+        draw = ImageDraw.Draw(img)
+        for line in range(BLOCKS_PAGE_LINES):
+            # 48 px a line: the text is ~16 px tall, the gap two of the stand-in's grid rows.
+            y = 56 + 48 * line
+            left = 110
+            if (i, line) in marked:
+                draw.rectangle((left, y, left + 24, y + 12), fill=RED_MARK)
+                left += 40
+            text = f"{i + 1}.{line + 1} " + " ".join(rng.choice(words)
+                                                     for _ in range(rng.randint(4, 12)))
+            draw.text((left, y), text, fill="black", font=font)
+        images.append(img)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, "PDF", save_all=True, append_images=images[1:],
+                   resolution=float(LAYOUT_DPI))
+    return path
+
+
 def make_encrypted_pdf(path: Path, password: str = "secret") -> Path:
     """A one-page PDF that needs a password to open."""
     from pypdf import PdfReader, PdfWriter

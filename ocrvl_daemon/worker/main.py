@@ -10,7 +10,9 @@ endpoint its page was sent to (`_Endpoints`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import logging
 import os
 import signal
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +31,14 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.page_quality import looks_like_a_loop, repetition
+from ocrvl_daemon.page_quality import repetition
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
 from ocrvl_daemon.server.process_group import die_with_parent
 from ocrvl_daemon.worker.client import _Channel
 from ocrvl_daemon.worker.messages import (
     Block,
+    BlockAnswer,
     Failure,
     GateLimit,
     LogRecord,
@@ -49,7 +52,6 @@ from ocrvl_daemon.worker.messages import (
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.worker.streaming import (
-    LOOP,
     StatusError,
     StreamedAnswer,
     request_body,
@@ -151,11 +153,15 @@ class _Locked:
 
 
 class _Completions(threading.local):
-    """The chat completions (futures) requested on this thread during one page, how to
+    """The chat completions (futures) requested on this thread during one page: those sent
+    to the server (`started`) and every one asked for, by key, with whether its answer was
+    kept from the page's last try (`asked`); the answers to keep (`PageTask.keep`); how to
     tell the converter once the page's first request leaves for the server, and the endpoint
     its requests go to ("": the pipeline's own)."""
 
     started: list[Any] | None = None
+    asked: list[tuple[str, Future[Any], bool]] | None = None
+    keep: Mapping[str, BlockAnswer] = {}
     announce: Callable[[], None] | None = None
     priority = 0
     document: int | None = None
@@ -247,6 +253,15 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
     the future is noted, and read again once `predict` returned.
     """
     def tracked(messages: Any, *, return_future: bool = False, **kwargs: Any) -> Any:
+        key = block_key(messages)
+        kept = _COMPLETIONS.keep.get(key)
+        if kept is not None:  # a good answer of the page's last try: no request
+            answered: Future[_Completion] = Future()
+            answered.set_result(_Completion(StreamedAnswer(kept.text, kept.finish_reason,
+                                                           kept.tokens)))
+            if _COMPLETIONS.asked is not None:
+                _COMPLETIONS.asked.append((key, answered, True))
+            return answered if return_future else answered.result()
         url = _COMPLETIONS.url
         request = GatedRequest(
             endpoints.gate(url),
@@ -260,15 +275,30 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
             announce()
         if _COMPLETIONS.started is not None:
             _COMPLETIONS.started.append(request.future)
+        if _COMPLETIONS.asked is not None:
+            _COMPLETIONS.asked.append((key, request.future, False))
         return request.future if return_future else request.future.result()
 
     pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
 
 
-def _answers(started: list[Future[Any]]) -> list[StreamedAnswer]:
-    """The page's completions that came back: how each ended, its text, its tokens."""
-    return [f.result().answer for f in started
-            if f.done() and not f.cancelled() and f.exception() is None]
+def block_key(messages: Any) -> str:
+    """What a chat request asks, as a short digest of its messages (the block's image and
+    prompt): the same block of the same page, laid out again, has the same key."""
+    text = json.dumps(messages, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _answers(asked: list[tuple[str, Future[Any], bool]]) -> list[BlockAnswer]:
+    """The page's completions that came back, in the order asked: each one's key, how it
+    ended, its text and tokens, and whether it was kept from the last try."""
+    answers = []
+    for key, future, reused in asked:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            answer = future.result().answer
+            answers.append(BlockAnswer(key, answer.text, answer.finish_reason, answer.tokens,
+                                       reused))
+    return answers
 
 
 def _token_ceiling(config: Config, server_url: str) -> int:
@@ -417,6 +447,7 @@ def _run_page(
     _COMPLETIONS.announce = lambda: channel.send(RequestSent(task.job_id, task.page))
     _COMPLETIONS.priority = task.priority
     _COMPLETIONS.document = task.job_id
+    _COMPLETIONS.keep = task.keep
     _LOCKED_SPANS.spans = result.layout_spans
     try:
         check_unchanged(path, task.size, task.mtime)
@@ -452,7 +483,8 @@ def _run_page(
             failure = Failure.PAGE, f"{type(exc).__name__}: {exc}"
         result.error_kind, result.error = failure
     finally:
-        _COMPLETIONS.started = _COMPLETIONS.announce = None
+        _COMPLETIONS.started = _COMPLETIONS.announce = _COMPLETIONS.asked = None
+        _COMPLETIONS.keep = {}
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
         _LOCKED_SPANS.spans = None
@@ -463,22 +495,24 @@ def _run_page(
 def _recognise(
     pipeline: Any, config: Config, server_url: str, image: Any, task: PageTask, result: PageResult
 ) -> Any:
-    """Run the pipeline on one page and note whether (and how) an answer was cut off."""
+    """Run the pipeline on one page and note each block's answer, and whether (and how) one
+    was cut off: `decide` judges each block, and the page by its worst."""
     _COMPLETIONS.started = _TimedRequests(result.request_spans)
+    _COMPLETIONS.asked = []
     sampling: dict[str, Any] = {}
     if task.repetition_penalty is not None:  # PaddleX sends it in the request's extra_body
         sampling["repetition_penalty"] = task.repetition_penalty
     (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
-    answers = _answers(_COMPLETIONS.started)
+    answers = result.answers = _answers(_COMPLETIONS.asked)
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     # An answer stopped because it looped is one that would have run to the limit: judged
     # as cut off there and looping, it gets the loop-breaking retry at the same limit.
-    cut = [a for a in answers if a.finish_reason in ("length", LOOP)]
+    cut = [a for a in answers if a.cut]
     result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
     if cut:
         result.truncated_at = task.max_new_tokens
-        result.looping = any(a.finish_reason == LOOP or looks_like_a_loop(a.text) for a in cut)
+        result.looping = any(a.looping for a in cut)
         if not result.looping:
             result.token_ceiling = _token_ceiling(config, task.url or server_url)
     return res

@@ -10,10 +10,13 @@ page, and `LogRecord`s at any time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ocrvl_daemon.page_quality import looks_like_a_loop
 from ocrvl_daemon.worker.request_gate import YieldCap
+from ocrvl_daemon.worker.streaming import LOOP
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,34 @@ class WorkerSetup:
 
     config_json: str
     server_url: str
+
+
+@dataclass(frozen=True)
+class BlockAnswer:
+    """The answer to one chat request of a page: one layout block, or the whole page with
+    layout detection off.
+
+    `key` names what was asked (a digest of the request's messages: the block's image and its
+    prompt, not the sampling settings), so that a redo of the page knows the block again and
+    can keep its answer instead of asking the server again.
+    """
+
+    key: str
+    text: str
+    finish_reason: str | None  # "stop", "length", or streaming.LOOP (stopped as a loop)
+    tokens: int  # completion tokens the answer took when the server generated it
+    reused: bool = False  # kept from an earlier answer: not asked of the server this time
+
+    @property
+    def cut(self) -> bool:
+        """Cut off at the token limit, or stopped because it looped (it would have run to
+        the limit)."""
+        return self.finish_reason in ("length", LOOP)
+
+    @property
+    def looping(self) -> bool:
+        """Cut off and repeating itself: more tokens would only loop longer."""
+        return self.finish_reason == LOOP or (self.cut and looks_like_a_loop(self.text))
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,11 @@ class PageTask:
     repetition_penalty: float | None = None
     # The server endpoint (OpenAI base URL) its requests go to; "": the worker's first one.
     url: str = ""
+    # A redo of some of the page's blocks: the answers kept from its last try, by key. A block
+    # asked for again with one of these keys gets its answer at once, with no request; the
+    # others (the blocks that were cut off or looped, and any the layout found anew) are sent
+    # with `max_new_tokens` and `repetition_penalty`.
+    keep: Mapping[str, BlockAnswer] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -131,9 +167,11 @@ class PageResult:
     truncated_at: int | None = None
     looping: bool = False  # a cut-off answer repeats itself (page_quality.looks_like_a_loop)
     token_ceiling: int = 0  # the most new tokens the server allows, read when cut off
-    tokens: int = 0  # completion tokens the page's answers took
+    tokens: int = 0  # completion tokens the page's answers took (kept ones included)
     finish_reason: str | None = None  # "length" if any answer was cut off, else the first's
     repetition: float = 0.0  # the worst page_quality.repetition of its answers
+    # Each chat request's answer, in the order asked: a block each (one with layout off).
+    answers: list[BlockAnswer] = field(default_factory=list)
     has_ink: bool = False  # the page image is not blank
     size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
     blocks: list[Block] = field(default_factory=list)
@@ -144,6 +182,13 @@ class PageResult:
     render_span: tuple[float, float] | None = None
     layout_spans: list[tuple[float, float]] = field(default_factory=list)
     request_spans: list[tuple[float, float]] = field(default_factory=list)
+
+
+    @property
+    def generated(self) -> int:
+        """The completion tokens the server generated for this try: `tokens` less those of
+        the answers kept from an earlier one."""
+        return self.tokens - sum(a.tokens for a in self.answers if a.reused)
 
 
 WorkerMessage = WorkerReady | WorkerFailed | RequestSent | PageResult | LogRecord

@@ -22,6 +22,8 @@ scale 2 is ``2 * page_width(i)`` wide): ``--loop-widths W,...`` loop like that u
 request carries a loop-breaking sampling parameter (``repetition_penalty`` > 1, or a
 ``frequency_penalty`` / ``presence_penalty`` > 0), as vLLM's would stop; ``--cut-widths`` get
 non-repeating text up to the limit (cut off, not a loop); ``--empty-widths`` get an empty answer.
+Blocks of a laid-out page are picked by a mark: with ``--loop-marked`` an image with a red mark
+on it (``testkit.documents.RED_MARK``) loops like ``--loop-widths``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import random
 from typing import Any
 
 from aiohttp import web
-from PIL import Image, ImageStat
+from PIL import Image, ImageChops, ImageStat
 
 DEFAULT_MAX_PIXELS = 1003520
 PATCH_PIXELS = 28
@@ -100,15 +102,27 @@ class ImageInfo:
     height: int
     mean_gray: int
     digest: str
+    marked: bool = False  # a red mark is on it (looked for only when asked)
 
 
-def analyse_image(data: bytes) -> ImageInfo:
-    """Decode an image and describe it (size, mean gray, digest of the RGB pixels)."""
+# How much redder than green and blue a pixel of a red mark is, after JPEG's blurring of
+# colour (black ink and grey figures stay below 45).
+MARK_REDNESS = 60
+
+
+def analyse_image(data: bytes, find_mark: bool = False) -> ImageInfo:
+    """Decode an image and describe it (size, mean gray, digest of the RGB pixels, and with
+    `find_mark` whether a red mark is on it)."""
     with Image.open(io.BytesIO(data)) as img:
         rgb = img.convert("RGB")
     digest = hashlib.sha256(rgb.tobytes()).hexdigest()[:12]
     mean = round(ImageStat.Stat(rgb.convert("L")).mean[0])
-    return ImageInfo(rgb.width, rgb.height, mean, digest)
+    marked = False
+    if find_mark:
+        red, green, blue = rgb.split()
+        redness = ImageChops.subtract(red, ImageChops.lighter(green, blue))
+        marked = redness.point(lambda v: 255 * (v >= MARK_REDNESS)).getbbox() is not None
+    return ImageInfo(rgb.width, rgb.height, mean, digest, marked)
 
 
 def image_tokens(width: int, height: int, max_pixels: int) -> int:

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("cut", "are cut off at the limit"), ("empty", "get an empty answer")):
         p.add_argument(f"--{kind}-widths", type=_widths, default=frozenset(),
                        help=f"pages whose image is this many pixels wide {what} (W,W,...)")
+    p.add_argument("--loop-marked", action="store_true",
+                   help="images with a red mark on them (a block of a laid-out page) loop "
+                   "unless the request breaks loops")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     return p
 
@@ -127,6 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         loop_widths=ns.loop_widths,
         cut_widths=ns.cut_widths,
         empty_widths=ns.empty_widths,
+        loop_marked=ns.loop_marked,
         access_log=not ns.disable_uvicorn_access_log,
         ignored_args=tuple(unknown),
     )

@@ -352,7 +352,7 @@ class FakeServer:
                 404, f"The model `{chat.model}` does not exist.", "NotFoundError", "model"
             )
         info, img_tokens = await self._look(chat)
-        record.update(digest=info.digest, w=info.width, h=info.height)
+        record.update(digest=info.digest, w=info.width, h=info.height, marked=info.marked)
         self.by_digest[info.digest] += 1
         prompt_tokens = img_tokens + len(chat.prompt) // 4 + 20
         max_tokens = chat.max_tokens or max(1, cfg.max_model_len - prompt_tokens)
@@ -376,7 +376,8 @@ class FakeServer:
         ):
             raise engine_error()
         # A loop never ends by itself: it runs to the limit.
-        looping = cfg.looping_answers or (info.width in cfg.loop_widths and not chat.breaks_loops)
+        looping = cfg.looping_answers or (
+            (info.width in cfg.loop_widths or info.marked) and not chat.breaks_loops)
         drawn = self.lengths.draw(info.digest)
         if looping or info.width in cfg.cut_widths:
             drawn = max_tokens + 1
@@ -494,7 +495,7 @@ class FakeServer:
             self.activity.set(self._direct_active)
         try:
             # Decoding off the event loop keeps the simulated step timing honest.
-            info = await asyncio.to_thread(analyse_image, chat.image)
+            info = await asyncio.to_thread(analyse_image, chat.image, self.cfg.loop_marked)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise RequestError(400, f"Cannot decode image: {exc}", "BadRequestError") from exc
         finally:
