@@ -1,15 +1,21 @@
-"""How many pages may be in flight at the server: a search for the most work per second.
+"""How many requests may be in flight at the server: a search for the most work per second.
+
+The bound counts requests, as the server and the workers' request gates do. Without layout
+detection a page is one request; with it, a request per block (often 10-40): the converter
+says how many a page makes (`requests_per_page`), and pages in flight and waiting are counted
+in requests against the bound.
 
 More is not better: on real vLLM, throughput peaks at some number of requests in flight and
 falls beyond it, as image prefill crowds out decoding (figures in bench/RESULTS.md).
 `ConcurrencyController` therefore searches for the limit that maximises throughput:
 
 * Throughput is measured over windows, and only while demand exceeds the limit (pages are
-  waiting and `in_flight >= limit`): with too little work, the limit says nothing. After a
+  waiting and their requests in flight reach `limit`): with too little work, the limit says
+  nothing. After a
   change the controller lets the server settle before it starts a window. With the server's
   `/metrics` the score is generated tokens per second between two scrapes (it reacts at once
-  to a change of batch size); without, it is pages completed per second over at least
-  `limit` completions (one turnover of the work in flight).
+  to a change of batch size); without, it is pages completed per second over at least the
+  pages of `limit` requests (one turnover of the work in flight).
 * The search is a one-dimensional pattern search in log space: from the current best limit
   try `best * f` (then `best / f`); a probe that beats the best by more than `IMPROVEMENT`
   becomes the best and the search goes on in that direction; when neither direction helps,
@@ -24,7 +30,7 @@ falls beyond it, as image prefill crowds out decoding (figures in bench/RESULTS.
   than a full step above a flat peak may stay where it is. Steps keep their size while
   they win. A
   limit that lost against the current best is not probed again. A probe runs only while
-  `PROBE_BACKLOG` times the limit in pages is waiting: on a short queue it would cost more
+  `PROBE_BACKLOG` times the limit in requests is waiting: on a short queue it would cost more
   than whatever it could find (the search resumes when a bigger queue comes).
 * Holding, it keeps measuring; when throughput at the same limit shifts by more than
   `SHIFT` (two windows in a row) the workload changed and the search starts again.
@@ -119,7 +125,8 @@ class ConcurrencyController:
         self._shifts = 0
         self._pages_per_token: float | None = None
         self._server_load: float | None = None  # running + waiting at the last scrape
-        self._backlog = 0
+        self._backlog = 0.0  # requests waiting to be sent
+        self._per_page = 1.0  # requests a page makes
 
     # --- public -------------------------------------------------------------------------
 
@@ -130,15 +137,18 @@ class ConcurrencyController:
         in_flight: int,
         backlog: int,
         metrics: ServerMetrics | None = None,
+        requests_per_page: float = 1.0,
     ) -> None:
         """Feed one tick: total pages completed so far, pages in flight, pages waiting to be
-        sent, and the newest server metrics (the same sample may come many times)."""
+        sent, the newest server metrics (the same sample may come many times), and how many
+        requests a page makes (its blocks, with layout detection)."""
         if not self.adaptive:
             self.limit = self.maximum
             return
         self.limit = self._clamp(self.limit)
-        self._backlog = backlog
-        saturated = backlog > 0 and in_flight >= self.limit
+        self._per_page = max(1.0, requests_per_page)
+        self._backlog = backlog * self._per_page
+        saturated = backlog > 0 and in_flight * self._per_page >= self.limit
         if saturated and not self._saturated:
             self._changed_at = now  # the batch ramps up again: settle first
             self._window = None
@@ -258,7 +268,8 @@ class ConcurrencyController:
             return  # a token window waits for its closing scrape
         pages = completed - win.completed
         span = now - win.started
-        if span >= self.window_seconds and pages >= max(MIN_WINDOW_PAGES, self.limit):
+        turnover = self.limit / self._per_page  # pages whose requests fill the bound once
+        if span >= self.window_seconds and pages >= max(MIN_WINDOW_PAGES, turnover):
             self._judge(now, pages / span, pages / span)
 
     # --- searching ----------------------------------------------------------------------

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # An endpoint whose request failed as "server down" takes no pages for this long: its own
 # probe may take longer to notice it is gone, and its pages would fail again at once.
 SUSPEND_SECONDS = 5.0
+# How quickly the requests a page makes (its blocks) follow the pages answered: a book's
+# pages differ, and a new document may be laid out quite differently.
+PER_PAGE_WEIGHT = 0.2
 
 
 class ServerHandle(Protocol):
@@ -119,6 +122,9 @@ class Dispatcher:
             raise ValueError("a converter needs at least one server endpoint")
         self.config = config
         self.endpoints = [Endpoint(server, config) for server in servers]
+        # Requests a page makes, over the pages answered lately (1: a page sent whole): the
+        # bounds count requests, the converter pages.
+        self.requests_per_page = 1.0
 
     def set_servers(self, servers: Sequence[ServerHandle]) -> None:
         """New handles (a reload); an endpoint at the same URL keeps its bound and counts."""
@@ -135,11 +141,15 @@ class Dispatcher:
         return [e for e in self.endpoints if e.usable(now)]
 
     def answered(self, url: str, now: float, recognised: bool,
-                 server_down: str | None = None, server_error: str | None = None) -> bool:
-        """The awaited answer of a page sent to `url` came back; `server_down`: why that
-        endpoint is gone; `server_error`: the error it answered with (HTTP 5xx). True when
-        that failure is the first of its episode (the caller names it; the rest are counted
-        and said when the endpoint answers again)."""
+                 server_down: str | None = None, server_error: str | None = None,
+                 requests: int = 0) -> bool:
+        """The awaited answer of a page sent to `url` came back, after `requests` requests
+        (its blocks sent; 0: not known); `server_down`: why that endpoint is gone;
+        `server_error`: the error it answered with (HTTP 5xx). True when that failure is the
+        first of its episode (the caller names it; the rest are counted and said when the
+        endpoint answers again)."""
+        if requests > 0:
+            self.requests_per_page += PER_PAGE_WEIGHT * (requests - self.requests_per_page)
         endpoint = next((e for e in self.endpoints if e.url == url), None)
         if endpoint is None:
             return False  # replaced by a reload meanwhile
@@ -200,7 +210,8 @@ class Dispatcher:
             pages = in_flight.get(e.url, 0)
             e.handle.note_progress(pages, e.answered)
             metrics = e.handle.metrics(want=e.concurrency.adaptive and pages > 0)
-            e.concurrency.observe(now, e.answered, pages, backlog, metrics)
+            e.concurrency.observe(now, e.answered, pages, backlog, metrics,
+                                  self.requests_per_page)
 
     def load(self, in_flight: Mapping[str, int]) -> list[EndpointLoad]:
         """Each endpoint's pages in flight (`in_flight`: per URL), rate and bound."""

@@ -28,7 +28,9 @@ def peaked(peak: int = 64, top: float = 11.2, fall: float = 0.12) -> Callable[[i
 
 
 class SyntheticServer:
-    """Drives a controller: time in `dt` steps, a scrape every `scrape` seconds."""
+    """Drives a controller: time in `dt` steps, a scrape every `scrape` seconds. Each page is
+    `blocks` requests (layout detection on): `curve` is then requests/s, and the converter keeps
+    only the pages with requests at the server and a ready margin of 4 in flight."""
 
     def __init__(
         self,
@@ -50,6 +52,7 @@ class SyntheticServer:
         self.sample: ServerMetrics | None = None
         self.next_scrape = 0.0
         self.limits: list[int] = []
+        self.blocks = 1
 
     def run(self, seconds: float) -> None:
         end = self.now + seconds
@@ -57,7 +60,7 @@ class SyntheticServer:
             self.now += self.dt
             limit = self.ctl.limit
             rate = self.curve(limit)
-            self.completed += rate * self.dt
+            self.completed += rate * self.dt / self.blocks
             self.tokens += rate * TOKENS_PER_PAGE * self.dt
             if self.metrics and self.now >= self.next_scrape:
                 self.next_scrape = self.now + self.scrape
@@ -72,8 +75,10 @@ class SyntheticServer:
                     preemptions_total=float(self.preemptions),
                     generation_tokens_total=self.tokens,
                 )
-            in_flight = limit if self.backlog > 0 else 0
-            self.ctl.observe(self.now, int(self.completed), in_flight, self.backlog, self.sample)
+            in_flight = limit if self.blocks == 1 else math.ceil(limit / self.blocks) + 4
+            in_flight = in_flight if self.backlog > 0 else 0
+            self.ctl.observe(self.now, int(self.completed), in_flight, self.backlog, self.sample,
+                             requests_per_page=self.blocks)
             lo, hi = self.ctl.minimum, self.ctl.maximum
             assert lo <= self.ctl.limit <= hi
             self.limits.append(self.ctl.limit)
@@ -92,6 +97,32 @@ def test_climbs_to_the_peak_and_settles_near_it(start: int, metrics: bool) -> No
     held = ctl.limit
     srv.run(200)
     assert ctl.limit == held  # a steady workload keeps the limit
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("metrics", [True, False])
+def test_with_30_blocks_a_page_the_bound_is_searched_for_in_requests(metrics: bool) -> None:
+    """A page of 30 blocks is 30 requests: the few pages in flight fill the bound, so the
+    search measures and climbs to the peak as with pages sent whole."""
+    ctl = ConcurrencyController(4, 256, True, initial=8)
+    # Short blocks: 60 requests/s at the peak, 2 pages/s.
+    srv = SyntheticServer(ctl, peaked(64, 60.0), metrics=metrics)
+    srv.blocks = 30
+    srv.backlog = 1_000
+    srv.run(600)
+    assert ctl.rate is not None, "the bound was never measured: pages were counted as requests"
+    assert ctl.phase == "hold" and 48 <= ctl.limit <= 90, srv.limits[::100]
+
+
+@pytest.mark.quick
+def test_with_30_blocks_a_page_the_bound_stays_within_the_servers_running_cap() -> None:
+    ctl = ConcurrencyController(4, 256, True, initial=128)
+    srv = SyntheticServer(ctl, lambda n: 11.2 * min(n, 48) / 48)
+    srv.blocks = 30
+    srv.waiting_when = lambda n: (float(min(n, 48)), float(max(0, n - 48)))
+    srv.run(400)
+    assert ctl.server_cap == 48
+    assert max(srv.limits[100:]) <= 48 + feed_margin(48)
 
 
 @pytest.mark.quick
