@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ocrvl_daemon.daemon_state import read_runtime_file
-from testkit.documents import LAYOUT_PAGE, make_layout_pdf
+from testkit.documents import BLOCKS_PAGE_LINES, LAYOUT_PAGE, make_blocks_pdf, make_layout_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.runner import DaemonProcess, managed_fake_server, ocrvl_env, run_ocrvl, write_config
 
@@ -165,6 +165,53 @@ def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_he
     line = next(line for line in text.splitlines() if line.startswith("stages: "))
     assert re.match(r"stages: layout \d+% \(limit\) · ", line), text
     assert "pipeline.layout_device: gpu" in text, text
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+@pytest.mark.slow
+def test_a_looping_block_of_a_30_block_page_is_sent_again_alone_within_the_bound(
+        layout_cache: Path, tmp_path: Path) -> None:
+    """Pages of 30 blocks, one block of page 2 looping until it gets a repetition penalty:
+    the server sees that one block once more, not the page's 30; the page keeps the other
+    29 answers and is not flagged; and the server never holds more requests than the bound."""
+    pages, bound = 2, 8
+    book = make_blocks_pdf(tmp_path / "book.pdf", pages, marked=frozenset({(1, 6)}))
+    log = tmp_path / "requests.jsonl"
+    config = write_config(tmp_path / "config.yaml",
+                          pipeline={"use_layout_detection": True, "layout_device": "cpu",
+                                    "max_concurrency": bound, "min_concurrency": bound},
+                          output={"formats": ["markdown", "json"]})
+    with start_fake_server(free_port(), "--loop-marked", "--output-tokens", "fixed:40",
+                           "--request-log", str(log)) as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
+                           PADDLE_PDX_CACHE_HOME=str(layout_cache))
+    assert result.returncode == 0, result.stderr[-3000:]
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    blocks = pages * BLOCKS_PAGE_LINES
+    asked = Counter(r["digest"] for r in requests)
+    assert len(asked) == blocks, f"{len(asked)} blocks asked, not {blocks}: the layout differs"
+    (marked,) = {r["digest"] for r in requests if r["marked"]}
+    assert len(requests) == blocks + 1 and asked[marked] == 2, (
+        f"{len(requests)} requests for {blocks} blocks and one loop: the looping block was "
+        "not sent again alone")
+    retry = [r for r in requests if r["digest"] == marked][-1]
+    assert retry["repetition_penalty"] == 1.05 and retry["max_tokens"] == 4096, retry
+    assert "block 7 of 30 cut off; it loops" in result.stderr, result.stderr[-3000:]
+    data = json.loads((tmp_path / "book.json").read_text(encoding="utf-8"))
+    assert [p["verdict"] for p in data["pages"]] == ["ok"] * pages
+    assert [len(p["blocks"]) for p in data["pages"]] == [BLOCKS_PAGE_LINES] * pages
+    assert "ocrvl:" not in (tmp_path / "book.md").read_text(encoding="utf-8")
+    overlap = max_overlap([(r["t"], r["done"]) for r in requests])
+    assert overlap <= bound, f"{overlap} requests at the server at once with a bound of {bound}"
 
 
 def status_stages(config: Path) -> dict[str, Any]:
