@@ -5,7 +5,7 @@ and every page would cost the same: B2's bursts would look nearly optimal. This 
 forces EOS once a request has `AnswerLengths.length(len(prompt))` tokens: the length is
 drawn per page (see bench/gpu/lengths.py), the same for every client and order. Per step it
 costs one pass over the running requests in Python and, only when some are due, one small
-index write.
+index write. Subclasses choose other tokens per request (`script`: bench.gpu.loop_pages).
 
     vllm serve DIR --load-format dummy \
         --logits-processors bench.gpu.answer_lengths:LognormalAnswerLengths
@@ -14,39 +14,51 @@ index write.
 
 from __future__ import annotations
 
+import enum
 import os
-from typing import TYPE_CHECKING
-
-import torch
-from vllm.v1.sample.logits_processor.interface import (
-    BatchUpdate,
-    LogitsProcessor,
-    MoveDirectionality,
-)
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from bench.gpu.lengths import DEFAULT, ENV, AnswerLengths
+
+try:
+    import torch
+    from vllm.v1.sample.logits_processor.interface import (
+        BatchUpdate,
+        LogitsProcessor,
+        MoveDirectionality,
+    )
+except ImportError:  # the row bookkeeping is tested without vLLM (and torch)
+    LogitsProcessor = object  # type: ignore[assignment,misc]
+
+    class MoveDirectionality(enum.Enum):  # type: ignore[no-redef]
+        UNIDIRECTIONAL = enum.auto()
+        SWAP = enum.auto()
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 EOS = 2  # ERNIE-4.5's </s>, where the config does not say
 
+# What a request's row forces, given its output so far: a token id, or None (leave it).
+Script = Callable[[Sequence[int]], "int | None"]
+
 
 class LognormalAnswerLengths(LogitsProcessor):
     """Forces EOS at each request's drawn length (see the module's docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device,
-                 is_pin_memory: bool) -> None:  # fmt: skip
-        model = vllm_config.model_config
-        eos = getattr(model.hf_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.hf_text_config, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0]
-        self.eos = EOS if eos is None else int(eos)
+    def __init__(self, vllm_config: VllmConfig | None, device: Any = None,
+                 is_pin_memory: bool = False) -> None:  # fmt: skip
+        self.eos = eos_token(vllm_config)
         self.lengths = AnswerLengths.parse(os.environ.get(ENV, DEFAULT))
-        self.rows: dict[int, tuple[int, list[int]]] = {}  # batch row -> (length, output ids)
-        self.due: list[int] = []
+        self.rows: dict[int, tuple[Script, list[int]]] = {}  # row -> (script, output ids)
+        self.due: list[tuple[int, int]] = []  # (row, token) forced in the next step
+
+    def script(self, prompt: Sequence[int], params: Any) -> Script:
+        """What the request with `prompt` and sampling `params` is made to answer: EOS at its
+        page's drawn length."""
+        n = self.lengths.length(len(prompt))
+        return lambda output: self.eos if len(output) + 1 >= n else None
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes which token wins, greedy sampling too
@@ -55,19 +67,36 @@ class LognormalAnswerLengths(LogitsProcessor):
         if batch_update is not None:  # in the documented order: removed, added, moved
             for row in batch_update.removed:
                 self.rows.pop(row, None)
-            for row, _params, prompt, output in batch_update.added:
-                self.rows[row] = (self.lengths.length(len(prompt or ())), output)
+            for row, params, prompt, output in batch_update.added:
+                self.rows[row] = (self.script(prompt or (), params), output)
             for a, b, direction in batch_update.moved:
                 entry_a, entry_b = self.rows.pop(a, None), self.rows.pop(b, None)
                 if entry_a is not None:
                     self.rows[b] = entry_a
                 if entry_b is not None and direction == MoveDirectionality.SWAP:
                     self.rows[a] = entry_b
-        self.due = [row for row, (n, output) in self.rows.items() if len(output) + 1 >= n]
+        self.due = [(row, token) for row, (script, output) in self.rows.items()
+                    if (token := script(output)) is not None]  # fmt: skip
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.due:
-            rows = torch.tensor(self.due, device=logits.device, dtype=torch.long)
+            rows = torch.tensor([row for row, _ in self.due], device=logits.device,
+                                dtype=torch.long)  # fmt: skip
+            tokens = torch.tensor([token for _, token in self.due], device=logits.device,
+                                  dtype=torch.long)  # fmt: skip
             logits[rows] = float("-inf")
-            logits[rows, self.eos] = 0.0
+            logits[rows, tokens] = 0.0
         return logits
+
+
+def eos_token(vllm_config: VllmConfig | None) -> int:
+    """The model's EOS id, from its config where it says (EOS otherwise)."""
+    if vllm_config is None:
+        return EOS
+    model = vllm_config.model_config
+    eos = getattr(model.hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.hf_text_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0]
+    return EOS if eos is None else int(eos)

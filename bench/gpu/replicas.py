@@ -96,9 +96,11 @@ def planned_settings(line: str) -> dict[str, str]:
 
 
 class ReplicaDaemon:
-    """`ocrvl run` in a work dir of its own, its managed server with `server.replicas: N`."""
+    """`ocrvl run` in a work dir of its own, its managed server with `server.replicas: N`;
+    `server` adds keys to its `server:` section (`vllm_args` merged into the launcher's)."""
 
-    def __init__(self, n: int, work: Path, args: argparse.Namespace) -> None:
+    def __init__(self, n: int, work: Path, args: argparse.Namespace,
+                 server: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.n, self.work, self.fake = n, work, args.fake
         self.port = consecutive_free_ports(n)
         self.inbox = work / "inbox"
@@ -109,6 +111,10 @@ class ReplicaDaemon:
         else:
             sections = managed_vllm(args.model_dir, args.vllm_python, args.vllm_pythonpath,
                                     self.port, replicas=n)  # fmt: skip
+        extra = dict(server or {})
+        launcher = sections["server"]
+        launcher["vllm_args"] = {**launcher.get("vllm_args", {}), **extra.pop("vllm_args", {})}
+        launcher.update(extra)
         self.config = write_config(work / "ocrvl.yaml", state_dir=str(work / "state"),
                                    inbox={"paths": [str(self.inbox)], "stable_seconds": 0.5,
                                           "polling": False}, **sections)  # fmt: skip
@@ -296,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="ocrvl-replicas-"))
     log(f"work directory {work}")
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=1)
     old = json.loads(args.results.read_text()) if args.merge and args.results.exists() else {}
     res: dict[str, Any] = {

@@ -1,0 +1,121 @@
+"""bench.gpu.big_gpu: the settings grid, the budget, the rows and the best pick; and a dry run
+against the fake server (the real run needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.gpu import big_gpu
+from bench.gpu.big_gpu import Setting
+from testkit.runner import PACKAGE_ROOT
+
+
+def row(name: str, pages_per_s: float | None, replicas: int, mps: bool = False,
+        **extra: Any) -> dict[str, Any]:
+    return {"setting": name, "pages_per_s": pages_per_s, "replicas": replicas, "mps_used": mps,
+            "vllm_args": {}, "pipeline": {}, **extra}
+
+
+@pytest.mark.quick
+def test_the_grid_has_replicas_one_to_four_with_and_without_mps() -> None:
+    for n in (1, 2, 3, 4):
+        assert big_gpu.SETTINGS[f"x{n}"] == Setting(f"x{n}", n)
+        assert big_gpu.SETTINGS[f"mps-x{n}"] == Setting(f"mps-x{n}", n, mps=True)
+    flags = [s.vllm_args for s in big_gpu.SETTINGS.values()]
+    for flag in ("async-scheduling", "max-num-batched-tokens", "compilation-config",
+                 "api-server-count"):
+        assert any(flag in f for f in flags), flag
+    assert [s.name for s in big_gpu.chosen(big_gpu.DEFAULT_SETTINGS)] == [
+        "mps-x3", "mps-x4", "x2-async"], "the most promising first"
+    assert all(s.changes_input == bool(s.pipeline) for s in big_gpu.SETTINGS.values())
+
+
+@pytest.mark.quick
+def test_settings_are_chosen_in_order_and_unknown_ones_refused() -> None:
+    assert [s.name for s in big_gpu.chosen("x2, mps-x3,x2")] == ["x2", "mps-x3"]
+    with pytest.raises(ValueError, match=r"unknown setting.*x9"):
+        big_gpu.chosen("x2,x9")
+    with pytest.raises(ValueError, match="no setting"):
+        big_gpu.chosen(" , ")
+
+
+@pytest.mark.quick
+def test_settings_that_differ_only_in_replicas_share_one_start() -> None:
+    groups = big_gpu.server_groups(big_gpu.chosen("mps-x3,x2-async,mps-x4,x2,x1,mps-x2"))
+    assert [(started, [s.name for s in group]) for started, group in groups] == [
+        (4, ["mps-x3", "mps-x4", "mps-x2"]), (2, ["x2-async"]), (2, ["x2", "x1"])]
+
+
+@pytest.mark.quick
+def test_the_budget_starts_only_what_fits() -> None:
+    assert big_gpu.start_cost_s(3) == 3 * big_gpu.start_cost_s(1) > 0
+    assert big_gpu.setting_cost_s(256) > big_gpu.setting_cost_s(128)
+    assert big_gpu.fits(0, 540, big_gpu.start_cost_s(3) + big_gpu.setting_cost_s(128))
+    assert not big_gpu.fits(300, 540, big_gpu.start_cost_s(3))
+    assert big_gpu.fits(500, 540, 40) and not big_gpu.fits(500.1, 540, 40)
+
+
+@pytest.mark.quick
+def test_the_best_row_and_the_rule_row_it_makes() -> None:
+    rows = [row("x1", 9.0, 1), row("x2", 13.4, 2), row("x3", 13.2, 3),
+            row("mps-x3", 17.5, 3, mps=True), row("mps-x4", None, 4, mps=True, skipped="budget"),
+            row("x2-async", 18.0, 2, vllm_args={"async-scheduling": True})]
+    assert big_gpu.best(rows)["setting"] == "x2-async"
+    assert big_gpu.best([row("a", None, 1)]) is None
+    assert big_gpu.rule_row(rows, 143771) == "ReplicaRule(from_mib=143771, plain=2, mps=3)", \
+        "replica counts are judged without other flags"
+    assert big_gpu.rule_row(rows, None) is None
+    assert big_gpu.rule_row(rows[:2], 143771) == "ReplicaRule(from_mib=143771, plain=2, mps=2)"
+
+
+@pytest.mark.quick
+def test_the_summary_has_the_figures_of_record(tmp_path: Path) -> None:
+    res = {"date": "d", "gpu": "g", "pages": 128, "card_mib": 143771, "b2_pages_per_s": 8.0,
+           "rows": [row("x2", 13.4, 2, gpu_busy_pct=72.0, watts=330.0)]}
+    path = tmp_path / "big_gpu.json"
+    big_gpu.write(res, path)
+    data = json.loads(path.read_text())
+    assert {k: data[k] for k in ("date", "gpu", "b2_pages_per_s", "best_pages_per_s",
+                                 "best_setting", "gpu_busy_pct", "watts", "best_vs_b2")} == {
+        "date": "d", "gpu": "g", "b2_pages_per_s": 8.0, "best_pages_per_s": 13.4,
+        "best_setting": "x2", "gpu_busy_pct": 72.0, "watts": 330.0, "best_vs_b2": 1.675}
+    assert data["rows"] == res["rows"] and not list(tmp_path.glob("*.part"))
+
+
+def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    results = tmp_path / "big_gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.big_gpu", "--fake", "--pages", "8",
+                           "--results", str(results), "--log-dir", str(tmp_path / "logs"),
+                           *args], cwd=PACKAGE_ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, f"bench.gpu.big_gpu failed:\n{proc.stderr[-3000:]}"
+    return json.loads(results.read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_tries_each_setting_on_one_start_and_writes_rows(tmp_path: Path) -> None:
+    data = bench(tmp_path, "--settings", "x2,x1,x2-async")
+    assert [r["setting"] for r in data["rows"]] == ["x2", "x1", "x2-async"]
+    for r in data["rows"]:
+        assert r["pages_per_s"] > 0 and r["mps_used"] is False
+        assert len(r["vllm_settings"]) == r["replicas_started"] == 2
+    assert data["b2_pages_per_s"] > 0 and data["best_setting"] in {"x2", "x1", "x2-async"}
+    logs = {p.name for p in (tmp_path / "logs").iterdir()}
+    assert {"ocrvl-run-x2-daemon.log", "ocrvl-run-x2-async-daemon.log"} <= logs, logs
+    assert "--async-scheduling" in (tmp_path / "logs" / "ocrvl-run-x2-async-daemon.log"
+                                    ).read_text()
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_starts_nothing_and_says_so(tmp_path: Path) -> None:
+    data = bench(tmp_path, "--settings", "x1,mps-x2", "--budget-s", "5")
+    assert [(r["setting"], r["skipped"]) for r in data["rows"]] == [
+        ("x1", "budget: 1 replica start(s) would not fit"),
+        ("mps-x2", "budget: 2 replica start(s) would not fit")]
+    assert data["best_setting"] is None and data["b2_pages_per_s"] is None
