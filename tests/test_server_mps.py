@@ -19,14 +19,16 @@ from typing import Any
 import psutil
 import pytest
 
+from ocrvl_daemon.commands import doctor
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.server import autotune, mps
-from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
+from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading
 from ocrvl_daemon.server.managed import BackoffPolicy
 from ocrvl_daemon.server.process_group import group_members
 from ocrvl_daemon.server.replicas import ServerSet
+from ocrvl_daemon.server.vllm_diagnosis import diagnose
 from testkit.harness import free_port, wait_until
 from testkit.runner import DaemonProcess, managed_fake_server, write_config
 
@@ -294,6 +296,13 @@ def test_a_quit_that_hangs_ends_in_sigkill(tmp_path: Path, fake_bin: Path) -> No
     assert servers._mps is not None and not servers._mps.running(), "SIGKILL after the wait"
     assert [line for _, line in control_log(tmp_path / "state" / "mps" / "log")][-1] == \
         "quit clients=[]"
+    again = ServerSet(config)
+    again.start()  # past what the killed daemon left in its pipe folder
+    try:
+        assert again._mps is not None and again._mps.running()
+    finally:
+        again.kill()
+    assert not again._mps.running()
 
 
 @pytest.mark.slow
@@ -363,3 +372,25 @@ def test_the_daemon_stops_mps_after_its_replicas_on_sigterm(tmp_path: Path,
     assert log.index("starting the MPS control daemon") < log.index("started server")
     assert log.rindex("reaped server") < log.index("stopping the MPS control daemon: quit")
     assert "MPS control daemon ended" in log
+
+
+@pytest.mark.quick
+def test_an_mps_failure_in_the_servers_output_names_the_key() -> None:
+    diagnosis = diagnose("RuntimeError: CUDA error: cudaErrorMpsConnectionFailed")
+    assert diagnosis is not None and diagnosis.kind == "mps"
+    assert "server.mps: off" in diagnosis.fix
+
+
+@pytest.mark.quick
+def test_doctor_says_whether_mps_is_used(tmp_path: Path) -> None:
+    card = GpuReading(0, "GPU-x", *H200, 1024, H200[1] - 1024, "560", (9, 0), "nvml")
+    auto = validate_config({"state_dir": str(tmp_path), "server": {"mps": "auto"}})
+    check = doctor._mps_check(auto, card, mps.MpsProbe("/usr/bin/nvidia-cuda-mps-control"))
+    assert (check.status, check.detail) == ("ok", "used (auto: replicas share a GPU and MPS is "
+                                            "installed); nvidia-cuda-mps-control: "
+                                            "/usr/bin/nvidia-cuda-mps-control")
+    check = doctor._mps_check(auto, card, mps.MpsProbe(None))
+    assert check.status == "info" and check.detail.startswith("not used (auto:")
+    on = validate_config({"state_dir": str(tmp_path), "server": {"mps": "on"}})
+    check = doctor._mps_check(on, card, mps.MpsProbe(None))
+    assert check.status == "fail" and "server.mps: auto" in (check.fix or "")

@@ -185,6 +185,8 @@ class MpsDaemon:
             log.warning("a previous ocrvl left its MPS control daemon running: stopping it first")
             self._started = True
             self.stop()
+        # None of ours runs now: what a killed daemon left in its pipe folder is stale.
+        shutil.rmtree(self.plan.pipe_dir, ignore_errors=True)
         for folder in (self.plan.pipe_dir, self.plan.log_dir):
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         log.info("starting the MPS control daemon (%s): %s -d, pipes in %s, logs in %s",

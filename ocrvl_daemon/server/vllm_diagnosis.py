@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 DiagnosisKind = Literal["max_len", "no_kv_memory", "free_memory", "cuda_oom", "port_in_use",
-                        "missing_package", "model_mismatch"]
+                        "missing_package", "model_mismatch", "mps"]
 # The kinds that mean "out of GPU memory": lowering vLLM's settings may help.
 OOM_KINDS: frozenset[DiagnosisKind] = frozenset(
     {"max_len", "no_kv_memory", "free_memory", "cuda_oom"})
@@ -53,6 +53,11 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
     (re.compile(r"CUDA out of memory|OutOfMemoryError"), "cuda_oom", "out of memory",
      "lower server.vllm_args.gpu-memory-utilization, max-num-seqs or max-model-len, or free "
      "GPU memory (see nvidia-smi)", False),
+    # CUDA's MPS errors (cudaErrorMps..., CUDA_ERROR_MPS_...): the client could not use the
+    # MPS server that server.mps runs (a container or GPU mode that does not allow it).
+    (re.compile(r"cudaErrorMps\w*|CUDA_ERROR_MPS_\w*|MPS client failed", re.I), "mps",
+     "the NVIDIA MPS server refused or lost this server (server.mps)",
+     "see the MPS logs in <state_dir>/mps/log/, or set server.mps: off", False),
     (re.compile(r"address already in use", re.I), "port_in_use", "port already in use",
      "set server.port to a free port, or stop the program using it (ss -ltnp)", False),
     (re.compile(r"No module named '?(flash_attn|xformers)"), "missing_package",
