@@ -54,11 +54,17 @@ def test_settings_that_differ_only_in_replicas_share_one_start() -> None:
 
 @pytest.mark.quick
 def test_the_budget_starts_only_what_fits() -> None:
-    assert big_gpu.start_cost_s(3) == 3 * big_gpu.start_cost_s(1) > 0
+    assert 0 < big_gpu.start_cost_s(1) < big_gpu.start_cost_s(2) < big_gpu.start_cost_s(4)
     assert big_gpu.setting_cost_s(256) > big_gpu.setting_cost_s(128)
     assert big_gpu.fits(0, 540, big_gpu.start_cost_s(3) + big_gpu.setting_cost_s(128))
-    assert not big_gpu.fits(300, 540, big_gpu.start_cost_s(3))
+    assert not big_gpu.fits(400, 540, big_gpu.start_cost_s(3))
     assert big_gpu.fits(500, 540, 40) and not big_gpu.fits(500.1, 540, 40)
+    # The default settings fit the default budget by the estimate: the MPS start for x3 and
+    # x4 with B2 and two converts, then x2 with async scheduling.
+    pages = 128
+    mps = big_gpu.start_cost_s(4) + 3 * big_gpu.setting_cost_s(pages)
+    async_x2 = big_gpu.start_cost_s(2) + big_gpu.setting_cost_s(pages)
+    assert mps + async_x2 <= big_gpu.DEFAULT_BUDGET_S, (mps, async_x2)
 
 
 @pytest.mark.quick

@@ -48,11 +48,14 @@ from testkit.documents import make_pdf
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SETTINGS = "mps-x3,mps-x4,x2-async"
-DEFAULT_BUDGET_S = 540.0  # a 10-minute call, less the book, the stops and a margin
-START_S_PER_REPLICA = 110.0  # a vLLM start with CUDA graphs on an H200 (60-125 s seen)
+DEFAULT_BUDGET_S = 540.0  # a 10-minute call, less a margin
+# `ocrvl run` with N replicas on an H200 was ready in 70 s (N = 1), 88 s (2), 132 s (3)
+# (bench/gpu/replicas_gpu.json): the first start, then about 35-45 s per replica more.
+START_FIRST_S, START_NEXT_S = 75.0, 40.0
 WARM_UP_S_PER_REPLICA = 8.0
-SETTING_OVERHEAD_S = 20.0  # ocrvl convert's start, the idle wait, the GPU sampler
-MIN_PAGES_PER_S = 6.0  # for the estimate: below B2 on that card
+STOP_S = 20.0  # the daemon's stop and the GPU's memory coming back
+SETTING_OVERHEAD_S = 15.0  # ocrvl convert's start, the idle wait, the GPU sampler
+MIN_PAGES_PER_S = 8.0  # for the estimate: B2 on that card
 CONCURRENCY = 128  # the bound of record on a data-centre card (README: "Which bound")
 MPS_RUNNING = "MPS control daemon running"
 
@@ -118,8 +121,10 @@ def server_groups(settings: list[Setting]) -> list[tuple[int, list[Setting]]]:
 
 
 def start_cost_s(replicas: int) -> float:
-    """The estimated seconds to start `replicas` vLLM servers one after another and warm them."""
-    return replicas * (START_S_PER_REPLICA + WARM_UP_S_PER_REPLICA)
+    """The estimated seconds to start `replicas` vLLM servers one after another, warm them up
+    and, at the end, stop them."""
+    return (START_FIRST_S + (replicas - 1) * START_NEXT_S + replicas * WARM_UP_S_PER_REPLICA
+            + STOP_S)
 
 
 def setting_cost_s(pages: int) -> float:
