@@ -70,6 +70,9 @@ def clients():
 
 
 if sys.argv[1:] == ["-d"]:
+    if os.environ.get("FAKE_MPS_FAIL"):
+        print("MPS control daemon: permission denied", file=sys.stderr)
+        sys.exit(1)
     if os.path.exists(fifo):
         print("An instance of this daemon is already running", file=sys.stderr)
         sys.exit(1)
@@ -114,12 +117,18 @@ def fake_bin(tmp_path: Path) -> Iterator[Path]:
     program.write_text(FAKE_CONTROL.format(python=sys.executable))
     program.chmod(0o755)
     yield folder
+    left = []
     for proc in psutil.process_iter():
         try:
             if str(program) in proc.cmdline():
                 proc.kill()
+                left.append(proc)
         except psutil.Error:
             continue
+    # Gone before the next test looks for MPS daemons (a zombie no longer counts).
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                               for p in left), 10, ignore=(psutil.Error,),
+               what="the fake MPS daemons gone")
 
 
 def fake_nvidia_smi(tmp_path: Path, total_mib: int) -> str:
@@ -303,6 +312,22 @@ def test_a_quit_that_hangs_ends_in_sigkill(tmp_path: Path, fake_bin: Path) -> No
     finally:
         again.kill()
     assert not again._mps.running()
+
+
+@pytest.mark.slow
+def test_a_daemon_that_does_not_start_is_said_and_the_replicas_serve_without_it(
+        tmp_path: Path, fake_bin: Path, caplog: pytest.LogCaptureFixture) -> None:
+    servers = ServerSet(managed(tmp_path, fake_bin, replicas=2, env={"FAKE_MPS_FAIL": "1"}))
+    servers.start()
+    try:
+        wait_until(lambda: all(e.is_ready() for e in servers.endpoints), 30,
+                   what="both replicas ready")
+    finally:
+        servers.stop()
+    said = [r.getMessage() for r in caplog.records if r.name == mps.__name__]
+    assert any("could not start the MPS control daemon (server.mps = auto): exit status 1: "
+               "MPS control daemon: permission denied" in m and "server.mps: off" in m
+               for m in said), said
 
 
 @pytest.mark.slow

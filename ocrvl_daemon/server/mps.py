@@ -191,6 +191,7 @@ class MpsDaemon:
             folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         log.info("starting the MPS control daemon (%s): %s -d, pipes in %s, logs in %s",
                  self.plan.why, self.plan.control, self.plan.pipe_dir, self.plan.log_dir)
+        self._started = True  # whatever part of it comes up is stopped with the replicas
         problem = self._run("-d", owner=True)
         if problem is None and not self._wait(lambda: bool(self._control()), START_WAIT):
             problem = f"no daemon was running {START_WAIT:g}s later"
@@ -200,7 +201,6 @@ class MpsDaemon:
                       "server.mps: off", self.plan.mode, problem,
                       self.plan.log_dir)
             return
-        self._started = True
         log.info("MPS control daemon running, pid %s", [p.pid for p in self._control()])
 
     def stop(self) -> None:
@@ -210,7 +210,7 @@ class MpsDaemon:
             return
         self._started = False
         if not self.running():
-            log.info("the MPS control daemon had already ended")
+            log.info("no MPS control daemon of ocrvl's left to stop")
             return
         began = time.monotonic()
         log.info("stopping the MPS control daemon: quit")
