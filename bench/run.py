@@ -33,7 +33,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,11 +270,14 @@ def run_b1(cli: str, server: Server, files: list[Path], out: Path, scenario: str
 
 B2_SCRIPT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     from paddleocr import PaddleOCRVL
     url, files = sys.argv[1], sys.argv[2:]
+    # More constructor arguments as JSON (bench.gpu's layout-on B2: layout detection on, the
+    # layout engine and device ocrvl's worker would pass); PaddleX's defaults otherwise.
+    more = json.loads(os.environ.get("OCRVL_B2_KWARGS") or "{}")
     p = PaddleOCRVL(vl_rec_backend="vllm-server", vl_rec_server_url=url,
-                    use_layout_detection=False)
+                    **{"use_layout_detection": False, **more})
     t0 = time.monotonic()
     n = 0
     for res in p.predict(files):
@@ -312,11 +315,13 @@ def run_b2(server: Server, files: list[Path], scenario: str, draw: int) -> Run:
 class Ocrvl:
     """`ocrvl ARGS` with stderr read line by line, each line's arrival time kept."""
 
-    def __init__(self, *args: str | Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str | Path, env: dict[str, str] | None = None,
+                 cpus: set[int] | None = None) -> None:  # fmt: skip
+        """`cpus`: the cores it (and every process it starts) may run on."""
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             ocrvl_argv(*args), env=ocrvl_env(**(env or {})), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, preexec_fn=pinned(cpus),
         )  # fmt: skip
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -353,6 +358,14 @@ class Ocrvl:
                 self.proc.kill()
                 self.proc.wait()
         self._reader.join(5)
+
+
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that keeps a child (and its children) on `cpus`; None for no limit."""
+    if not cpus:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
 
 
 def run_ocrvl_convert(server: Server, files: list[Path], work: Path, scenario: str,

@@ -13,20 +13,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
 
 from bench.gpu.dummy_model import SPECIAL, VOCAB, write_model_dir
 from bench.gpu.gpu_sampler import GpuSampler
+from bench.gpu.layout_on import block_lengths, cores_for, shares, summarise, targets
+from bench.gpu.layout_on import write as write_layout_on
 from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
-from bench.gpu.run import page_requests, round_order
+from bench.gpu.run import merged, page_requests, round_order, write_json
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
-from testkit.documents import make_pdf
+from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.plain_server import _Handler, serving
-from testkit.runner import run_ocrvl, write_config
+from testkit.runner import ocrvl_env, run_ocrvl, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,7 +202,7 @@ def test_the_feeder_and_warm_up_send_exactly_what_ocrvl_sends(tmp_path: Path) ->
     """capacity and the warm-up stand for ocrvl's requests: the same fields (vLLM builds
     another image processor for other `mm_processor_kwargs`), and an image of about the
     same size."""
-    seen: list[dict[str, Any]] = []
+    seen: ClassVar[list[dict[str, Any]]] = []
 
     class Capture(_Handler):
         def do_POST(self) -> None:
@@ -233,3 +235,152 @@ def test_the_gpu_sampler_reports_a_contenders_mean_gpu_busy_share_and_power(
     with GpuSampler() as sampler:
         wait_until(lambda: sampler.over(start, time.monotonic()), 10, what="a GPU sample")
     assert sampler.over(start, time.monotonic()) == {"gpu_busy_pct": 37.0, "gpu_watts": 64.1}
+
+
+# --- layout detection on (bench.gpu.layout_on) -----------------------------------------------
+
+LAYOUT_CPU = {"use_layout_detection": True, "layout_engine": "paddle", "layout_device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3 (paddle, CPU)."""
+    cache = tmp_path_factory.mktemp("paddlex-cache")
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache
+
+
+class _Capture(_Handler):
+    """Answers every chat completion at once, whole, and keeps its body."""
+
+    seen: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        self.seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self._send(200, {"id": "1", "object": "chat.completion", "created": 0,
+                         "model": self.seen[-1]["model"], "choices": [{
+                             "index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "text"}}]})
+
+
+def test_the_block_feeder_sends_exactly_the_blocks_ocrvl_sends(layout_cache: Path,
+                                                               tmp_path: Path) -> None:
+    """Layout on, capacity stands for ocrvl's block requests: the same blocks cut from the
+    same pages, the same bytes of JPEG, prompt and fields, byte for byte."""
+    pdf = make_layout_pdf(tmp_path / "book.pdf", 2, seed=1)
+    _Capture.seen = []
+    config = write_config(tmp_path / "c.yaml", pipeline=LAYOUT_CPU)
+    with serving(_Capture) as url:
+        out = run_ocrvl("convert", "--config", config, "--server-url", url, pdf,
+                        PADDLE_PDX_CACHE_HOME=str(layout_cache))  # fmt: skip
+    assert out.returncode == 0, f"ocrvl convert failed:\n{out.stderr[-3000:]}"
+    bodies = tmp_path / "blocks.jsonl"
+    settings = {k: v for k, v in LAYOUT_CPU.items() if k != "use_layout_detection"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.layout_on", "capture", json.dumps(settings), str(pdf),
+         "2", str(bodies)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        env=ocrvl_env(PADDLE_PDX_CACHE_HOME=str(layout_cache)))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    caught = [json.loads(line)["body"] for line in bodies.read_text().splitlines()]
+    assert len(caught) == len(_Capture.seen) == summary["requests"] > 2, (
+        f"{len(caught)} blocks caught, ocrvl sent {len(_Capture.seen)}: not one per block")
+    assert summary["blocks_per_page"] > summary["requests_per_page"], (
+        "figures are laid out but not sent: blocks per page counts them")
+
+    def key(body: dict[str, Any]) -> str:
+        return json.dumps(body, sort_keys=True)
+
+    # ocrvl's pages run at once, so the order differs; the multiset of requests must not
+    assert sorted(map(key, caught)) == sorted(map(key, _Capture.seen)), (
+        "the blocks the benchmark feeds differ from ocrvl's requests: "
+        f"{[_without_image(b)[0] for b in caught[:2]]} vs "
+        f"{[_without_image(b)[0] for b in _Capture.seen[:2]]}")
+    prompts = {b["messages"][0]["content"][1]["text"] for b in caught}
+    assert prompts == {"OCR:", "Table Recognition:", "Formula Recognition:"}, prompts
+
+
+@pytest.mark.quick
+def test_layout_on_results_merge_into_the_file_and_keep_the_layout_off_figures(
+        tmp_path: Path) -> None:  # fmt: skip
+    path = tmp_path / "results.json"
+    write_json(path, merged(path, {"capacity_pages_per_s": 9.1, "detail": {"pages": 256}}))
+    res: dict[str, Any] = {"results": {}, "alone": {"pages_per_s": 20.0}}
+    write_layout_on(res, None, path, {})
+    data = json.loads(path.read_text())
+    assert data["capacity_pages_per_s"] == 9.1 and data["detail"] == {"pages": 256}, (
+        "writing layout-on figures lost the layout-off run's")
+    assert data["layout_on"]["layout_alone_pages_per_s"] == 20.0
+    # a layout-off run written afterwards keeps `layout_on`
+    write_json(path, merged(path, {"capacity_pages_per_s": 9.5, "detail": {"pages": 128}}))
+    data = json.loads(path.read_text())
+    assert data["capacity_pages_per_s"] == 9.5 and data["layout_on"]["layout_alone_pages_per_s"] \
+        == 20.0, "a layout-off run's write lost the layout-on figures"
+    # --merge: an earlier run's contenders and parts are kept where this run has none
+    kept = data["layout_on"] | {"results": {"B2": {"pages_per_s": 4.0}}}
+    res = {"results": {}, "small": {"median_x": 1.5, "worst_x": 1.9}}
+    write_layout_on(res, None, path, kept)
+    on = json.loads(path.read_text())["layout_on"]
+    assert on["layout_alone_pages_per_s"] == 20.0 and on["small_doc_median_x"] == 1.5
+    assert not (tmp_path / "results.json.part").exists()
+
+
+@pytest.mark.quick
+def test_layout_on_ratios_judge_convert_against_b2_and_the_lower_ceiling() -> None:
+    res = {"results": {"capacity": {"pages_per_s": 12.0}, "B2": {"pages_per_s": 5.0},
+                       "ocrvl convert": {"pages_per_s": 9.0}},
+           "alone": {"pages_per_s": 10.0}, "small": {"median_x": 1.4, "worst_x": 2.2}}
+    s = summarise(res)
+    assert s["convert_vs_b2"] == 1.8 and s["convert_vs_ceiling"] == 0.9
+    assert s["ceiling"] == "layout alone", "the layout model alone is the lower ceiling here"
+    assert s["ocrvl_run_pages_per_s"] is None, "contenders not run are written as null"
+    assert [ok for _, ok, _ in targets(s)] == [True, True, True]
+    s = summarise({"results": {"ocrvl convert": {"pages_per_s": 9.0}}})
+    assert [ok for _, ok, _ in targets(s)] == [None, None, None], "not run is neither met nor not"
+
+
+@pytest.mark.quick
+def test_block_answers_add_up_to_a_pages_and_core_counts_fit_the_machine() -> None:
+    assert block_lengths(12.5, 500) == "40:0.9:17", "500 tokens a page over 12.5 blocks"
+    assert block_lengths(100, 500).startswith("16:"), "never below the shortest answer"
+    cores = list(range(16))
+    assert cores_for("4,8,all", cores) == [("4", cores[-4:]), ("8", cores[-8:]), ("all", cores)]
+    assert cores_for("4,8,all", [0, 1]) == [("all", [0, 1])], "counts above the machine's skipped"
+    assert cores_for("2,all", [0, 1]) == [("2", [0, 1])], "the same cores are measured once"
+    assert shares(5, 2) == [[0, 2, 4], [1, 3]] and shares(2, 4) == [[0], [1]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpu_bench_layout_on_against_the_fake_server(layout_cache: Path, tmp_path: Path) -> None:
+    """`bench.gpu --layout` end to end on a tiny book (the small stand-in on the CPU): the
+    blocks caught, fed as capacity, convert with layout on, the layout model alone; its
+    figures merged under `layout_on` beside what the file held."""
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"capacity_pages_per_s": 9.1, "detail": {}}))
+    with start_fake_server(free_port(), "--output-tokens", "lognormal:40:0.5",
+                           "--disable-uvicorn-access-log") as srv:  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.gpu", "--server-url", srv.url + "/v1", "--layout",
+             "--layout-engine", "paddle", "--layout-device", "cpu", "--layout-cache",
+             str(layout_cache), "--pages", "2", "--only", "capacity,convert,alone",
+             "--concurrency", "4", "--results", str(results), "--log-dir",
+             str(tmp_path / "logs")],
+            cwd=ROOT, capture_output=True, text=True, timeout=560, check=False)  # fmt: skip
+    assert proc.returncode == 0, f"bench.gpu --layout failed:\n{proc.stderr[-3000:]}"
+    data = json.loads(results.read_text())
+    assert data["capacity_pages_per_s"] == 9.1, "the layout-off figures were lost"
+    on = data["layout_on"]
+    assert on["layout_engine"] == "paddle" and on["layout_device"] == "cpu"
+    assert on["requests_per_page"] == 7 and on["blocks_per_page"] == 8, on
+    for key in ("capacity_pages_per_s", "ocrvl_convert_pages_per_s", "layout_alone_pages_per_s",
+                "convert_vs_ceiling"):  # fmt: skip
+        assert on[key] and on[key] > 0, f"layout_on lacks {key}: {on}"
+    assert on["b2_pages_per_s"] is None and on["b2_kwargs"]["engine"] == "paddle_static"
+    convert = on["results"]["ocrvl convert"]["extra"]
+    assert any("cpu (paddle_static" in line for line in convert["layout"]), (
+        f"ocrvl convert did not run the layout model as asked: {convert['layout']}")
+    assert "Targets:" in proc.stdout and "ocrvl convert >= 1.3x B2: not run" in proc.stdout

@@ -17,6 +17,8 @@ Contenders, one after another on an idle server, each on the same `--pages`-page
             `--gap` s apart while a book runs: each one's time against its own solo time
 Prints a table (ratios, requests-running timelines from /metrics) and writes results.json.
 With random weights the server's answers end at lengths from `bench.gpu.answer_lengths`.
+`--layout`: the same with layout detection on, blocks as requests (bench/gpu/layout_on.py);
+its figures go under `layout_on` in the same results file.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import platform
 import re
 import shutil
@@ -69,7 +72,7 @@ from ocrvl_daemon.model_registry import (  # noqa: E402
     DEFAULT_MODEL,
     MAX_IMAGE_PIXELS,
 )
-from ocrvl_daemon.pdf import render_page  # noqa: E402
+from ocrvl_daemon.pdf import page_count, render_page  # noqa: E402
 from ocrvl_daemon.worker.streaming import STREAM_OPTIONS  # noqa: E402
 from testkit.documents import make_pdf  # noqa: E402
 from testkit.harness import chat_payload, free_port, wait_until  # noqa: E402
@@ -121,6 +124,15 @@ class Bench:
         self.servers = [server_process(u) for u in self.metrics.urls]
         self.rounds: dict[str, list[Result]] = {}  # each contender's runs, in order
         self.results: dict[str, Result] = {}  # each contender's median run (the slower middle)
+        # Layout on (bench.gpu.layout_on): the `pipeline` settings that turn it on for every
+        # ocrvl contender, B2's constructor arguments for the same, and the small documents'
+        # kind of page.
+        self.layout: dict[str, Any] = {}
+        # requests running that show the book under way (0: the daemon has queued its pages)
+        self.under_way = 16
+        self.b2_kwargs: dict[str, Any] = {}
+        self.small_doc: Callable[[Path, int], Path] = lambda path, seed: make_pdf(
+            path, 2, height=PAGE_HEIGHT, seed=seed)
 
     # `solo_times` in bench/run.py waits for an idle server through this
     def idle(self) -> bool:
@@ -170,7 +182,8 @@ class Bench:
     def pipeline(self) -> dict[str, Any]:
         """The `pipeline` settings of every ocrvl contender: the same bound as the feeder."""
         return {"max_concurrency": self.concurrency,
-                "min_concurrency": min(PIPELINE.min_concurrency, self.concurrency)}
+                "min_concurrency": min(PIPELINE.min_concurrency, self.concurrency),
+                **self.layout}
 
     def log_path(self, contender: str) -> Path:
         return self.log_dir / f"{self.slug(contender)}.log"
@@ -186,10 +199,13 @@ class Bench:
         return self.measure("capacity", f"{self.concurrency} always in flight", run)
 
     def b2(self) -> Result:
+        env = {**os.environ, "OCRVL_B2_KWARGS": json.dumps(self.b2_kwargs)}
+
         def run() -> tuple[float, float, int]:
             proc = subprocess.run([sys.executable, "-c", B2_SCRIPT, self.url + "/v1",
                                    str(self.book)], capture_output=True, text=True,
-                                  check=False)  # fmt: skip
+                                  check=False, env=env)  # fmt: skip
+            self.log_path("B2").write_text(proc.stderr, encoding="utf-8")
             if proc.returncode != 0:
                 raise RuntimeError(f"B2 failed: {proc.stderr[-2000:]}")
             out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,12 +214,16 @@ class Bench:
 
         return self.measure("B2", "predict() only", run)
 
-    def convert(self, name: str = "ocrvl convert", **settings: Any) -> Result:
-        """`ocrvl convert` of a fresh copy of the book; `settings` go into its config (with a
-        `server` section, that names the servers instead of `--server-url`)."""
+    def convert(self, name: str = "ocrvl convert", *, cpus: set[int] | None = None,
+                book: Path | None = None, **settings: Any) -> Result:
+        """`ocrvl convert` of a fresh copy of the book (or of `book`); `settings` go into its
+        config (with a `server` section, that names the servers instead of `--server-url`);
+        `cpus`: the only cores ocrvl and its workers may use."""
         where = self.work / self.slug(name)
         where.mkdir(parents=True)
-        book = Path(shutil.copy(self.book, where / self.book.name))
+        source = book or self.book
+        pages = page_count(source)
+        book = Path(shutil.copy(source, where / source.name))
         settings["pipeline"] = {**self.pipeline(), **settings.get("pipeline", {})}
         cfg = write_config(where / "convert.yaml", state_dir=str(where / "state"), **settings)
         info: dict[str, Any] = {}
@@ -211,7 +231,7 @@ class Bench:
         def run() -> tuple[float, float, int]:
             t0 = time.monotonic()
             server = [] if "server" in settings else ["--server-url", self.url]
-            proc = Ocrvl("convert", "--config", cfg, *server, book)
+            proc = Ocrvl("convert", "--config", cfg, *server, book, cpus=cpus)
             code = proc.wait(3600)
             t1 = time.monotonic()
             proc.save(self.log_path(name))
@@ -221,11 +241,14 @@ class Bench:
             info["from_start_s"] = t1 - t0
             info["worker_ready_s"] = worker_ready_s(proc)
             info["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
-            return (ready or t0), t1, self.pages
+            info["layout"] = [line.split("layout: ", 1)[-1] for line in proc.grep("layout: ")]
+            return (ready or t0), t1, pages
 
         r = self.measure(name, "from the worker's ready line", run)
         r.extra.update(info)
-        r.extra["pages_per_s_from_start"] = self.pages / info["from_start_s"]
+        r.extra["pages_per_s_from_start"] = pages / info["from_start_s"]
+        if cpus:
+            r.extra["cpus"] = len(cpus)
         return r
 
     def run_daemon(self) -> Result:
@@ -254,8 +277,8 @@ class Bench:
         return r
 
     def small_documents(self, count: int, gap: float) -> dict[str, Any]:
-        smalls = [make_pdf(self.work / "small" / f"small{i:02d}.pdf", 2, height=PAGE_HEIGHT,
-                           seed=300 + i) for i in range(count)]  # fmt: skip
+        smalls = [self.small_doc(self.work / "small" / f"small{i:02d}.pdf", 300 + i)
+                  for i in range(count)]  # fmt: skip
         self.metrics.wait_idle()
         log(f"small documents: {count} alone")
         alone = solo_times(self, smalls, self.work,  # type: ignore[arg-type]
@@ -267,9 +290,15 @@ class Bench:
             daemon, inbox, _ = start_daemon(self.url, self.work, "busy", pipeline=self.pipeline())
             try:
                 t0 = drop(self.book, inbox)
-                under_way = min(16, self.pages)
-                wait_until(lambda: (self.metrics.last() or (0, 0))[1] >= under_way
-                           or md_done(inbox, self.book.name), 300,
+                under_way = min(self.under_way, self.pages)
+                queued = f"{self.book.name}: {self.pages} pages queued"
+
+                def started() -> bool:
+                    if not under_way:  # the daemon has taken the book in
+                        return bool(daemon.grep(queued))
+                    return (self.metrics.last() or (0, 0))[1] >= under_way
+
+                wait_until(lambda: started() or md_done(inbox, self.book.name), 300,
                            what="the book under way")  # fmt: skip
                 if md_done(inbox, self.book.name):
                     raise SystemExit(f"the book finished before {under_way} of its pages ran at "
@@ -529,11 +558,25 @@ def write_results(res: dict[str, Any], bench: Bench, path: Path) -> None:
     res["worker_ready_s"] = max(seen) if seen else None
     res["round_ratios"] = round_ratios(res)
     res["summary"] = summary(res)
+    write_json(path, merged(path, {**res["summary"], "detail": res}))
+
+
+def merged(path: Path, update: dict[str, Any]) -> dict[str, Any]:
+    """The results file at `path` with `update`'s keys replaced and every other key kept: the
+    layout-off run of record and the layout-on one (its `layout_on` key) share one file, and
+    neither run's write loses the other's figures."""
+    old: Any = {}
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(path.read_text(encoding="utf-8"))
+    return {**(old if isinstance(old, dict) else {}), **update}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")  # whole or not at all, for whoever reads it
-    part.write_text(json.dumps({**res["summary"], "detail": res}, indent=1) + "\n",
-                    encoding="utf-8")  # fmt: skip
+    part.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     part.replace(path)
+
 
 
 # --- main -------------------------------------------------------------------------------
@@ -566,17 +609,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "(make one: python -m bench.gpu.dummy_model DIR)")  # fmt: skip
     src.add_argument("--model", help="a model with real weights, e.g. PaddlePaddle/PaddleOCR-VL")
     src.add_argument("--server-url", help="use this running server (http://HOST:PORT[/v1])")
-    ap.add_argument("--pages", type=int, default=256, help="pages of the book (default 256)")
+    ap.add_argument("--pages", type=int, default=None,
+                    help="pages of the book (default 256; with --layout 64)")  # fmt: skip
     ap.add_argument("--concurrency", type=int, default=PIPELINE.max_concurrency,
                     help="pages in flight: the feeder's bound and every ocrvl contender's "
                     f"pipeline.max_concurrency (default {PIPELINE.max_concurrency}, ocrvl's)")
     ap.add_argument("--small", type=int, default=10, help="small documents (default 10)")
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between small documents")
-    ap.add_argument("--rounds", type=int, default=2,
+    ap.add_argument("--rounds", type=int, default=None,
                     help="runs of capacity, B2, convert and run, in turn; each figure is its "
-                    "median run (of an even count, the slower middle one) (default 2)")  # fmt: skip
-    ap.add_argument("--only", default="capacity,b2,convert,run,small",
-                    help="comma-separated contenders (default: all)")  # fmt: skip
+                    "median run (of an even count, the slower middle one) (default 2; with "
+                    "--layout 1)")  # fmt: skip
+    ap.add_argument("--only", default=None,
+                    help="comma-separated contenders (default: all: capacity,b2,convert,run,"
+                    "small; with --layout also alone,cpu)")  # fmt: skip
+    lay = ap.add_argument_group("layout detection on (bench.gpu.layout_on; README)")
+    lay.add_argument("--layout", action="store_true",
+                     help="measure with layout detection on: a make_layout_pdf book, blocks as "
+                     "requests; results go under `layout_on` in --results")  # fmt: skip
+    lay.add_argument("--layout-engine", default="auto",
+                     choices=("auto", "paddle", "transformers", "onnxruntime"),
+                     help="pipeline.layout_engine for everyone (default auto)")  # fmt: skip
+    lay.add_argument("--layout-device", default="gpu:0",
+                     help="pipeline.layout_device for everyone: gpu:N or cpu (default gpu:0)")
+    lay.add_argument("--layout-cache", type=Path, default=None,
+                     help="PADDLE_PDX_CACHE_HOME holding the layout model (e.g. the stand-in "
+                     "of python -m testkit.layout_model DIR)")  # fmt: skip
+    lay.add_argument("--layout-cores", default="4,8,all",
+                     help="`cpu`: the layout model on the CPU with ocrvl held to this many "
+                     "cores each (default 4,8,all; counts above the machine's are skipped)")
+    lay.add_argument("--cpu-pages", type=int, default=12,
+                     help="pages of the book `cpu` converts at each core count (default 12)")
+    lay.add_argument("--page-tokens", type=int, default=500,
+                     help="random weights: a page's answer tokens (median) that its blocks "
+                     "share: each block's median is this / blocks per page (default 500)")
+    lay.add_argument("--merge", action="store_true",
+                     help="keep the `layout_on` figures of contenders not run now")  # fmt: skip
     ap.add_argument("--answer-lengths", default=None,
                     help=f"MEDIAN:SIGMA:SEED of the forced answer lengths (random weights; "
                     f"default {DEFAULT_LENGTHS}), or 'model': the model's own EOS")  # fmt: skip
@@ -592,19 +660,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="vllm.log and each ocrvl process's log (default: the work directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
+    if args.pages is None:
+        args.pages = 64 if args.layout else 256
+    if args.rounds is None:
+        args.rounds = 1 if args.layout else 2
+    if args.only is None:
+        args.only = "capacity,b2,convert,run,small" + (",alone,cpu" if args.layout else "")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: at least 1")
     if args.concurrency < 1:
         ap.error(f"--concurrency {args.concurrency}: at least 1")
-    if args.answer_lengths is None:  # with --server-url: what that server was started with
-        args.answer_lengths = DEFAULT_LENGTHS if args.model_dir else "model"
-    if args.answer_lengths != "model":
+    if args.answer_lengths is None and (args.server_url or not args.model_dir):
+        args.answer_lengths = "model"  # with --server-url: what that server was started with
+    if args.answer_lengths is None and not args.layout:
+        args.answer_lengths = DEFAULT_LENGTHS  # with --layout: from the blocks per page
+    if args.answer_lengths not in (None, "model"):
         AnswerLengths.parse(args.answer_lengths)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.layout:
+        from bench.gpu.layout_on import run_layout_on
+
+        return run_layout_on(args)
     parts = set(args.only.split(","))
     work = Path(tempfile.mkdtemp(prefix="ocrvl-gpubench-"))
     args.log_dir = args.log_dir or work

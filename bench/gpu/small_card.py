@@ -12,26 +12,55 @@ Each contender is `ocrvl convert` of the same book (fresh state) against that se
 a short warm-up: adaptive (the default config), adaptive with `pipeline.max_concurrency` at
 the planned max-num-seqs, and `pipeline.adaptive_concurrency: false` at each `--static`
 bound. Prints the table and writes `small_card.json` beside this file.
+
+With `--layout` (issue 35) the layout model runs on the same card beside vLLM: the plan is
+ocrvl's for layout detection on with `pipeline.layout_device: gpu:0` (its server leaves the
+layout workers their LAYOUT_GPU_MIB each, on the small card's reading), the workers as many as
+that card has room for, and each contender converts a `make_layout_pdf` book with the layout
+model on the GPU (`--layout-engine`, the model from `--layout-cache`). The card's memory is
+read every half second from before vLLM starts to the end (nvidia-smi: the whole card, and
+per process where it names them): the peak against the small card's budget, and whether vLLM
+or any ocrvl process ran out of memory, go under `layout_on` in the results file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.layout_on import (
+    PAGE_TOKENS,
+    block_lengths,
+    child,
+    last_json,
+    use_stand_in_hook,
+)
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
-from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
+from bench.gpu.run import (
+    PAGE_HEIGHT,
+    Bench,
+    gpu_name,
+    log,
+    merged,
+    server_process,
+    warm_up,
+    write_json,
+)
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
-from testkit.documents import make_pdf
+from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -51,22 +80,117 @@ def card_reading(real: GpuReading, total_mib: int, used_mib: int) -> GpuReading:
                       compute_capability=real.compute_capability, source="nvidia-smi")  # fmt: skip
 
 
+class CardMemory:
+    """The card's used memory (nvidia-smi, every `interval` s) and each compute process's
+    where the driver names them, from `start` to `stop`: the peaks."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.samples: list[tuple[int, dict[int, int]]] = []  # (card used, {pid: MiB})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> CardMemory:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            reading = read_gpu()
+            if reading is not None:
+                self.samples.append((reading.used_mib, compute_apps()))
+            self._stop.wait(self.interval)
+
+    def peaks(self, baseline_mib: int, server_pids: set[int]) -> dict[str, Any]:
+        """Peak MiB the benchmark's processes held on the card: the card's reading above
+        `baseline_mib` (what was there before vLLM), and from the per-process list, all
+        processes, vLLM's (`server_pids`) and the rest (the layout workers)."""
+        if not self.samples:
+            return {}
+        apps = [a for _, a in self.samples]
+        return {
+            "peak_card_used_mib": max(u for u, _ in self.samples) - baseline_mib,
+            "peak_processes_mib": max(sum(a.values()) for a in apps),
+            "peak_server_mib": max(sum(m for p, m in a.items() if p in server_pids)
+                                   for a in apps),
+            "peak_layout_mib": max(sum(m for p, m in a.items() if p not in server_pids)
+                                   for a in apps),
+            "samples": len(self.samples),
+        }  # fmt: skip
+
+
+def compute_apps() -> dict[int, int]:
+    """{pid: MiB} of the processes on the GPU, as nvidia-smi names them ({} where it cannot:
+    in a container it may give the host's pids, which is why the card's total is kept too)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout  # fmt: skip
+        return {int(pid): int(mib) for pid, mib in
+                (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    return {}
+
+
+def family(url: str) -> set[int]:
+    """The pids of the server listening at `url` and of its children (the engine core)."""
+    proc = server_process(url)
+    if proc is None:
+        return set()
+    with contextlib.suppress(Exception):
+        return {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+    return {proc.pid}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = model_dir_parser("python -m bench.gpu.small_card", __doc__)
     ap.add_argument("--card-mib", type=int, default=RTX_4060_MIB)
     ap.add_argument("--card-used-mib", type=int, default=DESKTOP_MIB)
-    ap.add_argument("--pages", type=int, default=256)
-    ap.add_argument("--static", default="16,32,48,64,96",
-                    help="static bounds to sweep (default 16,32,48,64,96)")  # fmt: skip
+    ap.add_argument("--pages", type=int, default=None,
+                    help="pages of the book (default 256; with --layout 64)")  # fmt: skip
+    ap.add_argument("--static", default=None,
+                    help="static bounds to sweep (default 16,32,48,64,96; with --layout "
+                    "none)")  # fmt: skip
     ap.add_argument("--results", type=Path, default=HERE / "small_card.json")
+    ap.add_argument("--layout", action="store_true",
+                    help="layout detection on, the layout model on the same card (see above)")
+    ap.add_argument("--layout-engine", default="auto",
+                    choices=("auto", "paddle", "transformers", "onnxruntime"))
+    ap.add_argument("--layout-cache", type=Path, default=None,
+                    help="PADDLE_PDX_CACHE_HOME holding the layout model")  # fmt: skip
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="vllm.log and each ocrvl process's log (default: the work directory, "
+                    "removed at the end)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.pages is None:
+        args.pages = 64 if args.layout else 256
+    if args.static is None:
+        args.static = "" if args.layout else "16,32,48,64,96"
+    if args.layout_cache:
+        os.environ["PADDLE_PDX_CACHE_HOME"] = str(args.layout_cache.resolve())
+    if args.layout:
+        use_stand_in_hook()
 
     real = read_gpu()
     if real is None:
         raise SystemExit("no GPU reading (nvidia-smi): this benchmark needs an NVIDIA GPU")
     card = card_reading(real, args.card_mib, args.card_used_mib)
-    config = Config()
+    layout: dict[str, Any] = {}
+    if args.layout:
+        layout = {"use_layout_detection": True, "layout_engine": args.layout_engine,
+                  "layout_device": f"gpu:{real.index}"}  # fmt: skip
+        # as many workers as the small card has room for (ocrvl's worker would read the big
+        # card and take more): ocrvl's own choice on the small card's reading, made explicit
+        choice = autotune.layout_choice(Config.model_validate({"pipeline": layout}), [card])
+        layout["workers"] = choice.workers
+        log(f"layout on the card: {choice.describe()}, {choice.workers} worker(s) "
+            f"({choice.why})")  # fmt: skip
+    config = Config.model_validate({"pipeline": layout})
     plan = autotune.plan_vllm_args(config, card)
+    lengths = DEFAULT_LENGTHS
     values = plan.values
     scale = args.card_mib / real.total_mib
     utilization = float(values[autotune.UTILIZATION])
@@ -75,9 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     for warning in plan.warnings:
         log(f"plan warning: {warning}")
     work = Path(tempfile.mkdtemp(prefix="ocrvl-smallcard-"))
-    book = make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=1)
+    log_dir = args.log_dir or work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    book = (make_layout_pdf(work / "book.pdf", args.pages, seed=1) if args.layout else
+            make_pdf(work / "book.pdf", args.pages, height=PAGE_HEIGHT, seed=1))  # fmt: skip
+    if args.layout:  # a block's answer: a page's shared by its blocks (bench.gpu.layout_on)
+        settings = {k: v for k, v in layout.items() if k != "use_layout_detection"}
+        sample = min(4, args.pages)
+        blocks = last_json(child(["capture", json.dumps(settings), str(book), str(sample),
+                                  str(work / "blocks.jsonl")], log_dir / "blocks.log"),
+                           log_dir / "blocks.log", 900)  # fmt: skip
+        lengths = block_lengths(blocks["requests_per_page"], PAGE_TOKENS)
+        log(f"blocks: {blocks['requests_per_page']:.1f} sent a page: answers {lengths}")
     options = ServeOptions(
-        model=args.model_dir, dummy=True, lengths=DEFAULT_LENGTHS, port=free_port(),
+        model=args.model_dir, dummy=True, lengths=lengths, port=free_port(),
         python=args.vllm_python, pythonpath=args.vllm_pythonpath,
         max_model_len=int(values[autotune.MAX_MODEL_LEN]),
         gpu_memory_utilization=round(utilization * scale, 4),
@@ -88,44 +223,98 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
         "card": asdict(card), "plan": {k: values[k] for k in autotune.TUNED_KEYS},
         "plan_reasons": plan.reasons, "served_utilization": options.gpu_memory_utilization,
-        "answer_lengths": DEFAULT_LENGTHS,
+        "answer_lengths": lengths,
     }  # fmt: skip
-    vllm_log = work / "vllm.log"
+    if args.layout:
+        res["layout"] = {k: v for k, v in layout.items() if k != "use_layout_detection"}
+        res["card_budget_mib"] = args.card_mib - args.card_used_mib
+    vllm_log = log_dir / "vllm.log"
+    memory = CardMemory()
+    baseline = real.used_mib
     log("starting: " + " ".join(options.argv()))
     try:
+        memory.start()
         with started(options, vllm_log) as url:
+            server_pids = family(url)
             res["vllm"] = version(url)
             res["vllm_memory"] = [ln.split("] ", 1)[-1] for ln in
                                   vllm_log.read_text(errors="replace").splitlines()
                                   if KV_LINES.search(ln)]  # fmt: skip
             warm_up([url], work)
-            bench = Bench(url, work, book, args.pages, config.pipeline.max_concurrency)
+            bench = Bench(url, work, book, args.pages, config.pipeline.max_concurrency,
+                          log_dir=log_dir)  # fmt: skip
+            bench.layout = layout
+            failed: dict[str, str] = {}
             try:
-                bench.convert("adaptive")
-                bench.convert(f"adaptive, max_concurrency {seqs}",
-                              pipeline={"max_concurrency": seqs})  # fmt: skip
-                for bound in (int(b) for b in args.static.split(",")):
+                for name, more in (("adaptive", {}), (f"adaptive, max_concurrency {seqs}",
+                                                      {"max_concurrency": seqs})):
+                    try:
+                        bench.convert(name, pipeline=more)
+                    except RuntimeError as exc:  # an ocrvl process ran out of memory, say
+                        if not args.layout:
+                            raise
+                        failed[name] = str(exc)[-2000:]
+                        log(f"{name} failed: {failed[name][-500:]}")
+                for bound in (int(b) for b in args.static.split(",") if b.strip()):
                     bench.convert(f"static {bound}", pipeline={
                         "adaptive_concurrency": False, "max_concurrency": bound,
                         "min_concurrency": min(bound, config.pipeline.min_concurrency)})
             finally:
                 bench.metrics.stop()
+                memory.stop()
             text = vllm_log.read_text(errors="replace")
             res["server_out_of_memory"] = bool(OUT_OF_MEMORY.search(text))
+            if args.layout:
+                res["memory"] = memory.peaks(baseline, server_pids)
+                res["ocrvl_out_of_memory"] = sorted(
+                    p.name for p in log_dir.glob("*.log") if p.name != "vllm.log"
+                    and OUT_OF_MEMORY.search(p.read_text(errors="replace")))
+                res["failed"] = failed
             res["results"] = {n: {"pages_per_s": round(r.pages_per_s, 3),
                                   "preemptions": r.preemptions, "timeline": r.timeline,
                                   "concurrency": r.extra.get("concurrency", [])}
                               for n, r in bench.results.items()}  # fmt: skip
     finally:
+        memory.stop()
         shutil.rmtree(work, ignore_errors=True)
+    if args.layout:
+        peak = res["memory"].get("peak_card_used_mib")
+        res["fits"] = (peak is not None and peak <= res["card_budget_mib"]
+                       and not res["server_out_of_memory"] and not res["ocrvl_out_of_memory"]
+                       and not res["failed"])  # fmt: skip
+        write_json(args.results, merged(args.results, {"layout_on": res}))
+        print(layout_report(res))
+        return 0
     statics = {n: r["pages_per_s"] for n, r in res["results"].items() if n.startswith("static")}
     best = max(statics, key=lambda n: statics[n])
     res["best_static"] = best
     res["adaptive_vs_best_static"] = round(res["results"]["adaptive"]["pages_per_s"]
                                            / statics[best], 3)  # fmt: skip
-    args.results.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+    # the layout-on figures of an earlier `--layout` run in the same file are kept
+    write_json(args.results, merged(args.results, res))
     print(report(res))
     return 0
+
+
+def layout_report(res: dict[str, Any]) -> str:
+    """The layout-on table of record: speed, the card's peak memory, out of memory or not."""
+    m = res.get("memory", {})
+    lines = [
+        f"{res['card']['name']}, vLLM {res.get('vllm')}, {res['pages']} layout pages, "
+        f"{res['date']}; layout {res['layout']}",
+        "ocrvl's plan: " + ", ".join(f"{k} {v}" for k, v in res["plan"].items())
+        + f" (served at utilization {res['served_utilization']} of the real card)",
+        f"peak on the card: {m.get('peak_card_used_mib')} MiB above what was there before "
+        f"vLLM, of a budget of {res['card_budget_mib']} MiB (per process: all "
+        f"{m.get('peak_processes_mib')}, vLLM {m.get('peak_server_mib')}, layout workers "
+        f"{m.get('peak_layout_mib')})",
+        f"out of memory: vLLM {res['server_out_of_memory']}, ocrvl {res['ocrvl_out_of_memory']}"
+        f"; failed runs: {list(res['failed'])}; fits: {res['fits']}", "",
+        "| run | pages/s | preemptions |", "|---|---:|---:|",
+        *(f"| {n} | {r['pages_per_s']:.2f} | {r['preemptions']} |"
+          for n, r in res["results"].items()),
+    ]  # fmt: skip
+    return "\n".join(lines)
 
 
 def report(res: dict[str, Any]) -> str:
