@@ -128,7 +128,7 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
                                    document.others_out, max(1, cut))
             if not isinstance(choice, KeptBecause):  # only the blocks cut off go again
                 ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
-        ledger.best(page, judge_page(result), result)
+        ledger.best(page, _judge_page(result), result)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)
@@ -150,7 +150,7 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     return page_failed(document, page, error, rules)
 
 
-def judge_page(result: PageResult) -> PageQuality:
+def _judge_page(result: PageResult) -> PageQuality:
     """The quality record of a page's answer: its signals over the whole page, and the
     verdict of its worst block."""
     cut = result.truncated_at is not None
@@ -162,7 +162,7 @@ def judge_page(result: PageResult) -> PageQuality:
                                   a.looping, has_ink=False) for a in result.answers])
 
 
-def blocks_cut(answer: PageResult) -> str:
+def _blocks_cut(answer: PageResult) -> str:
     """The blocks of a page's `answer` that were cut off or looped, named for a log line or
     note ("block 7 of 30", "blocks 3, 7 of 30"); "" for a page of one block."""
     numbers = [str(n + 1) for n, a in enumerate(answer.answers) if a.cut]
@@ -205,7 +205,7 @@ def _redo_or_keep(document: Document, page: int, choice: Redo | KeptBecause | La
     if isinstance(choice, Redo):
         how = (f"it loops; sending it again with repetition_penalty {choice.repetition_penalty}"
                if looping else f"redoing it once with {choice.max_new_tokens}")
-        what = blocks_cut(answer) or "answer"
+        what = _blocks_cut(answer) or "answer"
         if ledger.keep.get(page):
             how += f" (the other {len(ledger.keep[page])} answers kept)"
         return SendAgain(page, why=f"p.{page + 1}: {what} cut off; {how}", ledger=ledger)
@@ -220,7 +220,7 @@ def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
     """The note of a page kept although it is not ok (None when it is ok)."""
     return flag_note(answer.page, quality, why, answer.truncated_at,
                      retry_command(document.job.path, str(answer.page + 1), rules.again),
-                     external_server=rules.external_server, where=blocks_cut(answer))
+                     external_server=rules.external_server, where=_blocks_cut(answer))
 
 
 def _server_failed(document: Document, page: int, error: str | None, url: str,
