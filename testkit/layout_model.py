@@ -1,42 +1,55 @@
 """A stand-in PP-DocLayoutV3/V2: the real architecture with random weights, made offline.
 
-`python -m testkit.layout_model CACHE_HOME [--model PP-DocLayoutV3|PP-DocLayoutV2] [--small]`
-writes it where PaddleX looks for the official model once
+`python -m testkit.layout_model CACHE_HOME [--model PP-DocLayoutV3|PP-DocLayoutV2] [--small]
+[--format paddle|transformers|all]` writes it where PaddleX looks for the official model once
 `PADDLE_PDX_CACHE_HOME=CACHE_HOME` (`CACHE_HOME/official_models/...`), in the formats its
 engines load:
 
 - `<name>/`: `inference.json` + `inference.pdiparams` (paddle static, the engine the
-  pipeline picks by default);
-- `<name>_safetensors/`: `model.safetensors` + `config.json` (paddle dynamic, where PaddleX
-  builds the model from its own code).
+  pipeline picks by default). Written by `--format paddle` (the default) and `all`; needs
+  paddle.
+- `<name>_safetensors/`: Hugging Face's layout, as the official `PaddlePaddle/<name>_safetensors`
+  repository has it: `config.json` (the official config, `PPDocLayoutV3ForObjectDetection`,
+  model_type `pp_doclayout_v3`, the 25-label id2label), `model.safetensors` (Hugging Face's
+  key names), `preprocessor_config.json` (the official 800x800 bicubic resize, scaled to
+  [0, 1], no mean/std) and PaddleX's `inference.yml`. Two engines load this one folder:
+  PaddleX's `transformers` engine (`AutoImageProcessor` + `AutoModelForObjectDetection`
+  .from_pretrained of the folder: transformers' own `PPDocLayoutV3ForObjectDetection`) and
+  its `paddle_dynamic` engine (PaddleX's own class, `convert_from_hf=True`). `--format
+  transformers` (and `all`) builds it with transformers' class (needs torch + transformers,
+  no paddle: the GPU machine's case); `--format paddle` with PaddleX's class (needs paddle).
+  The two writers give the same keys and shapes.
 
 No ONNX: paddle2onnx 2.1.0 aborts on this graph ("unsupported operators", none named) with
 paddle 3.3.1, so PaddleX's onnxruntime engine cannot be fed here.
 
-Each folder has the official `inference.yml` (PaddleX's own metadata: 800x800 input, the 25
+Every folder has the official `inference.yml` (PaddleX's own metadata: 800x800 input, the 25
 labels), so PaddleX's own pre- and postprocessing run unchanged.
 
 Why the detections follow the page and still cost what the real model costs: the network is
-`PPDocLayoutV3(PPDocLayoutV3Config())` from PaddleX's modeling code (33.2 M parameters at
-the default shapes), and its whole forward pass, reading-order head and postprocess run on
-every page. Random weights would find no layout, so two things are changed, neither of which
-touches the work the network does:
+the real one at the official shapes (33.2 M parameters for V3), and its whole forward pass,
+reading-order head and postprocess run on every page. Random weights would find no layout, so
+two things are changed, neither of which touches the work the network does:
 
-- the class heads' biases are set to -20, so the network's own 300 queries all score below
-  any threshold (the topk over them is unchanged: a constant shift keeps the order);
-- the exported static graph appends up to `MAX_BLOCKS` rows found from the page's ink
-  (`ink_blocks`: dark cells of an 8x8-pixel grid of the 800x800 input, bands of inked cell
-  rows separated by an empty one, each band a block; its label from its geometry: a dense
-  band is an image, one crossed by 3+ long horizontal rules a table, a centred single line a
-  formula or (first on the page) the title, a short single line a heading, a narrow line at
-  the very bottom a page number, else text). These rows go through PaddleX's postprocess
-  (threshold, NMS, reading order) like the network's would. That analysis is a few pooling
-  and matrix ops on a 100x100 grid: ~20 ms a page on a 2-core VM, under 1% of the real
-  forward pass there (4-6 s), the same for every contender, and deterministic: the same page
-  gives the same blocks on every run.
+- the class heads' biases are set to -20, so the network's own queries all score below any
+  threshold (the topk over them is unchanged: a constant shift keeps the order);
+- up to `MAX_BLOCKS` rows found from the page's ink (`testkit.layout_ink.ink_blocks`, one
+  implementation for paddle and torch: bands of inked rows of an 8x8-pixel grid of the
+  800x800 input, each band a block, labelled from its geometry) are added to the network's
+  own detections before PaddleX's postprocess (threshold, NMS, reading order), which treats
+  them like the network's. A few ms a page (7 ms on one core of a 2-core VM in torch, about
+  0.3% of the forward pass there), the same for every contender, and deterministic: the
+  same page gives the same blocks.
 
-The dynamic engine runs PaddleX's own class, which cannot carry the ink rows: there it finds
-no blocks (same forward cost, an empty postprocess). Use it only to time the model.
+  Paddle static: the exported graph appends them itself. Transformers: the folder's
+  `config.json` carries `"ocrvl_stand_in": true`, and the opt-in hook of
+  `testkit.layout_standin` (active only where `testkit/layout_standin_site` is on
+  PYTHONPATH: its `sitecustomize`) adds them in the image processor's
+  `post_process_object_detection`, from the `pixel_values` the model saw; the model's forward
+  runs unchanged. Without the hook (or for any model without the marker) nothing changes:
+  the transformers engine then finds no blocks, like paddle dynamic, which runs PaddleX's own
+  class and cannot carry the rows (same forward cost, an empty postprocess: use those only
+  to time the model).
 
 `--small` writes a reduced network (narrow backbone, one encoder/decoder layer, 100 queries)
 for tests that exercise the layout path, not the model's cost; the detections are the same.
@@ -51,19 +64,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from testkit.layout_ink import INPUT_SIZE, ink_blocks, ops_for
+from testkit.layout_standin import MARKER
+
 MODELS = ("PP-DocLayoutV3", "PP-DocLayoutV2")
-INPUT_SIZE = 800  # the official inference.yml resizes every page to 800x800
-CELL = 8  # pixels of the 800x800 input per grid cell
-GRID = INPUT_SIZE // CELL
-MAX_BLOCKS = 48  # ink bands kept per page (the top ones; real pages have 5-40 blocks)
-DARK = 0.5  # input is scaled to [0, 1]: darker than this in every channel is ink
-OCCUPIED = 1.0 / 64  # a cell with at least one dark pixel holds ink
-RULE = 41  # a horizontal dark run this long (input pixels) is a ruling line, never a glyph
+FORMATS = ("paddle", "transformers", "all")
 HEAD_BIAS = -20.0  # sigmoid(-20) ~ 2e-9: the random network's own queries never pass
-SCORE = 0.9
-# Label indices in the official label list (PaddleX's `_LABEL_DOC_LAYOUT_V2V3`).
-LABELS = {"display_formula": 5, "doc_title": 6, "image": 14, "number": 16,
-          "paragraph_title": 17, "table": 21, "text": 22}
+# The official preprocessor_config.json of the `_safetensors` repositories (transformers'
+# PPDocLayoutV3/V2ImageProcessor defaults): 800x800 bicubic, x 1/255, mean 0, std 1.
+PREPROCESSOR = {
+    "do_resize": True, "size": {"height": INPUT_SIZE, "width": INPUT_SIZE}, "resample": 3,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+}  # fmt: skip
 
 SMALL_BACKBONE = {
     "model_type": "hgnet_v2", "num_channels": 3, "embedding_size": 16,
@@ -85,11 +98,26 @@ SMALL = {
 }  # fmt: skip
 
 
-def _paddlex_model(name: str, small: bool) -> tuple[Any, dict[str, Any]]:
-    """PaddleX's own model class built with random weights, and its config as a dict."""
+def official_config(name: str, small: bool) -> dict[str, Any]:
+    """The official config.json of `<name>_safetensors` (PaddleX's copy), reduced by `--small`.
+    Importing it needs paddlex, not paddle."""
     from paddlex.modules.base.utils.pdparams2safetensors.model_config import MODEL_CONFIGS
 
     config = dict(MODEL_CONFIGS[name])
+    if small:
+        # The official backbone's other keys stay: which stages it returns (transformers
+        # reads them; PaddleX's class takes them as its default).
+        config.update(SMALL, backbone_config={**config["backbone_config"], **SMALL_BACKBONE})
+        if name == "PP-DocLayoutV2":
+            config["reading_order_config"] = {
+                **config.get("reading_order_config", {}), "hidden_size": 64,
+                "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128}
+    return config
+
+
+def _paddlex_model(name: str, small: bool) -> tuple[Any, dict[str, Any]]:
+    """PaddleX's own model class built with random weights, and its config as a dict."""
+    config = official_config(name, small)
     if name == "PP-DocLayoutV3":
         from paddlex.inference.models.object_detection.modeling import PPDocLayoutV3 as cls
         from paddlex.inference.models.object_detection.modeling._config_pp_doclayout_v3 import (
@@ -100,16 +128,14 @@ def _paddlex_model(name: str, small: bool) -> tuple[Any, dict[str, Any]]:
         from paddlex.inference.models.object_detection.modeling._config_pp_doclayout_v2 import (
             PPDocLayoutV2Config as config_cls,
         )
-    if small:
-        config.update(SMALL)
-        if name == "PP-DocLayoutV2":
-            config["reading_order_config"] = {
-                **config.get("reading_order_config", {}), "hidden_size": 64,
-                "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128}
     model = cls(config_cls(**config))
     model.eval()
     _silence_class_heads(model)
     return model, config
+
+
+def _is_class_head_bias(key: str) -> bool:
+    return key.endswith(".bias") and ("enc_score_head" in key or "class_embed" in key)
 
 
 def _silence_class_heads(model: Any) -> None:
@@ -117,63 +143,8 @@ def _silence_class_heads(model: Any) -> None:
     import paddle
 
     for key, param in model.named_parameters():
-        if key.endswith(".bias") and ("enc_score_head" in key or "class_embed" in key):
+        if _is_class_head_bias(key):
             param.set_value(paddle.full(param.shape, HEAD_BIAS, dtype=param.dtype))
-
-
-def ink_blocks(image: Any, scale_factor: Any) -> Any:
-    """[B, MAX_BLOCKS, 8] detection rows (label, score, x1, y1, x2, y2, order, votes) in the
-    page's own pixels, found from the ink of `image` ([B, 3, 800, 800] scaled to [0, 1]);
-    empty slots score 0. `scale_factor` is [B, 2]: (800 / page height, 800 / page width)."""
-    import paddle
-    import paddle.nn.functional as F
-
-    dark = (image.min(axis=1, keepdim=True) < DARK).astype("float32")  # [B, 1, 800, 800]
-    cells = F.avg_pool2d(dark, CELL)[:, 0]  # [B, G, G]: share of dark pixels per cell
-    occupied = (cells >= OCCUPIED).astype("float32")
-    rows = occupied.max(axis=2)  # [B, G]
-    above = paddle.concat([paddle.zeros_like(rows[:, :1]), rows[:, :-1]], axis=1)
-    band = paddle.cumsum(rows * (1 - above), axis=1) * rows  # 1, 2, ... per inked run; 0 gap
-    numbers = paddle.arange(1, MAX_BLOCKS + 1, dtype="float32").reshape([1, MAX_BLOCKS, 1])
-    member = (band.unsqueeze(1) == numbers).astype("float32")  # [B, K, G]: row in band k
-    present = member.max(axis=2)  # [B, K]
-    index = paddle.arange(GRID, dtype="float32")
-    y1 = (member * index + (1 - member) * GRID).min(axis=2)
-    y2 = (member * index).max(axis=2) + 1
-    columns = (paddle.bmm(member, occupied) > 0).astype("float32")  # [B, K, G]
-    x1 = (columns * index + (1 - columns) * GRID).min(axis=2)
-    x2 = (columns * index).max(axis=2) + 1
-    inside = ((index >= x1.unsqueeze(2)) & (index < x2.unsqueeze(2))).astype("float32")
-    area = member.sum(axis=2) * (x2 - x1)
-    ink = (paddle.bmm(member, cells) * inside).sum(axis=2)
-    density = ink / paddle.clip(area, min=1.0)
-    # Long horizontal dark runs (min-pool along x): table rules, never text strokes.
-    runs = -F.max_pool2d(-dark, kernel_size=[1, RULE], stride=1, padding=[0, RULE // 2])
-    rule_rows = F.max_pool2d(runs.max(axis=3, keepdim=True), kernel_size=[CELL, 1])[:, 0, :, 0]
-    rules = (member * rule_rows.unsqueeze(1)).sum(axis=2)
-
-    height, width, middle = y2 - y1, x2 - x1, (x1 + x2) / 2
-    line = height <= 5
-    centred = ((middle - GRID / 2).abs() <= 4) & (x1 >= 0.15 * GRID)
-    first = numbers[:, :, 0] == 1
-
-    def label(name: str) -> Any:
-        return paddle.full_like(y1, LABELS[name])
-
-    kind = label("text")
-    for name, where in (  # the last that applies wins
-        ("paragraph_title", line & (width <= GRID / 2) & ~centred),
-        ("display_formula", line & centred & ~first),
-        ("doc_title", line & centred & first),
-        ("number", (y1 >= 0.92 * GRID) & (width <= 8) & line),
-        ("table", rules >= 3),
-        ("image", (density >= 0.3) & (height >= 4)),
-    ):
-        kind = paddle.where(where, label(name), kind)
-    sh, sw = present * CELL / scale_factor[:, 0:1], present * CELL / scale_factor[:, 1:2]
-    order = numbers[:, :, 0].expand_as(y1)
-    return paddle.stack([kind, present * SCORE, x1 * sw, y1 * sh, x2 * sw, y2 * sh, order,
-                         paddle.zeros_like(y1)], axis=2)
 
 
 def _detect(network: Any, im_shape: Any, image: Any, scale_factor: Any) -> Any:
@@ -262,6 +233,7 @@ def _graph(name: str, small: bool) -> Any:
 
     network, _ = _paddlex_model(name, small)
     _traceable_attention(network)
+    ops = ops_for("paddle")  # outside the traced code
 
     class StandIn(paddle.nn.Layer):
         def __init__(self) -> None:
@@ -272,7 +244,8 @@ def _graph(name: str, small: bool) -> Any:
             rows = _detect(self.network, im_shape, image, scale_factor)
             batch = image.shape[0]
             rows = rows.reshape([batch, -1, rows.shape[-1]])
-            rows = paddle.concat([ink_blocks(image, scale_factor), rows], axis=1)
+            ink = ink_blocks(image, scale_factor, ops)
+            rows = paddle.concat([ink, rows], axis=1)
             count = paddle.full([batch], rows.shape[1], dtype="int32")
             return [rows.reshape([-1, rows.shape[-1]]), count]
 
@@ -315,30 +288,82 @@ def write_static(folder: Path, name: str, small: bool) -> None:
     _write_yaml(folder, name)
 
 
+def _write_hf_extras(folder: Path, name: str) -> None:
+    """What the `_safetensors` folder holds besides the weights and config: the image
+    processor's config and PaddleX's inference.yml."""
+    processor = {"image_processor_type": f"{_hf_prefix(name)}ImageProcessor", **PREPROCESSOR}
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n",
+                                                     encoding="utf-8")
+    _write_yaml(folder, name)
+
+
+def _hf_prefix(name: str) -> str:
+    """transformers' class prefix: "PPDocLayoutV3" for "PP-DocLayoutV3"."""
+    return name.replace("-", "")
+
+
 def write_safetensors(folder: Path, name: str, small: bool) -> None:
-    """`model.safetensors` + `config.json` + `inference.yml` (paddle dynamic)."""
+    """The `_safetensors` folder built with PaddleX's class (needs paddle)."""
+    import paddle
     from safetensors.numpy import save_file
 
+    paddle.seed(0)
     folder.mkdir(parents=True, exist_ok=True)
     network, config = _paddlex_model(name, small)
     state = {k: v.numpy() for k, v in network.get_hf_state_dict().items()}
     transposed = set(network.get_transpose_weight_keys())
     state = {k: (v.T.copy() if k in transposed else v) for k, v in state.items()}
-    save_file(state, str(folder / "model.safetensors"))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {**config, MARKER: True}
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    _write_yaml(folder, name)
+    _write_hf_extras(folder, name)
 
 
-def write(cache_home: Path, name: str = "PP-DocLayoutV3", *, small: bool = False) -> Path:
-    """Write the stand-in under `cache_home/official_models`; returns the static folder."""
-    import paddle
+def transformers_model(name: str, small: bool) -> Any:
+    """transformers' own `PPDocLayoutV3ForObjectDetection` (or V2) from the official config,
+    random weights, class heads silenced, marked as the stand-in (needs torch +
+    transformers, not paddle)."""
+    import torch
+    import transformers
 
-    paddle.seed(0)  # the same weights on every run
+    prefix = _hf_prefix(name)
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForObjectDetection")
+    torch.manual_seed(0)  # the same weights on every run
+    config = config_cls(**official_config(name, small))
+    setattr(config, MARKER, True)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if _is_class_head_bias(key):
+                param.fill_(HEAD_BIAS)
+    return model
+
+
+def write_transformers(folder: Path, name: str, small: bool) -> None:
+    """The `_safetensors` folder built with transformers' class (torch, no paddle)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    transformers_model(name, small).save_pretrained(str(folder))
+    _write_hf_extras(folder, name)
+
+
+def write(cache_home: Path, name: str = "PP-DocLayoutV3", *, small: bool = False,
+          fmt: str = "paddle") -> Path:
+    """Write the stand-in under `cache_home/official_models` in format `fmt` (`FORMATS`);
+    returns the folder written last (paddle: the static one)."""
     models = cache_home / "official_models"
-    static = models / name
-    write_static(static, name, small)
-    write_safetensors(models / f"{name}_safetensors", name, small)
-    return static
+    static, hf = models / name, models / f"{name}_safetensors"
+    if fmt in ("transformers", "all"):
+        write_transformers(hf, name, small)
+    if fmt in ("paddle", "all"):
+        import paddle
+
+        paddle.seed(0)  # the same weights on every run
+        write_static(static, name, small)
+        if fmt == "paddle":
+            write_safetensors(hf, name, small)
+        return static
+    return hf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,8 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=MODELS, default=MODELS[0])
     parser.add_argument("--small", action="store_true",
                         help="a reduced network for tests (same detections, far cheaper)")
+    parser.add_argument("--format", choices=FORMATS, default=FORMATS[0],
+                        help="paddle: <name>/ (static) and <name>_safetensors/ made with "
+                             "paddle; transformers: <name>_safetensors/ made with torch, no "
+                             "paddle needed; all: both folders, the latter made with torch")
     args = parser.parse_args(argv)
-    folder = write(args.cache_home, args.model, small=args.small)
+    folder = write(args.cache_home, args.model, small=args.small, fmt=args.format)
     print(folder)
     return 0
 
