@@ -92,7 +92,7 @@ def test_paddles_gpu_build_comes_first_on_the_gpu() -> None:
 @pytest.mark.quick
 def test_a_gpu_without_room_leaves_the_layout_model_on_the_cpu() -> None:
     choice = pick(TORCH_CUDA, card(), room=0)
-    assert (choice.engine, choice.device) == ("paddle", "cpu")
+    assert (choice.engine, choice.device, choice.threads) == ("transformers", "cpu", 2)
     assert "no room" in choice.why
 
 
@@ -109,16 +109,16 @@ def test_layout_device_cpu_wins_over_a_free_gpu() -> None:
 
 
 @pytest.mark.quick
-def test_cpu_engine_order_and_the_transformers_fallback() -> None:
-    onnx = Installed(frozenset({"onnxruntime", "transformers"}), frozenset())
-    choice = pick(onnx)
-    assert choice.engine == "onnxruntime"
-    assert choice.common_args()["engine_config"] == {"intra_op_num_threads": 2}
-    assert choice.model_folder == "PP-DocLayoutV3_onnx"
-    torch_only = pick(Installed(frozenset({"transformers"}), frozenset()))
-    # PaddleX's transformers engine takes no thread count: none is claimed.
-    assert (torch_only.engine, torch_only.threads) == ("transformers", None)
-    assert torch_only.model_folder == "PP-DocLayoutV3_safetensors"
+def test_on_the_cpu_torch_comes_first_then_paddle_then_onnxruntime() -> None:
+    everything = pick(Installed(frozenset({"paddle", "onnxruntime", "transformers"}), frozenset()))
+    assert (everything.engine, everything.threads) == ("transformers", 2)
+    assert everything.model_folder == "PP-DocLayoutV3_safetensors"
+    # PaddleX's transformers engine takes no thread count: the worker holds torch to it.
+    assert everything.common_args() == {"engine": "transformers", "device": "cpu"}
+    assert pick(Installed(frozenset({"paddle", "onnxruntime"}), frozenset())).engine == "paddle"
+    onnx = pick(Installed(frozenset({"onnxruntime"}), frozenset()))
+    assert onnx.common_args()["engine_config"] == {"intra_op_num_threads": 2}
+    assert onnx.model_folder == "PP-DocLayoutV3_onnx"
 
 
 @pytest.mark.quick
@@ -260,3 +260,12 @@ def test_model_folders_are_paddlexs_download_names() -> None:
         for engine, fmt in formats.items():
             choice = LayoutChoice(model, engine, "cpu", None, 1, "test")
             assert choice.model_folder == _format_download_model_name(model, fmt)
+
+
+def test_a_torch_worker_on_the_cpu_keeps_to_its_threads() -> None:
+    torch = pytest.importorskip("torch")
+    choice = pick(Installed(frozenset({"transformers"}), frozenset()), cores=8, workers=3)
+    choice.limit_threads()
+    assert torch.get_num_threads() == choice.threads == 2, (
+        "each CPU layout worker must hold torch to its share of the cores, or the workers' "
+        "threads fight over them")

@@ -41,11 +41,12 @@ INSTALL = {"paddle": "pip install 'ocrvl-daemon[cpu]' (PaddlePaddle's CPU build)
 # A file each engine's model folder must hold (any one of them) for PaddleX to load it.
 MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
                "onnxruntime": ("inference.onnx",), "transformers": ("model.safetensors",)}
-# Preference among installed engines. CPU: paddle static measured fastest on the stand-in;
-# ONNX Runtime could not be measured (paddle2onnx cannot convert the graph), torch eager is
-# last. GPU: PaddlePaddle's own GPU build runs the official graph; torch + transformers is
-# what a PyPI-only install gets (`[gpu-layout]`); onnxruntime-gpu needs matching cuDNN.
-CPU_ORDER = ("paddle", "onnxruntime", "transformers")
+# Preference among installed engines. CPU: torch eager (transformers) measured about twice as
+# fast as paddle static on the stand-in at 1 and 2 threads (bench/RESULTS.md, "Layout model
+# on the CPU"); ONNX Runtime could not be measured (paddle2onnx cannot convert the graph).
+# GPU: PaddlePaddle's own GPU build runs the official graph; torch + transformers is what a
+# PyPI-only install gets (`[gpu-layout]`); onnxruntime-gpu needs matching cuDNN.
+CPU_ORDER = ("transformers", "paddle", "onnxruntime")
 GPU_ORDER = ("paddle", "transformers", "onnxruntime")
 # GPU memory the layout model takes beside the server, per worker process (each loads its
 # own), in MiB: fp32 at batch 1, the process's CUDA context, 33.2 M parameters x 4 bytes
@@ -144,11 +145,20 @@ class LayoutChoice:
         """The arguments of paddleocr's models and pipelines (`engine`, `device`, threads)
         that run the layout model this way."""
         args: dict[str, Any] = {"engine": self.paddlex_engine, "device": self.device}
-        if self.threads is not None:
+        if self.threads is not None and self.engine != "transformers":
             args["cpu_threads"] = self.threads  # paddle_static's engine config is built from it
             if self.engine == "onnxruntime":
                 args["engine_config"] = {"intra_op_num_threads": self.threads}
         return args
+
+    def limit_threads(self) -> None:
+        """Hold torch to this choice's threads in this process: PaddleX's transformers engine
+        takes no thread count, and torch would otherwise start a thread per core in every
+        worker, each worker's threads fighting the others' for the same cores."""
+        if self.engine == "transformers" and self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def describe(self) -> str:
         """E.g. "PP-DocLayoutV3 on cpu (paddle_static, 2 threads)"."""
@@ -260,9 +270,7 @@ def _on_cpu(model: str, engine: str, installed: Installed, cores: int, workers: 
             f"{INSTALL['paddle' if engine == AUTO else engine]}, or set "
             "pipeline.use_layout_detection: false to send pages whole")
     count, threads = cpu_layout_plan(cores, workers)
-    # PaddleX's transformers engine takes no thread count: torch uses its own.
-    return LayoutChoice(model, usable[0], "cpu", None if usable[0] == "transformers" else threads,
-                        count, why)
+    return LayoutChoice(model, usable[0], "cpu", threads, count, why)
 
 
 def cpu_count() -> int:

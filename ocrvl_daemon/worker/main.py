@@ -77,7 +77,8 @@ def has_ink(image: np.ndarray) -> bool:
 
 def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
     """Constructor arguments of `PaddleOCRVL` for this configuration; the layout model's
-    engine, device and threads are chosen here (`autotune.layout_choice`) and logged."""
+    engine, device and threads are chosen here (`autotune.layout_choice`), logged, and
+    torch's threads held to the choice (`LayoutChoice.limit_threads`)."""
     p = config.pipeline
     kwargs: dict[str, Any] = {
         "pipeline_version": config.model.vl_model.pipeline_version,
@@ -102,6 +103,7 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         # engine (PaddleX drops the engine for a sub-model with a server backend).
         layout = layout_choice(config)
         log.info("layout: %s", layout.describe())
+        layout.limit_threads()
         return kwargs | layout.common_args()
     # The page is the one block, which merging leaves as it is, after copying the whole page
     # image twice to measure it (~6.5 ms of CPU a page).
