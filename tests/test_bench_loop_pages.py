@@ -64,7 +64,11 @@ def test_a_looping_page_repeats_the_phrase_and_the_others_end_at_their_length(
     processor.update_state(batch(added=[(0, GREEDY, [7] * loops, looping_out),
                                         (1, GREEDY, [7] * plain, plain_out),
                                         (2, BREAK_LOOPS, [7] * loops, again_out)]))
-    assert processor.due == [(0, cycle[0])], "only the looping page is forced at first"
+    text = processor.text
+    assert processor.due == [(0, cycle[0]),
+                             (1, text[processor.text_start(plain)]),
+                             (2, text[processor.text_start(loops)])], \
+        "the looping page starts its phrase, the others (and the retry) their text"
     for step in range(1, 3 * len(cycle)):
         looping_out.append(cycle[(step - 1) % len(cycle)])
         processor.update_state(None)
@@ -83,8 +87,10 @@ def test_rows_follow_the_batchs_removals_and_moves() -> None:
     a_out, b_out = [5] * 5000, [5]
     processor.update_state(batch(added=[(0, GREEDY, [7] * 1200, a_out),
                                         (1, GREEDY, [7] * 1300, b_out)]))
-    assert processor.due == [(0, processor.eos)]
+    b_token = processor.text[processor.text_start(1300) + 1]
+    assert processor.due == [(0, processor.eos), (1, b_token)]
     processor.update_state(batch(moved=[(0, 1, MoveDirectionality.SWAP)]))
-    assert processor.due == [(1, processor.eos)], "swapped rows keep their requests"
+    assert sorted(processor.due) == [(0, b_token), (1, processor.eos)], \
+        "swapped rows keep their requests"
     processor.update_state(batch(removed=[1]))
-    assert processor.due == [] and set(processor.rows) == {0}
+    assert processor.due == [(0, b_token)] and set(processor.rows) == {0}

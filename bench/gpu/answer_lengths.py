@@ -1,11 +1,33 @@
-"""A vLLM (0.26, v1 engine) logits processor that ends every answer at a realistic length.
+"""A vLLM (0.26, v1 engine) logits processor that makes a model with random weights answer
+text, of a realistic length.
 
 A model with random weights never emits EOS, so every answer would run to its token limit
-and every page would cost the same: B2's bursts would look nearly optimal. This processor
-forces EOS once a request has `AnswerLengths.length(len(prompt))` tokens: the length is
-drawn per page (see bench/gpu/lengths.py), the same for every client and order. Per step it
-costs one pass over the running requests in Python and, only when some are due, one small
-index write. Subclasses choose other tokens per request (`script`: bench.gpu.loop_pages).
+and every page would cost the same: B2's bursts would look nearly optimal. Nor does it emit
+text: its greedy argmax is a degenerate, repetitive token stream, which ocrvl's loop
+detector (`pipeline.stop_loops_early`) rightly stops early and redoes with a repetition
+penalty, so ocrvl would generate a fifth of the tokens B2 does. This processor chooses the
+token of every step of every request (the model's forward still runs on every step):
+
+- the answer is a window of `prose` (words, punctuation, numbers, paragraphs: one token a
+  character of the dummy tokenizer, `bench.gpu.dummy_model.char_tokens`), which reads to
+  ocrvl's quality checks like a page of text (zlib ratio ~2, a loop is 8);
+- it ends with EOS once it has `AnswerLengths.length(len(prompt))` tokens: the length is
+  drawn per page (see bench/gpu/lengths.py), the same for every client and order.
+
+The prose is one text of TEXT_TOKENS characters drawn once from the lengths' SEED; a request
+reads it from an offset drawn, like its length, from SEED and its prompt length (the page
+image's token count). So a page gets the same answer, text and length, from every client in
+any order and batch position, and its retry with a repetition penalty gets it again (a text
+that does not loop). Subclasses choose other tokens per request (`script`:
+bench.gpu.loop_pages, whose looping pages repeat a phrase).
+
+Per step it costs one Python pass over the running requests (a closure call each, ~0.3 us),
+one asynchronous copy of their (row, token) pairs from pinned memory and one indexed write
+of one logit a request (set to FORCED_LOGIT): no host synchronisation, a few microseconds of
+GPU time, against the milliseconds of the forward. FORCED_LOGIT outweighs any logit of the
+net (dummy weights give logits near 0), so greedy argmax picks the token, and so does
+sampling (the others' probabilities underflow to 0 in float32), before and after vLLM's
+repetition penalty (which divides it by 1.05 or 1.15).
 
     vllm serve DIR --load-format dummy \
         --logits-processors bench.gpu.answer_lengths:LognormalAnswerLengths
@@ -16,9 +38,12 @@ from __future__ import annotations
 
 import enum
 import os
+import random
+import string
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from bench.gpu.dummy_model import char_tokens
 from bench.gpu.lengths import DEFAULT, ENV, AnswerLengths
 
 try:
@@ -39,26 +64,87 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 EOS = 2  # ERNIE-4.5's </s>, where the config does not say
+FORCED_LOGIT = 1.0e4  # the chosen token's logit (the net's are near 0)
+TEXT_TOKENS = 1 << 16  # the prose's length: far above an answer's (at most 4096 tokens)
 
 # What a request's row forces, given its output so far: a token id, or None (leave it).
 Script = Callable[[Sequence[int]], "int | None"]
 
+# English letter frequencies (per mille), so words look like words to a compressor.
+LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
+LETTER_WEIGHTS = [127, 91, 82, 75, 70, 67, 63, 61, 60, 43, 40, 28, 28, 24, 24, 22, 20, 20,
+                  20, 15, 10, 8, 2, 2, 1, 1]  # fmt: skip
+WORD_LENGTHS = range(1, 13)
+WORD_LENGTH_WEIGHTS = [3, 17, 20, 16, 12, 10, 8, 6, 4, 2, 1, 1]
+
+
+def prose(seed: str, size: int = TEXT_TOKENS) -> str:
+    """`size` characters of text-like prose drawn with `seed`: words of English letter
+    frequencies, capitalised sentences with commas, some numbers, paragraphs, now and then a
+    Markdown heading. Printable ASCII, spaces and newlines only."""
+    rng = random.Random(f"{seed}:prose")
+    parts: list[str] = []
+    chars = 0
+
+    def word() -> str:
+        if rng.random() < 0.05:  # a number: a year, a figure, a share
+            kind = rng.random()
+            if kind < 0.4:
+                return str(rng.randrange(1800, 2030))
+            if kind < 0.7:
+                return f"{rng.randrange(100)}.{rng.randrange(10)}"
+            return f"{rng.randrange(1, 100)}%"
+        n = rng.choices(WORD_LENGTHS, WORD_LENGTH_WEIGHTS)[0]
+        return "".join(rng.choices(LETTERS, LETTER_WEIGHTS, k=n))
+
+    def sentence() -> str:
+        words = [word() for _ in range(rng.randrange(5, 22))]
+        words[0] = words[0].capitalize()
+        for i in range(len(words) - 1):
+            if rng.random() < 0.07:
+                words[i] += rng.choice(",,,;:")
+        return " ".join(words) + rng.choice("....?!")
+
+    while chars < size:
+        if rng.random() < 0.1:
+            head = " ".join(word() for _ in range(rng.randrange(1, 6))).capitalize()
+            paragraph = "#" * rng.randrange(1, 4) + " " + head
+        else:
+            paragraph = " ".join(sentence() for _ in range(rng.randrange(1, 7)))
+        parts.append(paragraph + "\n\n")
+        chars += len(parts[-1])
+    text = "".join(parts)[:size]
+    assert set(text) <= set(string.ascii_letters + string.digits + string.punctuation + " \n")
+    return text
+
 
 class LognormalAnswerLengths(LogitsProcessor):
-    """Forces EOS at each request's drawn length (see the module's docstring)."""
+    """Forces every request's answer token by token: prose, then EOS at its drawn length
+    (see the module's docstring)."""
 
     def __init__(self, vllm_config: VllmConfig | None, device: Any = None,
                  is_pin_memory: bool = False) -> None:  # fmt: skip
         self.eos = eos_token(vllm_config)
+        self.device = device
+        self.pin_memory = is_pin_memory
         self.lengths = AnswerLengths.parse(os.environ.get(ENV, DEFAULT))
+        self.text = char_tokens(prose(str(self.lengths.seed)))
         self.rows: dict[int, tuple[Script, list[int]]] = {}  # row -> (script, output ids)
         self.due: list[tuple[int, int]] = []  # (row, token) forced in the next step
 
+    def text_start(self, page: int) -> int:
+        """Where the answer of the page whose prompt is `page` tokens long starts in the
+        prose (drawn, like its length, with SEED and `page`)."""
+        return random.Random(f"{self.lengths.seed}:text:{page}").randrange(len(self.text))
+
     def script(self, prompt: Sequence[int], params: Any) -> Script:
-        """What the request with `prompt` and sampling `params` is made to answer: EOS at its
-        page's drawn length."""
-        n = self.lengths.length(len(prompt))
-        return lambda output: self.eos if len(output) + 1 >= n else None
+        """What the request with `prompt` and sampling `params` is made to answer: its page's
+        prose, then EOS at its page's drawn length (whatever `params` say)."""
+        page = len(prompt)
+        n, start = self.lengths.length(page), self.text_start(page)
+        text, eos = self.text, self.eos
+        size = len(text)
+        return lambda output: eos if len(output) + 1 >= n else text[(start + len(output)) % size]
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes which token wins, greedy sampling too
@@ -80,12 +166,11 @@ class LognormalAnswerLengths(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.due:
-            rows = torch.tensor([row for row, _ in self.due], device=logits.device,
-                                dtype=torch.long)  # fmt: skip
-            tokens = torch.tensor([token for _, token in self.due], device=logits.device,
-                                  dtype=torch.long)  # fmt: skip
-            logits[rows] = float("-inf")
-            logits[rows, tokens] = 0.0
+            # One copy of the (row, token) pairs, asynchronous from pinned memory (no host
+            # synchronisation), and one indexed write of a logit a row.
+            pairs = torch.tensor(self.due, dtype=torch.long, pin_memory=self.pin_memory)
+            pairs = pairs.to(logits.device, non_blocking=True)
+            logits[pairs[:, 0], pairs[:, 1]] = FORCED_LOGIT
         return logits
 
 

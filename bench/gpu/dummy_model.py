@@ -3,8 +3,9 @@
 For machines that cannot reach the model hub: the published config's shapes (so vLLM's
 memory use and speed are the real model's), a synthetic byte-fallback BPE tokenizer whose
 special tokens sit at the real ERNIE-4.5 ids, paddlex's chat template and an image-processor
-shim (`model_files/`). Random weights never emit EOS by themselves: serve with the
-`bench.gpu.answer_lengths` logits processor to end answers at realistic lengths.
+shim (`model_files/`). Random weights emit no text and never EOS by themselves: serve with
+the `bench.gpu.answer_lengths` logits processor, which makes every answer read like text
+(`char_tokens`: one token a character) and end at a realistic length.
 
     python -m bench.gpu.dummy_model DIR
 """
@@ -40,6 +41,22 @@ def vocabulary() -> dict[str, int]:
     for k, i in enumerate(free):
         vocab[f"<unused_{k}>"] = i
     return vocab
+
+
+def char_tokens(text: str, vocab: dict[str, int] | None = None) -> list[int]:
+    """`text` as this tokenizer's ids, one per character: printable ASCII as itself, the space
+    as `\u2581` (decoded as a space), other characters (the newline) as their UTF-8 bytes'
+    byte-fallback tokens (`<0x0A>`)."""
+    vocab = vocabulary() if vocab is None else vocab
+    ids: list[int] = []
+    for c in text:
+        if c == " ":
+            ids.append(vocab["\u2581"])
+        elif 33 <= ord(c) < 127:
+            ids.append(vocab[c])
+        else:
+            ids.extend(vocab[f"<0x{b:02X}>"] for b in c.encode("utf-8"))
+    return ids
 
 
 def tokenizer_json() -> dict[str, Any]:

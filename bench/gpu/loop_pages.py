@@ -7,8 +7,10 @@ closed once it loops). The pages that loop are chosen like the answer lengths: b
 request's prompt length (the page image's token count), seeded, so a page loops for every
 client, in any order. A request that carries the loop-breaking sampling parameter
 (`repetition_penalty` > 1, which ocrvl sends when it sends a looping page again) gets its
-ordinary answer instead, as the fake server does with `--loop-widths`. Other pages end at
-their drawn length (`answer_lengths.LognormalAnswerLengths`, whose drawing this reuses).
+ordinary answer instead, as the fake server does with `--loop-widths`. Other pages answer
+text that ends at their drawn length: `answer_lengths.LognormalAnswerLengths`, whose
+per-request scripts (a token forced at every step, chosen by the prompt length) this reuses;
+only a looping page's script differs.
 
     vllm serve DIR --load-format dummy \
         --logits-processors bench.gpu.loop_pages:LoopingAnswerLengths
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.gpu.answer_lengths import LognormalAnswerLengths, Script
-from bench.gpu.dummy_model import vocabulary
+from bench.gpu.dummy_model import char_tokens
 
 ENV = "OCRVL_BENCH_LOOP_PAGES"
 DEFAULT = "0.1:23"
@@ -63,8 +65,7 @@ class LoopingPages:
 
 def phrase_tokens() -> list[int]:
     """PHRASE as the dummy tokenizer's ids, one per character (the space is its `▁`)."""
-    vocab = vocabulary()
-    return [vocab["\u2581" if c == " " else c] for c in PHRASE]
+    return char_tokens(PHRASE)
 
 
 def loop_breaking(params: Any) -> bool:
