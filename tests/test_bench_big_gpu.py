@@ -125,3 +125,99 @@ def test_a_budget_too_small_starts_nothing_and_says_so(tmp_path: Path) -> None:
         ("x1", "budget: 1 replica start(s) would not fit"),
         ("mps-x2", "budget: 2 replica start(s) would not fit")]
     assert data["best_setting"] is None and data["b2_pages_per_s"] is None
+
+
+@pytest.mark.quick
+def test_every_server_failed_is_read_from_ocrvl_status() -> None:
+    from bench.gpu.replicas import all_failed
+
+    error = "server.python = python3 is not an executable Python"
+    failed = {"state": "failed", "last_error": error}
+    assert all_failed({"servers": [failed, {**failed, "last_error": None}]}) == error
+    assert all_failed({"servers": [failed, {"state": "starting"}]}) is None, "one may come up"
+    assert all_failed({"servers": [], "server": {"state": "starting"}}) is None
+    assert all_failed({"server": {"state": "failed", "last_error": "boom"}}) == "boom"
+    assert all_failed({}) is None
+
+
+def _fake_args(tmp_path: Path, **more: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(fake=True, model_dir=None, vllm_python=sys.executable,
+                           vllm_pythonpath="", pages=8, budget_s=540.0,
+                           results=tmp_path / "big_gpu.json", log_dir=tmp_path / "logs", **more)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_daemon_whose_servers_all_failed_is_not_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On the H100 every replica went to "failed" (server.python = python3) and big_gpu
+    waited for "ready" until its budget ran out: the row is now `failed: <last_error>` as
+    soon as `ocrvl status --json` shows every server failed, and the next setting runs."""
+    import time
+
+    from bench.gpu.replicas import ReplicaDaemon
+    from testkit.documents import make_pdf
+
+    missing = str(tmp_path / "no-such-vllm")
+
+    class Broken(ReplicaDaemon):
+        def __init__(self, n: int, work: Path, args: Any, server: Any = None) -> None:
+            if "x1" in work.name:  # x1's servers cannot start; x2's can
+                server = {**(server or {}), "command": [missing, "--port", "{port}"]}
+            super().__init__(n, work, args, server)
+
+    monkeypatch.setattr(big_gpu, "ReplicaDaemon", Broken)
+    (tmp_path / "logs").mkdir()
+    res: dict[str, Any] = {"date": "d", "gpu": "g", "pages": 8, "rows": []}
+    book = make_pdf(tmp_path / "book.pdf", 8, height=792, seed=1)
+    t0 = time.monotonic()
+    big_gpu.Runner(_fake_args(tmp_path), tmp_path, book, res).run(big_gpu.chosen("x1,mps-x2"))
+    rows = {r["setting"]: r for r in res["rows"]}
+    assert rows["x1"].get("skipped", "").startswith("failed: "), rows["x1"]
+    assert "no-such-vllm" in rows["x1"]["skipped"] or "not" in rows["x1"]["skipped"], rows
+    assert rows["mps-x2"].get("pages_per_s"), f"the next setting should still run: {rows}"
+    assert time.monotonic() - t0 < 200, "the failed daemon was waited for"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_dry_run_stops_its_daemon_and_the_servers_it_manages(tmp_path: Path) -> None:
+    """SIGTERM to big_gpu while its `ocrvl run` daemon serves: the daemon and its (fake)
+    servers are gone afterwards, not only the bench."""
+    import signal
+
+    import psutil
+
+    from testkit.harness import wait_until
+
+    err = tmp_path / "err"
+    with err.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.gpu.big_gpu", "--fake", "--pages",
+                                 "8", "--settings", "x2", "--results", str(tmp_path / "r.json"),
+                                 "--log-dir", str(tmp_path / "logs")], cwd=PACKAGE_ROOT,
+                                stdout=subprocess.DEVNULL, stderr=out)  # fmt: skip
+    seen: list[psutil.Process] = []
+    try:
+        def servers_up() -> bool:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            servers = [p for p in kids if "testkit.fake_server" in " ".join(p.cmdline())]
+            if len(servers) >= 2:
+                seen[:] = kids
+                return True
+            return False
+
+        wait_until(servers_up, 200, interval=0.2, what="the daemon's two fake servers",
+                   ignore=(psutil.Error,))  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        wait_until(lambda: not [p for p in seen if p.is_running()
+                                and p.status() != psutil.STATUS_ZOMBIE], 60, interval=0.2,
+                   what="every process the bench started gone", ignore=(psutil.Error,))
+    finally:
+        proc.kill()
+        proc.wait()
+        for p in seen:
+            with __import__("contextlib").suppress(psutil.Error):
+                p.kill()

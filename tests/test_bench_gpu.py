@@ -384,3 +384,271 @@ def test_gpu_bench_layout_on_against_the_fake_server(layout_cache: Path, tmp_pat
     assert any("cpu (paddle_static" in line for line in convert["layout"]), (
         f"ocrvl convert did not run the layout model as asked: {convert['layout']}")
     assert "Targets:" in proc.stdout and "ocrvl convert >= 1.3x B2: not run" in proc.stdout
+
+
+# --- a stopped bench stops what it started; --vllm-python; the layout-on budget -------------
+
+FAKE_VLLM_MAIN = '''"""Stands in for `python -m vllm.entrypoints.cli.main serve MODEL ...`:
+testkit's fake server on the same port (the vLLM flags it does not know are ignored)."""
+import sys
+
+from testkit.fake_server.cli import main
+
+args = sys.argv[1:]
+if args[:1] == ["serve"]:
+    args = args[2:]
+sys.exit(main(args))
+'''
+
+
+def fake_vllm_site(root: Path) -> Path:
+    """A PYTHONPATH entry whose `vllm.entrypoints.cli.main` is testkit's fake server."""
+    pkg = root / "vllm" / "entrypoints" / "cli"
+    pkg.mkdir(parents=True)
+    for folder in (root / "vllm", root / "vllm" / "entrypoints", pkg):
+        (folder / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(FAKE_VLLM_MAIN)
+    return root
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_bench_stopped_by_a_signal_stops_the_vllm_server_it_started(
+        tmp_path: Path, sig: str) -> None:  # fmt: skip
+    """`timeout 500 python3 -m bench.gpu ...` on the H100: killed at its limit, its vLLM (a
+    session of its own) lived on with 41 GB and the next bench's vLLM could not start."""
+    import psutil
+
+    site = fake_vllm_site(tmp_path / "site")
+    err = tmp_path / "bench.err"
+    with err.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.gpu", "--model-dir", str(tmp_path / "model"),
+             "--vllm-pythonpath", str(site), "--pages", "4", "--only", "capacity",
+             "--rounds", "500", "--concurrency", "4", "--results", str(tmp_path / "r.json"),
+             "--log-dir", str(tmp_path / "logs")],
+            cwd=ROOT, env=ocrvl_env(), stdout=subprocess.DEVNULL, stderr=out)  # fmt: skip
+    server: list[int] = []
+    try:
+        wait_until(lambda: "vLLM ready in" in err.read_text() or proc.poll() is not None, 120,
+                   what="the fake vLLM ready")  # fmt: skip
+        assert proc.poll() is None, err.read_text()[-3000:]
+        server = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "vllm.entrypoints.cli.main" in " ".join(p.cmdline())]  # fmt: skip
+        assert server, "the bench's vLLM was not found among its children"
+        assert os.getpgid(server[0]) == server[0] != os.getpgid(proc.pid), (
+            "vLLM should lead a process group of its own (its engine core goes with it)")
+        proc.send_signal(getattr(__import__("signal"), sig))
+        proc.wait(90)
+        wait_until(lambda: _gone(server[0]), 60, interval=0.1,
+                   what=f"the vLLM server {server[0]} gone after the bench's {sig}")  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in server:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(pid, 9)
+    assert f"signal {getattr(__import__('signal'), sig).value}: stopping" in err.read_text()
+
+
+@pytest.mark.quick
+def test_vllm_python_is_passed_on_as_an_absolute_executable(tmp_path: Path) -> None:
+    """`--vllm-python python3`: ocrvl's managed server refuses a bare name for server.python
+    (every replica "failed"), so every bench resolves it on its PATH first."""
+    from bench.gpu.run import parse_args
+    from bench.gpu.vllm_server import managed_vllm, model_dir_parser
+
+    found = shutil.which("python3")
+    assert found
+    args = parse_args(["--model-dir", "m", "--vllm-python", "python3"])
+    assert args.vllm_python == os.path.abspath(found)
+    ap = model_dir_parser("x", None)
+    assert ap.parse_args(["--model-dir", "m", "--vllm-python", "python3"]).vllm_python \
+        == os.path.abspath(found)
+    assert os.path.isabs(ap.parse_args(["--model-dir", "m"]).vllm_python)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model-dir", "m", "--vllm-python", "no-such-python-here"])
+    assert managed_vllm("m", "python3", "", 8000)["server"]["python"] == os.path.abspath(found)
+    with pytest.raises(ValueError, match="not an executable Python"):
+        managed_vllm("m", str(tmp_path / "nothing"), "", 8000)
+
+
+@pytest.mark.quick
+def test_the_layout_on_budget_runs_parts_by_importance_and_skips_what_does_not_fit(
+        tmp_path: Path) -> None:  # fmt: skip
+    from types import SimpleNamespace
+
+    from bench.gpu import layout_on
+
+    plan = layout_on.estimates({"cpu", "small", "run", "convert", "b2", "capacity", "alone"},
+                               "gpu:0", 64, 1, 10, 12, [4, 8, 16], 16)  # fmt: skip
+    assert [p for p, _ in plan] == ["alone", "capacity", "b2", "convert", "run", "small",
+                                    "cpu 4", "cpu 8", "cpu 16"], "layout alone first, CPU last"
+    cost = dict(plan)
+    # the H100 run of 2026-12-05: capacity 22 s, B2 40 s, convert 46 s, run 44 s (64 pages)
+    assert 20 < cost["capacity"] < cost["b2"] < cost["run"] < cost["convert"] < 60
+    assert cost["alone"] < 60, "layout alone is bounded (pages and seconds)"
+    assert cost["cpu 4"] > cost["cpu 16"], "fewer cores, slower"
+    # the run that overran: alone first (before vLLM), then vLLM and the contenders
+    total = cost["alone"] + layout_on.server_s(64) + sum(cost[c] for c in
+                                                         ("capacity", "b2", "convert", "run"))
+    assert total < 500, "the 500 s limit holds layout alone, vLLM and the four contenders"
+
+    now = [0.0]
+    budget = layout_on.Budget(100, clock=lambda: now[0])
+    args = SimpleNamespace(budget_s=100, results=tmp_path / "r.json")
+    res: dict[str, Any] = {"results": {}}
+    run = layout_on.LayoutRun(args, res, {}, budget)  # type: ignore[arg-type]
+    assert run.fits("alone", 60)
+    now[0] = 50
+    assert not run.fits("capacity", 60) and run.fits("b2", 50)
+    assert res["skipped"] == {"capacity": "skipped: budget"}
+    assert json.loads(args.results.read_text())["layout_on"]["skipped"] == res["skipped"], (
+        "a skipped part is written at once")
+    assert layout_on.Budget(None).fits(1e9), "no budget: everything runs"
+
+
+@pytest.mark.quick
+def test_a_layout_alone_measurement_is_bounded_in_time() -> None:
+    from bench.gpu.layout_on import ALONE_MAX_PAGES, detect_within
+
+    calls: list[int] = []
+
+    def slow(image: int) -> int:
+        calls.append(image)
+        time.sleep(0.02)
+        return 3
+
+    start, end, pages, blocks = detect_within(slow, list(range(1000)), 0.1)
+    assert 1 <= pages < 20 and blocks == 3 * pages and end - start < 1, (pages, end - start)
+    assert detect_within(lambda i: 1, [1, 2, 3], 60)[2:] == (3, 3)
+    assert ALONE_MAX_PAGES <= 64
+
+
+# --- the lease plan (bench.gpu.lease) ----------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_the_lease_splits_its_budget_in_priority_order() -> None:
+    from bench.gpu import lease
+
+    steps = lease.chosen("layout, mps,rerun,loops,small-card")
+    assert [s.name for s in steps] == ["layout", "mps", "rerun", "loops", "small-card"]
+    assert [s.name for s in lease.chosen("loops,layout,loops")] == ["loops", "layout"]
+    with pytest.raises(ValueError, match="unknown step"):
+        lease.chosen("layout,nope")
+    grace = lease.GRACE_S
+    # 25 minutes: layout and mps get their estimates, rerun what is left, the rest nothing
+    shares = dict(lease.split(steps, 1500))
+    assert shares["layout"] == lease.STEPS["layout"].estimate_s
+    assert shares["mps"] == lease.STEPS["mps"].estimate_s
+    left = 1500 - shares["layout"] - shares["mps"] - 2 * grace
+    assert shares["rerun"] is None if left - grace < lease.STEPS["rerun"].minimum_s else \
+        shares["rerun"] == min(lease.STEPS["rerun"].estimate_s, left - grace)
+    used = sum(s + grace for s in shares.values() if s is not None)
+    assert used <= 1500, "every share with its grace fits the budget"
+    assert lease.share_s(lease.STEPS["loops"], 100) is None, "below its minimum: skipped"
+    assert lease.share_s(lease.STEPS["loops"], 10_000) == lease.STEPS["loops"].estimate_s
+    assert lease.share_s(lease.STEPS["loops"], 300 + grace) == 300, "what is left, if less"
+    assert lease.rerun_estimate_s(5) > lease.rerun_estimate_s(2)
+
+
+@pytest.mark.quick
+def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path) -> None:
+    from bench.gpu import lease
+
+    line = lease.progress_line("layout", "start (share 780 s)", now=0)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d layout: start \(share 780 s\)", line), line
+    progress = lease.Progress(tmp_path / "progress.txt")
+    progress("mps", "done (exit 0) in 500 s")
+    progress("rerun", "skipped: budget")
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [x.split(" ", 1)[1] for x in lines] == ["mps: done (exit 0) in 500 s",
+                                                   "rerun: skipped: budget"]
+    args = lease.parse_args(["--budget-s", "1500", "--out", str(tmp_path / "out"),
+                             "--model-dir", str(tmp_path / "model"), "--layout-cache",
+                             str(tmp_path / "lm"), "--vllm-python", "python3",
+                             "--vllm-pythonpath", "/tmp/site"])  # fmt: skip
+    assert os.path.isabs(args.vllm_python) and os.path.isabs(args.python)
+    layout = lease.commands("layout", args, 780)
+    assert layout[0][1:] == ["-m", "bench.gpu.dummy_model", str(tmp_path / "model")]
+    assert layout[1][1:] == ["-m", "testkit.layout_model", str(tmp_path / "lm"), "--format",
+                             "transformers"], "the stand-in is written where it is missing"
+    main = layout[-1]
+    assert main[1:4] == ["-m", "bench.gpu", "--model-dir"] and "--layout" in main
+    assert main[main.index("--layout-device") + 1] == "gpu:0"
+    assert main[main.index("--layout-engine") + 1] == "transformers"
+    assert float(main[main.index("--budget-s") + 1]) < 780, "the bench's own budget"
+    assert main[main.index("--results") + 1] == str(tmp_path / "out" / "layout.json")
+    assert main[main.index("--vllm-pythonpath") + 1] == "/tmp/site"
+    mps = lease.commands("mps", args, 540)[-1]
+    assert mps[2] == "bench.gpu.big_gpu" and "mps-x3,mps-x4,x2" in mps and "256" in mps
+    rerun = lease.commands("rerun", args, 600)[-1]
+    assert rerun[2] == "bench.gpu" and "--layout" not in rerun
+    assert rerun[rerun.index("--concurrency") + 1] == "128" and "--rounds" in rerun
+    assert lease.commands("loops", args, 300)[-1][2] == "bench.gpu.loop_savings"
+    small = lease.commands("small-card", args, 300)[-1]
+    assert small[2] == "bench.gpu.small_card" and "--layout" in small
+
+
+STUB_BENCH = '''
+import os, signal, subprocess, sys, time
+# like a bench that started vLLM in a session of its own, then hung deaf to SIGTERM
+server = subprocess.Popen([sys.executable, "-m", "testkit.fake_server", "--port", sys.argv[1]],
+                          start_new_session=True)
+open(sys.argv[2], "w").write(str(server.pid))
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    time.sleep(1)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_lease_step_cut_at_its_deadline_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A step that outlives its share is SIGTERMed, then SIGKILLed, and every process it
+    started (here a fake server in a session of its own, as vLLM is) is ended; progress.txt
+    says so and the lease goes on to the next step."""
+    import psutil
+
+    from testkit.harness import answers_health
+
+    port = free_port()
+    pid_file = tmp_path / "server.pid"
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB_BENCH)
+    out = tmp_path / "lease"
+    env = ocrvl_env(OCRVL_LEASE_STUB_COMMAND=f"{sys.executable} {stub} {port} {pid_file}")
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.lease", "--budget-s", "60", "--out", str(out),
+         "--plan", "stub", "--share", "stub=8", "--grace-s", "2", "--model-dir",
+         str(tmp_path / "model")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, check=False)  # fmt: skip
+    server = int(pid_file.read_text())
+    try:
+        assert _gone(server), "the step's server outlived the lease"
+        assert not answers_health(f"http://127.0.0.1:{port}")
+        progress = (out / "progress.txt").read_text()
+        for said in ("stub: start (share 8 s", "stub: deadline: SIGTERM",
+                     "stub: still there 2 s after SIGTERM: SIGKILL",
+                     "stub: ended 1 leftover process(es)", "stub: cut (exit None)",
+                     "lease: end after", "processes of ours left: 0"):  # fmt: skip
+            assert said in progress, f"{said!r} not in progress.txt:\n{progress}"
+        assert re.search(r"^\d\d:\d\d:\d\d stub: start", progress, re.M), progress
+        assert (out / "stub.log").exists(), "the step's output is kept under --out"
+        assert done.returncode == 1, "a step that was cut is not a success"
+        assert time.monotonic() - t0 < 60
+    finally:
+        with __import__("contextlib").suppress(psutil.Error):
+            psutil.Process(server).kill()

@@ -39,8 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.replicas import ReplicaDaemon, gpu_memory_used_mib
+from bench.gpu.replicas import ReplicaDaemon, ServersFailed, gpu_memory_used_mib
 from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
+from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, model_dir_parser, version
 from ocrvl_daemon.server.autotune import ReplicaRule
 from ocrvl_daemon.server.gpu import read_gpus
@@ -149,10 +150,11 @@ def rule_row(rows: list[dict[str, Any]], card_mib: int | None) -> str | None:
     plain = [r for r in rows if r.get("pages_per_s") and not r["vllm_args"]
              and not r["pipeline"]]  # fmt: skip
     by_mps = {m: best([r for r in plain if r["mps_used"] is m]) for m in (False, True)}
-    if card_mib is None or by_mps[False] is None:
+    plain_best = by_mps[False]
+    if card_mib is None or plain_best is None:
         return None
-    mps = by_mps[True] or by_mps[False]
-    return repr(ReplicaRule(card_mib, by_mps[False]["replicas"], mps["replicas"]))
+    mps = by_mps[True] or plain_best
+    return repr(ReplicaRule(card_mib, plain_best["replicas"], mps["replicas"]))
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +237,10 @@ class Runner:
                         else:
                             self.measure(setting, daemon, started)
                         done.add(setting.name)
+            except ServersFailed as exc:  # ocrvl gave up on every server: on to the next
+                log(f"failed: every server: {exc.last_error}")
+                self.skip([s for s in group if s.name not in done],
+                          f"failed: {exc.last_error[:300]}")  # fmt: skip
             except (RuntimeError, AssertionError) as exc:  # a start or a convert that failed
                 log(f"failed: {exc}")
                 said = [line for line in str(exc).splitlines() if line.strip()] or ["?"]
@@ -326,6 +332,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:

@@ -19,12 +19,15 @@ One vLLM server, one `make_layout_pdf` book, and in one run:
   small     two-page layout documents alone, then under a book
   alone     the layout model alone: as many processes as ocrvl runs workers, each built as
             the pipeline builds it and called as the pipeline calls it, pages rendered ahead
+            (before vLLM starts; at most ALONE_MAX_PAGES pages and ALONE_MAX_S s)
   cpu       the layout model on the CPU with ocrvl held to 4, 8 and all cores
             (sched_setaffinity on ocrvl, inherited by its workers, whose own plan follows
             the cores they see): layout alone, then `ocrvl convert` of --cpu-pages pages
 
 Results go under `layout_on` in --results (the layout-off figures in the same file are
-kept), written after every contender.
+kept), written after every contender. `--budget-s N`: the parts in the order alone,
+capacity, B2, convert, run, small, cpu, each skipped ("skipped: budget", under `skipped`)
+where its estimate (the H100's figures below) would end after N seconds.
 """
 
 from __future__ import annotations
@@ -73,6 +76,26 @@ CONTENDERS = ("capacity", "b2", "convert", "run")
 # for any other model): on every child's PYTHONPATH where the checkout has it.
 STANDIN_SITE = Path(__file__).resolve().parents[2] / "testkit" / "layout_standin_site"
 LAYOUT_SPEED = Path(__file__).resolve().parents[1] / "layout_speed.py"
+# Each layout-alone measurement is bounded: at most this many pages (of the book's, dealt to
+# the processes) and, in each process, this many seconds of detection (its set-up apart).
+ALONE_MAX_PAGES = 64
+ALONE_MAX_S = 20.0
+# --budget-s estimates, from the H100 run of 2026-12-05 (64-page book, transformers on
+# gpu:0): vLLM start 133 s, blocks capture 29 s, capacity 22 s, B2 40 s, run 44 s, convert
+# 46 s, 10 small documents 2 min; the layout model alone, one process, measured by hand:
+# GPU 13.3 pages/s (batch 1), CPU at 16 threads 0.90 pages/s (batch 1).
+START_S = 145.0  # vLLM's start and the warm-up
+CAPTURE_S_PER_PAGE = 29.0 / 64
+CONTENDER_S_PER_PAGE = {"capacity": 22.0 / 64, "b2": 40.0 / 64, "convert": 46.0 / 64,
+                        "run": 44.0 / 64}  # fmt: skip
+CONTENDER_OVERHEAD_S = 5.0  # the idle wait, the samplers
+SMALL_S_PER_DOC = 12.0  # two-page documents alone, then under a book (2 min for 10)
+ALONE_SETUP_S = 30.0  # processes started, the pipeline built, the model warmed on a page
+LAYOUT_GPU_PAGES_PER_S = 13.3
+LAYOUT_CPU_PAGES_PER_S_16 = 0.90  # 16 threads; fewer cores: in proportion
+CONVERT_SETUP_S = 20.0  # ocrvl convert's start and its engine worker's
+LAYOUT_SPEED_S = 40.0  # the bench.layout_speed cross-check
+SKIPPED = "skipped: budget"
 # Each figure of record under `layout_on`: the contender whose median run it is.
 FIGURES = {"capacity_pages_per_s": "capacity", "b2_pages_per_s": "B2",
            "ocrvl_convert_pages_per_s": "ocrvl convert", "ocrvl_run_pages_per_s": "ocrvl run"}
@@ -138,10 +161,24 @@ def capture_blocks(config: Config, pdf: Path, pages: int, out: Path) -> dict[str
             "seconds": round(time.perf_counter() - started, 2)}  # fmt: skip
 
 
+def detect_within(detect: Any, images: list[Any], seconds: float) -> tuple[float, float, int, int]:
+    """`detect` on each image in turn until they are done or `seconds` have passed (the page
+    under way is finished): (start, end, pages, blocks)."""
+    start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    done = blocks = 0
+    for image in images:
+        blocks += detect(image)
+        done += 1
+        if time.monotonic() - start >= seconds:
+            break
+    return start, time.monotonic(), done, blocks
+
+
 def layout_alone_process(config: Config, pdf: Path, pages: list[int], ready: Path,
-                         go: Path) -> dict[str, Any]:
+                         go: Path, seconds: float = ALONE_MAX_S) -> dict[str, Any]:
     """One process of the layout model alone: built as the pipeline builds it, warmed on one
-    page, then (once `go` exists) called on each page as the pipeline calls it."""
+    page, then (once `go` exists) called on each page as the pipeline calls it, for at most
+    `seconds`."""
     pipeline = build_pipeline(config, NO_SERVER)
     inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
     model = inner.layout_det_model
@@ -159,9 +196,8 @@ def layout_alone_process(config: Config, pdf: Path, pages: list[int], ready: Pat
     deadline = time.monotonic() + 900
     while not go.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
-    blocks = sum(detect(image) for image in images)
-    return {"start": start, "end": time.monotonic(), "pages": len(images), "blocks": blocks}
+    start, end, done, blocks = detect_within(detect, images, seconds)
+    return {"start": start, "end": end, "pages": done, "blocks": blocks}
 
 
 def _child_main(argv: list[str]) -> int:
@@ -172,7 +208,8 @@ def _child_main(argv: list[str]) -> int:
         out = capture_blocks(config, pdf, int(argv[3]), Path(argv[4]))
     else:
         pages = [int(p) for p in argv[3].split(",")]
-        out = layout_alone_process(config, pdf, pages, Path(argv[4]), Path(argv[5]))
+        seconds = float(argv[6]) if len(argv) > 6 else ALONE_MAX_S
+        out = layout_alone_process(config, pdf, pages, Path(argv[4]), Path(argv[5]), seconds)
     print(json.dumps(out), flush=True)
     return 0
 
@@ -228,33 +265,41 @@ def cores_for(spec: str, available: list[int]) -> list[tuple[str, list[int]]]:
 
 
 def layout_alone(settings: dict[str, Any], workers: int, pdf: Path, pages: int, work: Path,
-                 log_dir: Path, name: str, cpus: set[int] | None = None) -> dict[str, Any]:
+                 log_dir: Path, name: str, cpus: set[int] | None = None,
+                 seconds: float = ALONE_MAX_S) -> dict[str, Any]:  # fmt: skip
     """The layout model alone in `workers` processes at once (as ocrvl runs it), each on its
-    share of the pages: pages/s from the first one's start to the last one's end."""
+    share of the pages (at most ALONE_MAX_PAGES in all) for at most `seconds`: pages/s from
+    the first one's start to the last one's end."""
+    pages = min(pages, ALONE_MAX_PAGES)
     folder = work / f"alone-{name}"
     folder.mkdir(parents=True)
     go = folder / "go"
     procs = []
     for k, share in enumerate(shares(pages, workers)):
         procs.append((child(["alone", json.dumps(settings), str(pdf), ",".join(map(str, share)),
-                             str(folder / f"ready{k}"), str(go)],
+                             str(folder / f"ready{k}"), str(go), str(seconds)],
                             log_dir / f"alone-{name}.{k}.log", cpus), k))  # fmt: skip
     try:
-        deadline = time.monotonic() + 900
+        deadline = time.monotonic() + 600
         while sum((folder / f"ready{k}").exists() for _, k in procs) < len(procs):
             if any(p.poll() is not None for p, _ in procs) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         go.touch()
-        each = [last_json(p, log_dir / f"alone-{name}.{k}.log", 900) for p, k in procs]
+        # a page that takes long is finished after `seconds`: room for a few more
+        end = time.monotonic() + seconds + 120
+        each = [last_json(p, log_dir / f"alone-{name}.{k}.log", max(1.0, end - time.monotonic()))
+                for p, k in procs]  # fmt: skip
     finally:
         for p, _ in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    bound = seconds
     seconds = max(e["end"] for e in each) - min(e["start"] for e in each)
     done = sum(e["pages"] for e in each)
     return {"workers": len(each), "pages": done, "seconds": round(seconds, 2),
+            "bound_s": bound, "pages_given": pages,
             "pages_per_s": round(done / seconds, 3),
             "blocks_per_page": round(sum(e["blocks"] for e in each) / done, 2),
             "each_pages_per_s": [round(e["pages"] / (e["end"] - e["start"]), 3)
@@ -270,7 +315,7 @@ def use_stand_in_hook() -> None:
 
 
 def layout_speed(cache: Path | None, engine: str, device: str, threads: int | None,
-                 pages: int) -> list[dict[str, Any]]:
+                 pages: int, timeout: float = 600) -> list[dict[str, Any]]:
     """bench.layout_speed's one-process figure for the same engine and device (a cross-check
     of `layout_alone`), where its command line has --devices; [] where it cannot tell."""
     source = LAYOUT_SPEED.read_text(encoding="utf-8") if LAYOUT_SPEED.exists() else ""
@@ -280,7 +325,7 @@ def layout_speed(cache: Path | None, engine: str, device: str, threads: int | No
         [sys.executable, "-m", "bench.layout_speed", "--cache", str(cache), "--engines", engine,
          "--devices", device, "--threads", str(threads or 1), "--batches", "1",
          "--pages", str(pages), "--book-pages", "0"], env=ocrvl_env(), capture_output=True,
-        text=True, timeout=600, check=False)  # fmt: skip
+        text=True, timeout=timeout, check=False)  # fmt: skip
     rows = []
     for line in done.stdout.splitlines():
         with contextlib.suppress(ValueError):
@@ -368,9 +413,9 @@ def report(res: dict[str, Any]) -> str:
         f"- date: {res['date']}; GPU: {res['gpu']}; vLLM: {res.get('vllm')}",
         f"- layout: {res['layout_choice']} (engine {res['layout_engine']}, device "
         f"{res['layout_device']}); B2 gets {res['b2_kwargs']}",
-        f"- book: {res['pages']} make_layout_pdf pages; {res['blocks_per_page']:.1f} layout "
-        f"blocks a page, {res['requests_per_page']:.1f} sent ({res['prompts']})",
-        f"- answers: {res['answer_lengths_note']}", "",
+        f"- book: {res['pages']} make_layout_pdf pages; {res.get('blocks_per_page')} layout "
+        f"blocks a page, {res.get('requests_per_page')} sent ({res.get('prompts')})",
+        f"- answers: {res.get('answer_lengths_note')}", "",
         "| contender | pages/s | s | GPU busy | preemptions | requests running |",
         "|---|---:|---:|---:|---:|---|",
     ]  # fmt: skip
@@ -395,6 +440,8 @@ def report(res: dict[str, Any]) -> str:
         sm = res["small"]
         lines.append(f"- {sm['count']} two-page documents under the book: median "
                      f"{sm['median_x']:.2f}x their solo time, worst {sm['worst_x']:.2f}x")
+    for part, why in (res.get("skipped") or {}).items():
+        lines.append(f"- {part}: {why}")
     lines += ["", "Targets:", ""]
     for name, ok, detail in res["targets"]:
         mark = "x" if ok else " "
@@ -402,7 +449,108 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the budget ------------------------------------------------------------------------------
+
+# The parts in the order they run under --budget-s, most important first: the layout model
+# alone needs no server (it runs before vLLM starts), then the contenders, the small
+# documents, and the CPU sweep last.
+ORDER = ("alone", "capacity", "b2", "convert", "run", "small", "cpu")
+SERVER_PARTS = ORDER[1:]
+
+
+class Budget:
+    """Seconds from its start; `fits(cost)`: something estimated at `cost` s ends within
+    them (always, without a budget)."""
+
+    def __init__(self, seconds: float | None, clock: Any = time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.t0 = clock()
+
+    def elapsed(self) -> float:
+        return float(self.clock() - self.t0)
+
+    def fits(self, cost_s: float) -> bool:
+        return self.seconds is None or self.elapsed() + cost_s <= self.seconds
+
+
+def layout_pages_per_s(device: str, cores: int) -> float:
+    """One process of the layout model, batch 1 (the H100 figures; the CPU's in proportion
+    to its cores, up to the 16 measured)."""
+    if device.startswith("gpu"):
+        return LAYOUT_GPU_PAGES_PER_S
+    return LAYOUT_CPU_PAGES_PER_S_16 * max(1, min(cores, 16)) / 16
+
+
+def alone_s(device: str, pages: int, cores: int, seconds: float = ALONE_MAX_S) -> float:
+    """The estimate of one layout-alone measurement (bounded in pages and seconds)."""
+    pages = min(pages, ALONE_MAX_PAGES)
+    return ALONE_SETUP_S + min(seconds, pages / layout_pages_per_s(device, cores)) + 5
+
+
+def contender_s(name: str, pages: int) -> float:
+    return CONTENDER_OVERHEAD_S + pages * CONTENDER_S_PER_PAGE[name]
+
+
+def cpu_s(cores: int, pages: int) -> float:
+    """One core count of the CPU sweep: the layout model alone, then ocrvl convert."""
+    return (alone_s("cpu", pages, cores) + CONVERT_SETUP_S
+            + pages / layout_pages_per_s("cpu", cores))  # fmt: skip
+
+
+def server_s(pages: int) -> float:
+    """The blocks caught, then vLLM started and warmed up."""
+    return CAPTURE_S_PER_PAGE * pages + START_S
+
+
+def estimates(parts: set[str], device: str, pages: int, rounds: int, small: int, cpu_pages: int,
+              cpu_cores: list[int], cores: int) -> list[tuple[str, float]]:  # fmt: skip
+    """(part, estimated seconds) of each part asked for, in the order they run; the CPU
+    sweep as `cpu N` per core count."""
+    out: list[tuple[str, float]] = []
+    for part in ORDER:
+        if part not in parts:
+            continue
+        if part == "alone":
+            out.append((part, alone_s(device, pages, cores)))
+        elif part in CONTENDER_S_PER_PAGE:
+            out.append((part, rounds * contender_s(part, pages)))
+        elif part == "small":
+            out.append((part, SMALL_S_PER_DOC * small))
+        else:
+            out += [(f"cpu {n}", cpu_s(n, cpu_pages)) for n in cpu_cores]
+    return out
+
+
 # --- the run ----------------------------------------------------------------------------------
+
+
+class LayoutRun:
+    """One `bench.gpu --layout` run: its results, the budget, what was skipped."""
+
+    def __init__(self, args: argparse.Namespace, res: dict[str, Any], kept: dict[str, Any],
+                 budget: Budget) -> None:  # fmt: skip
+        self.args, self.res, self.kept, self.budget = args, res, kept, budget
+        self.bench: Bench | None = None
+        res["budget_s"] = args.budget_s
+        res.setdefault("skipped", {})
+
+    def fits(self, part: str, cost_s: float) -> bool:
+        """Whether `part` (estimated at `cost_s`) fits what is left; if not, it is recorded
+        as skipped."""
+        if self.budget.fits(cost_s):
+            return True
+        self.skip(part, cost_s)
+        return False
+
+    def skip(self, part: str, cost_s: float) -> None:
+        seconds = self.budget.seconds
+        left = "-" if seconds is None else f"{seconds - self.budget.elapsed():.0f}"
+        log(f"{part}: {SKIPPED} (estimate {cost_s:.0f} s, {left} s left)")
+        self.res["skipped"][part] = SKIPPED
+        self.write()
+
+    def write(self) -> None:
+        write(self.res, self.bench, self.args.results, self.kept)
 
 
 def run_layout_on(args: argparse.Namespace) -> int:
@@ -414,6 +562,8 @@ def run_layout_on(args: argparse.Namespace) -> int:
         args.layout_cache = args.layout_cache.resolve()
         os.environ["PADDLE_PDX_CACHE_HOME"] = str(args.layout_cache)
     use_stand_in_hook()
+    budget = Budget(getattr(args, "budget_s", None))
+    args.budget_s = budget.seconds
     work = Path(tempfile.mkdtemp(prefix="ocrvl-gpubench-layout-"))
     args.log_dir = args.log_dir or work
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -433,62 +583,36 @@ def run_layout_on(args: argparse.Namespace) -> int:
         "b2_kwargs": {"use_layout_detection": True, **choice.common_args()},
         "cpus": len(os.sched_getaffinity(0)),
     }  # fmt: skip
+    run = LayoutRun(args, res, kept, budget)
+    cores = len(os.sched_getaffinity(0))
+    sweep = cores_for(args.layout_cores, sorted(os.sched_getaffinity(0))) if "cpu" in parts \
+        else []  # fmt: skip
+    plan = estimates(parts, choice.device, args.pages, args.rounds, args.small, args.cpu_pages,
+                     [len(c) for _, c in sweep], cores)  # fmt: skip
+    res["estimates_s"] = {part: round(cost) for part, cost in plan}
+    if budget.seconds is not None:
+        log(f"budget {budget.seconds:.0f} s; estimates: "
+            + ", ".join(f"{p} {c:.0f} s" for p, c in plan) + f"; vLLM {server_s(args.pages):.0f} s")
     try:
         book = make_layout_pdf(work / "book.pdf", args.pages, seed=1)
-        log("blocks: ocrvl's pipeline on every page, its requests caught (untimed)")
-        bodies_path = work / "blocks.jsonl"
-        blocks = last_json(child(["capture", json.dumps(settings), str(book), str(args.pages),
-                                  str(bodies_path)], args.log_dir / "blocks.log"),
-                           args.log_dir / "blocks.log", 1800)  # fmt: skip
-        bodies = [json.loads(line)["body"] for line in bodies_path.open(encoding="utf-8")]
-        prompts = Counter(b["messages"][0]["content"][1]["text"] for b in bodies)
-        res.update(blocks_per_page=round(blocks["blocks_per_page"], 2),
-                   requests_per_page=round(blocks["requests_per_page"], 2),
-                   labels=blocks["labels"], prompts=dict(prompts),
-                   capture_s=blocks["seconds"])  # fmt: skip
-        log(f"blocks: {blocks['blocks_per_page']:.1f} a page, {blocks['requests_per_page']:.1f} "
-            f"sent ({dict(prompts)}) in {blocks['seconds']:.0f} s")  # fmt: skip
-        if args.answer_lengths is None:  # random weights: a page's answer shared by its blocks
-            args.answer_lengths = block_lengths(blocks["requests_per_page"], args.page_tokens)
-        res["answer_lengths"] = args.answer_lengths
-        res["answer_lengths_note"] = (
-            "the server's own" if args.answer_lengths == "model" else
-            f"random weights; each block's answer ends at lognormal {args.answer_lengths} "
-            f"(median:sigma:seed) tokens, the median {args.page_tokens} tokens a page / "
-            f"{blocks['requests_per_page']:.1f} blocks sent a page")  # fmt: skip
-        with server(args, work) as url:
-            res["vllm"] = version(url)
-            res["server"] = args.server_url or (args.model_dir or args.model)
-            warm_up([url], work)
-            bench = Bench(url, work, book, args.pages, args.concurrency, log_dir=args.log_dir)
-            bench.layout = {"use_layout_detection": True, **settings}
-            bench.b2_kwargs = res["b2_kwargs"]
-            bench.small_doc = lambda path, seed: make_layout_pdf(path, 2, seed=seed)
-            # A page's blocks go out together once its layout is done: with the layout model
-            # on the CPU a book may never have 16 running, yet be well under way.
-            bench.under_way = 0
-            try:
-                run_contenders(args, parts, res, bench, bodies, kept)
-                if "small" in parts:
-                    res["small"] = bench.small_documents(args.small, args.gap)
-                    write(res, bench, args.results, kept)
-                if "alone" in parts:
-                    # as ocrvl would choose now, beside the running server
-                    choice = layout_choice(layout_config(settings))
-                    log(f"layout alone: {choice.workers} process(es), {choice.describe()}")
-                    res["alone"] = layout_alone(settings, choice.workers, book, args.pages, work,
-                                                args.log_dir, "main")  # fmt: skip
-                    with contextlib.suppress(subprocess.SubprocessError, OSError):
-                        res["alone"]["layout_speed"] = layout_speed(
-                            args.layout_cache, choice.engine, choice.device, choice.threads,
-                            min(args.pages, 16))  # fmt: skip
-                    log(f"layout alone: {res['alone']}")
-                    write(res, bench, args.results, kept)
-                if "cpu" in parts:
-                    cpu_sweep(args, res, bench, book, work, kept)
-            finally:
-                bench.metrics.stop()
-                write(res, bench, args.results, kept)
+        if "alone" in parts and run.fits("alone", dict(plan)["alone"]):
+            # before vLLM starts (it needs no server): the workers ocrvl would run now
+            log(f"layout alone: {choice.workers} process(es), {choice.describe()}")
+            res["alone"] = layout_alone(settings, choice.workers, book, args.pages, work,
+                                        args.log_dir, "main")  # fmt: skip
+            if budget.fits(LAYOUT_SPEED_S):
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    res["alone"]["layout_speed"] = layout_speed(
+                        args.layout_cache, choice.engine, choice.device, choice.threads,
+                        min(args.pages, 16), timeout=2 * LAYOUT_SPEED_S)  # fmt: skip
+            log(f"layout alone: {res['alone']}")
+            run.write()
+        served = [(p, c) for p, c in plan if p.split()[0] in SERVER_PARTS]
+        if served and not budget.fits(server_s(args.pages) + served[0][1]):
+            for part, cost in served:
+                run.skip(part, server_s(args.pages) + cost)
+        elif served:
+            with_server(run, book, work, settings, plan, sweep)
         print(report(res))
     finally:
         if not args.keep:
@@ -496,31 +620,87 @@ def run_layout_on(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_contenders(args: argparse.Namespace, parts: set[str], res: dict[str, Any], bench: Bench,
-                   bodies: list[dict[str, Any]], kept: dict[str, Any]) -> None:
+def with_server(run: LayoutRun, book: Path, work: Path, settings: dict[str, Any],
+                plan: list[tuple[str, float]], sweep: list[tuple[str, list[int]]]) -> None:
+    """The blocks caught, then vLLM and every part that needs it, in order, within budget."""
+    args, res, parts = run.args, run.res, {p.split()[0] for p, _ in plan}
+    log("blocks: ocrvl's pipeline on every page, its requests caught (untimed)")
+    bodies_path = work / "blocks.jsonl"
+    blocks = last_json(child(["capture", json.dumps(settings), str(book), str(args.pages),
+                              str(bodies_path)], args.log_dir / "blocks.log"),
+                       args.log_dir / "blocks.log", 1800)  # fmt: skip
+    bodies = [json.loads(line)["body"] for line in bodies_path.open(encoding="utf-8")]
+    prompts = Counter(b["messages"][0]["content"][1]["text"] for b in bodies)
+    res.update(blocks_per_page=round(blocks["blocks_per_page"], 2),
+               requests_per_page=round(blocks["requests_per_page"], 2),
+               labels=blocks["labels"], prompts=dict(prompts),
+               capture_s=blocks["seconds"])  # fmt: skip
+    log(f"blocks: {blocks['blocks_per_page']:.1f} a page, {blocks['requests_per_page']:.1f} "
+        f"sent ({dict(prompts)}) in {blocks['seconds']:.0f} s")  # fmt: skip
+    if args.answer_lengths is None:  # random weights: a page's answer shared by its blocks
+        args.answer_lengths = block_lengths(blocks["requests_per_page"], args.page_tokens)
+    res["answer_lengths"] = args.answer_lengths
+    res["answer_lengths_note"] = (
+        "the server's own" if args.answer_lengths == "model" else
+        f"random weights; each block's answer ends at lognormal {args.answer_lengths} "
+        f"(median:sigma:seed) tokens, the median {args.page_tokens} tokens a page / "
+        f"{blocks['requests_per_page']:.1f} blocks sent a page")  # fmt: skip
+    with server(args, work) as url:
+        res["vllm"] = version(url)
+        res["server"] = args.server_url or (args.model_dir or args.model)
+        warm_up([url], work)
+        bench = Bench(url, work, book, args.pages, args.concurrency, log_dir=args.log_dir)
+        run.bench = bench
+        bench.layout = {"use_layout_detection": True, **settings}
+        bench.b2_kwargs = res["b2_kwargs"]
+        bench.small_doc = lambda path, seed: make_layout_pdf(path, 2, seed=seed)
+        # A page's blocks go out together once its layout is done: with the layout model
+        # on the CPU a book may never have 16 running, yet be well under way.
+        bench.under_way = 0
+        try:
+            run_contenders(run, parts, bench, bodies)
+            if "small" in parts and run.fits("small", dict(plan)["small"]):
+                res["small"] = bench.small_documents(args.small, args.gap)
+                run.write()
+            if "cpu" in parts:
+                cpu_sweep(run, bench, book, work, sweep)
+        finally:
+            bench.metrics.stop()
+            run.write()
+
+
+def run_contenders(run: LayoutRun, parts: set[str], bench: Bench,
+                   bodies: list[dict[str, Any]]) -> None:  # fmt: skip
+    """capacity, B2, convert, run in that order (later rounds: round_order's), each only
+    where its estimate fits the budget."""
+    args, res = run.args, run.res
     contenders = {"capacity": lambda: capacity(bench, bodies), "b2": bench.b2,
                   "convert": bench.convert, "run": bench.run_daemon}  # fmt: skip
     chosen = [c for c in CONTENDERS if c in parts]
     res["rounds"], res["round_orders"] = 0, []
     for done in range(1, args.rounds + 1):
-        order = round_order(chosen, done)
+        order = chosen if done == 1 else round_order(chosen, done)
         res["round_orders"].append(order)
         for contender in order:
-            contenders[contender]()
-            write(res, bench, args.results, kept)
+            if run.fits(contender, contender_s(contender, args.pages)):
+                contenders[contender]()
+                run.write()
         res["rounds"] = done
 
 
-def cpu_sweep(args: argparse.Namespace, res: dict[str, Any], bench: Bench, book: Path,
-              work: Path, kept: dict[str, Any]) -> None:
+def cpu_sweep(run: LayoutRun, bench: Bench, book: Path, work: Path,
+              sweep: list[tuple[str, list[int]]]) -> None:  # fmt: skip
     """The layout model on the CPU, ocrvl held to each core count: alone, then convert."""
     from ocrvl_daemon.server.autotune import layout_choice
 
+    args, res = run.args, run.res
     short = make_layout_pdf(work / "cpu-book.pdf", args.cpu_pages, seed=1)
     settings = {"layout_engine": args.layout_engine, "layout_device": "cpu"}
     res["cpu"] = {}
-    for label, cores in cores_for(args.layout_cores, sorted(os.sched_getaffinity(0))):
+    for label, cores in sweep:
         cpus = set(cores)
+        if not run.fits(f"cpu {len(cpus)}", cpu_s(len(cpus), args.cpu_pages)):
+            continue
         choice = layout_choice(layout_config(settings), cores=len(cpus))
         log(f"cpu {label}: {choice.describe()}, {choice.workers} worker(s)")
         entry: dict[str, Any] = {"cores": len(cpus), "layout": choice.describe(),
@@ -529,13 +709,13 @@ def cpu_sweep(args: argparse.Namespace, res: dict[str, Any], bench: Bench, book:
         entry["alone"] = layout_alone(settings, choice.workers, short, args.cpu_pages, work,
                                       args.log_dir, f"cpu{label}", cpus)  # fmt: skip
         log(f"cpu {label}: layout alone {entry['alone']}")
-        write(res, bench, args.results, kept)
+        run.write()
         r = bench.convert(f"ocrvl convert, layout on {len(cpus)} cores", cpus=cpus, book=short,
                           pipeline={"use_layout_detection": True, **settings})  # fmt: skip
         entry["ocrvl_convert_pages_per_s"] = round(r.pages_per_s, 3)
         entry["convert_vs_alone"] = round(r.pages_per_s / entry["alone"]["pages_per_s"], 3)
         entry["convert_layout_line"] = r.extra.get("layout")
-        write(res, bench, args.results, kept)
+        run.write()
 
 
 if __name__ == "__main__":

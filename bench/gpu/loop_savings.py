@@ -34,6 +34,7 @@ from bench.gpu.loop_pages import DEFAULT as DEFAULT_LOOPS
 from bench.gpu.loop_pages import ENV as LOOPS_ENV
 from bench.gpu.loop_pages import LoopingPages
 from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
+from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.server.probe import parse_metrics
 from testkit.documents import make_pdf, sent_width
@@ -99,6 +100,7 @@ def server(args: Any, work: Path, looping: LoopingPages) -> Iterator[str]:
         yield url
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     ap = model_dir_parser("python -m bench.gpu.loop_savings", __doc__, required=False)
     ap.add_argument("--fake", action="store_true", help="the fake server: a dry run, no GPU")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.run import PAGE_HEIGHT, gpu_name, log
+from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import managed_vllm, model_dir_parser
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, NVIDIA_SMI_FIELDS
@@ -55,6 +56,7 @@ def stale_nvidia_smi(where: Path) -> Path:
     return script
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     ap = model_dir_parser("python -m bench.gpu.oom_step_down", __doc__)
     ap.add_argument("--hog-share", type=float, default=0.3,

@@ -47,6 +47,7 @@ from bench.gpu.run import (
     log,
     warm_up,
 )
+from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, managed_vllm, model_dir_parser, version
 from bench.run import Ocrvl, drop, md_done
 from ocrvl_daemon.config import Config
@@ -95,6 +96,28 @@ def planned_settings(line: str) -> dict[str, str]:
     return {p[0]: p[1] for p in pairs if len(p) == 2}
 
 
+class ServersFailed(RuntimeError):
+    """Every server of the daemon is in state "failed" (ocrvl gave up on them)."""
+
+    def __init__(self, last_error: str, tail: str = "") -> None:
+        # the last line is the error itself: what a caller that keeps one line shows
+        super().__init__(f"every server failed; ocrvl run's log ends:\n{tail}\n{last_error}")
+        self.last_error = last_error
+
+
+def all_failed(status: dict[str, Any]) -> str | None:
+    """The last error where `ocrvl status --json` shows every server failed (None while any
+    is starting, ready or restarting, or none is listed yet)."""
+    servers = status.get("servers") or []
+    overall = status.get("server") or {}
+    if servers and all(s.get("state") == "failed" for s in servers):
+        errors = [s.get("last_error") for s in servers if s.get("last_error")]
+        return str(errors[0] if errors else overall.get("last_error") or "no error given")
+    if not servers and overall.get("state") == "failed":
+        return str(overall.get("last_error") or "no error given")
+    return None
+
+
 class ReplicaDaemon:
     """`ocrvl run` in a work dir of its own, its managed server with `server.replicas: N`;
     `server` adds keys to its `server:` section (`vllm_args` merged into the launcher's)."""
@@ -141,12 +164,16 @@ class ReplicaDaemon:
         assert self.proc is not None
         if self.proc.proc.poll() is not None:
             raise RuntimeError(f"ocrvl run exited; its log ends:\n{self.tail()}")
+        out = run_ocrvl("status", "--config", self.config, "--json", timeout=60)
+        status = json.loads(out.stdout) if out.returncode == 0 else {}
+        failed = all_failed(status)
+        if failed is not None:  # ocrvl has given up: waiting on would only spend the budget
+            raise ServersFailed(failed, self.tail())
+        servers = status.get("servers") or []
+        if len(servers) != self.n or any(s["state"] != "ready" for s in servers):
+            return False
         workers = sum(bool(WORKER_READY.search(line)) for line in self.proc.grep("ready in"))
         if workers < engine_workers(Config(pipeline=PIPELINE)):
-            return False
-        out = run_ocrvl("status", "--config", self.config, "--json", timeout=60)
-        servers = (json.loads(out.stdout).get("servers") or []) if out.returncode == 0 else []
-        if len(servers) != self.n or any(s["state"] != "ready" for s in servers):
             return False
         self.urls = [s["url"].rstrip("/").removesuffix("/v1") for s in servers]
         return True
@@ -298,6 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="ocrvl-replicas-"))

@@ -54,7 +54,14 @@ from PIL import Image  # noqa: E402
 from bench.gpu.gpu_sampler import GpuSampler  # noqa: E402
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS  # noqa: E402
 from bench.gpu.lengths import AnswerLengths  # noqa: E402
-from bench.gpu.vllm_server import Metrics, ServeOptions, started, version  # noqa: E402
+from bench.gpu.teardown import stops_children  # noqa: E402
+from bench.gpu.vllm_server import (  # noqa: E402
+    Metrics,
+    ServeOptions,
+    add_vllm_args,
+    started,
+    version,
+)
 from bench.loadgen import send_all  # noqa: E402
 from bench.run import (  # noqa: E402
     B2_SCRIPT,
@@ -643,13 +650,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lay.add_argument("--page-tokens", type=int, default=500,
                      help="random weights: a page's answer tokens (median) that its blocks "
                      "share: each block's median is this / blocks per page (default 500)")
+    lay.add_argument("--budget-s", type=float, default=None,
+                     help="run the parts in order of importance (the layout model alone, "
+                     "before vLLM starts; capacity, B2, convert, run; small documents; the CPU "
+                     "sweep) and skip each one its estimate says would end after this many "
+                     "seconds (recorded as 'skipped: budget'); default: no budget")
     lay.add_argument("--merge", action="store_true",
                      help="keep the `layout_on` figures of contenders not run now")  # fmt: skip
     ap.add_argument("--answer-lengths", default=None,
                     help=f"MEDIAN:SIGMA:SEED of the forced answer lengths (random weights; "
                     f"default {DEFAULT_LENGTHS}), or 'model': the model's own EOS")  # fmt: skip
-    ap.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
-    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
+    add_vllm_args(ap)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--vllm-arg", action="append", default=[],
@@ -679,6 +690,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.layout:

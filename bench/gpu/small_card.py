@@ -56,6 +56,7 @@ from bench.gpu.run import (
     warm_up,
     write_json,
 )
+from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.server import autotune
@@ -145,6 +146,7 @@ def family(url: str) -> set[int]:
     return {proc.pid}
 
 
+@stops_children
 def main(argv: list[str] | None = None) -> int:
     ap = model_dir_parser("python -m bench.gpu.small_card", __doc__)
     ap.add_argument("--card-mib", type=int, default=RTX_4060_MIB)

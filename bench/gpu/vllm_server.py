@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -89,6 +90,24 @@ def started(options: ServeOptions, log: Path, timeout: float = 900) -> Iterator[
         stop_process_group(proc, 60, "vLLM")
 
 
+def python_executable(python: str) -> str:
+    """`python` (a name on PATH or a path) as the absolute executable that ocrvl's managed
+    server requires for `server.python` (a bare `python3` there makes every replica fail);
+    ValueError where there is none."""
+    found = shutil.which(python)
+    if not found:
+        raise ValueError(f"{python!r} is not an executable Python (not found on PATH)")
+    return os.path.abspath(found)
+
+
+def vllm_python_arg(value: str) -> str:
+    """argparse's `type` for --vllm-python: resolved to an absolute executable."""
+    try:
+        return python_executable(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def managed_vllm(model_dir: str, python: str, pythonpath: str, port: int,
                  **server: Any) -> dict[str, Any]:  # fmt: skip
     """The `model:` and `server:` config sections of an ocrvl that starts real vLLM itself
@@ -99,7 +118,8 @@ def managed_vllm(model_dir: str, python: str, pythonpath: str, port: int,
            "VLLM_NO_USAGE_STATS": "1", LENGTHS_ENV: DEFAULT_LENGTHS}  # fmt: skip
     return {
         "model": {"weights": model_dir},
-        "server": {"mode": "managed", "launcher": "vllm", "python": python, "port": port,
+        "server": {"mode": "managed", "launcher": "vllm", "python": python_executable(python),
+                   "port": port,
                    "startup_timeout": 600, "env": env,
                    "vllm_args": {"load-format": "dummy", "logits-processors": LOGITS_PROCESSOR,
                                  "enable-prefix-caching": False, "mm-processor-cache-gb": 0},
@@ -179,6 +199,14 @@ def model_dir_parser(prog: str, doc: str | None, required: bool = True
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--model-dir", required=required,
                     help="random-weight model dir (bench.gpu.dummy_model)")
-    ap.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
-    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
+    add_vllm_args(ap)
     return ap
+
+
+def add_vllm_args(ap: argparse.ArgumentParser | Any) -> None:
+    """--vllm-python (resolved to an absolute executable: ocrvl's `server.python` needs one)
+    and --vllm-pythonpath."""
+    ap.add_argument("--vllm-python", default=sys.executable, type=vllm_python_arg,
+                    help="the Python that has vLLM (a name on PATH or a path; passed on as "
+                    "its absolute path)")  # fmt: skip
+    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")

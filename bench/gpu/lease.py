@@ -1,0 +1,402 @@
+"""A GPU lease's benches, one after another, within its budget: `python -m bench.gpu.lease`.
+
+    python3 -m bench.gpu.lease --budget-s 1500 --out DIR [--plan layout,mps,rerun,loops,small-card]
+        [--model-dir /tmp/model] [--vllm-python python3] [--vllm-pythonpath /tmp/site]
+        [--layout-cache /tmp/lm] [--rerun-rounds 2]
+
+Steps, in the order `--plan` gives them (its order is their priority):
+
+  layout      bench.gpu --layout (transformers on gpu:0; the stand-in written first with
+              `python -m testkit.layout_model CACHE --format transformers` where CACHE has none),
+              its own --budget-s from the step's share
+  mps         bench.gpu.big_gpu --settings mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
+  rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
+  loops       bench.gpu.loop_savings
+  small-card  bench.gpu.small_card --layout (transformers, the same stand-in)
+
+Each step gets a share: its estimate, or what is left less the grace if that is less; a step
+whose minimum does not fit what is left is skipped. It runs as a subprocess in a process
+group (a session) of its own, every process it starts marked by OCRVL_BENCH_LEASE in its
+environment (vLLM, ocrvl and MPS inherit it). At the share's end the group gets SIGTERM (the
+benches stop their servers then), GRACE_S later SIGKILL; then every process still carrying
+the step's mark is ended (an MPS control daemon first asked to `quit`): whatever a bench
+started in a session of its own too, and nothing this lease did not start. Each step writes
+its results (`DIR/STEP.json`), its output (`DIR/STEP.log`) and its processes' logs
+(`DIR/STEP-logs/`) under DIR as it goes, so a poll that copies DIR keeps everything; and
+`DIR/progress.txt` gets a line "HH:MM:SS step: state" at each change. Run it in a session of
+its own (setsid) and poll DIR: a device command's processes end with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER_ENV = "OCRVL_BENCH_LEASE"
+GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
+SWEEP_GRACE_S = 10.0
+BENCH_MARGIN_S = 30.0  # a bench with --budget-s gets its share less this (its own wind-down)
+DEFAULT_PLAN = "layout,mps,rerun,loops,small-card"
+STUB_ENV = "OCRVL_LEASE_STUB_COMMAND"  # tests: the `stub` step's command (shlex)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A bench in the lease: the seconds it is expected to take, and the least worth starting
+    (vLLM's start alone is ~135 s on an H100)."""
+
+    name: str
+    estimate_s: float
+    minimum_s: float
+
+
+# Estimates from the H100 lease of 2026-12-05 (vLLM start 133 s; layout on: capture 29 s,
+# capacity 22, B2 40, convert 46, run 44, small documents 120, layout alone and the CPU sweep).
+STEPS = {
+    "layout": Step("layout", 720, 330),  # all but the CPU sweep at 4 cores
+    "mps": Step("mps", 560, 330),
+    "rerun": Step("rerun", 700, 400),  # 2 rounds; more rounds: rerun_estimate_s
+    "loops": Step("loops", 330, 240),
+    "small-card": Step("small-card", 360, 240),
+    "stub": Step("stub", 30, 1),  # tests only: STUB_ENV's command
+}
+
+
+def rerun_estimate_s(rounds: int) -> float:
+    """vLLM's start and warm-up, 4 contenders a round on 256 pages, the small documents."""
+    return 150 + rounds * 4 * 45 + 150
+
+
+def chosen(plan: str) -> list[Step]:
+    """The steps `plan` names, in its order (ValueError for an unknown one)."""
+    names = [n.strip() for n in plan.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STEPS]
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(n for n in STEPS if n != 'stub')}")  # fmt: skip
+    if not names:
+        raise ValueError("no step given")
+    return [STEPS[n] for n in dict.fromkeys(names)]
+
+
+def share_s(step: Step, left_s: float, grace_s: float = GRACE_S) -> float | None:
+    """The seconds `step` may run before its SIGTERM, with `left_s` left of the budget (its
+    SIGKILL, `grace_s` later, still within); None: its minimum does not fit."""
+    room = left_s - grace_s
+    if room < step.minimum_s:
+        return None
+    return min(step.estimate_s, room)
+
+
+def split(steps: list[Step], budget_s: float, grace_s: float = GRACE_S
+          ) -> list[tuple[str, float | None]]:  # fmt: skip
+    """Each step's share where every step before it uses all of its own (the worst case;
+    a step that ends early leaves its rest to the next)."""
+    left, out = budget_s, []
+    for step in steps:
+        share = share_s(step, left, grace_s)
+        out.append((step.name, share))
+        if share is not None:
+            left -= share + grace_s
+    return out
+
+
+def progress_line(step: str, state: str, now: float | None = None) -> str:
+    """"HH:MM:SS step: state" (local time)."""
+    return f"{time.strftime('%H:%M:%S', time.localtime(now))} {step}: {state}"
+
+
+class Progress:
+    """DIR/progress.txt, a line per change, flushed at once; echoed to stderr."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, step: str, state: str) -> None:
+        line = progress_line(step, state)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        print(line, file=sys.stderr, flush=True)
+
+
+# --- finding and ending what a step started ---------------------------------------------------
+
+
+def marked(token: str) -> list[psutil.Process]:
+    """Every process whose environment carries MARKER_ENV = `token` (others' environments
+    cannot be read: never ours)."""
+    out = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.environ().get(MARKER_ENV) == token:
+                out.append(proc)
+    return out
+
+
+def quit_mps(proc: psutil.Process) -> None:
+    """Ask an MPS control daemon to `quit` through its own pipe directory (as ocrvl does)."""
+    with contextlib.suppress(psutil.Error, OSError, subprocess.SubprocessError):
+        env = proc.environ()
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, timeout=15,
+                       check=False, capture_output=True,
+                       env={**os.environ, **{k: v for k, v in env.items()
+                                             if k.startswith("CUDA_MPS_")}})  # fmt: skip
+
+
+def sweep(token: str, grace_s: float = SWEEP_GRACE_S) -> list[str]:
+    """End every process marked with `token`: MPS control daemons asked to quit first, then
+    SIGTERM to their process groups (only groups whose every member is marked: never
+    someone else's process), `grace_s`, SIGKILL. Returns what was found ("PID NAME")."""
+    found = marked(token)
+    if not found:
+        return []
+    said = []
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            said.append(f"{p.pid} {' '.join(p.cmdline()[:3])[:80] or p.name()}")
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            if p.name().startswith("nvidia-cuda-mps-control"):
+                quit_mps(p)
+    mine = {p.pid for p in found}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in found if p.is_running()]
+        for p in alive:
+            with contextlib.suppress(psutil.Error, OSError):
+                pgid = os.getpgid(p.pid)
+                members = [q.pid for q in psutil.process_iter() if _pgid(q.pid) == pgid]
+                if pgid != os.getpgrp() and set(members) <= mine:
+                    os.killpg(pgid, sig)
+                else:
+                    p.send_signal(sig)
+        _, alive = psutil.wait_procs(alive, timeout=grace_s if sig == signal.SIGTERM else 5)
+        if not alive:
+            break
+    return said
+
+
+def _pgid(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        return os.getpgid(pid)
+    return None
+
+
+def kill_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+# --- a step ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    state: str  # "done", "failed", "cut"
+    returncode: int | None
+    seconds: float
+    leftovers: list[str]
+
+
+def run_step(name: str, commands: list[list[str]], share: float, out: Path, token: str,
+             progress: Callable[[str, str], None], grace_s: float = GRACE_S,
+             env: dict[str, str] | None = None) -> Outcome:  # fmt: skip
+    """`commands` one after another (each in a session of its own, marked with `token`),
+    all within `share` seconds; at the deadline SIGTERM, `grace_s` later SIGKILL to the
+    group; then every process still marked `token` ended. Output to OUT/NAME.log."""
+    t0 = time.monotonic()
+    deadline = t0 + share
+    base = {**os.environ, **(env or {}), MARKER_ENV: token, "PYTHONUNBUFFERED": "1"}
+    base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(
+        p for p in (str(ROOT), *base.get("PYTHONPATH", "").split(os.pathsep)) if p))
+    state = "done"
+    code: int | None = 0
+    leftovers: list[str] = []
+    with (out / f"{name}.log").open("ab") as log:
+        for argv in commands:
+            log.write(f"$ {shlex.join(argv)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(argv, cwd=ROOT, env=base, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                code = wait_or_cut(proc, deadline, grace_s, name, progress)
+            finally:
+                if proc.poll() is None:  # the lease itself was stopped: so is the step
+                    kill_group(proc, signal.SIGKILL)
+                    proc.wait()
+                kill_group(proc, signal.SIGKILL)  # whatever of its group the leader left
+                leftovers += sweep(token)
+            if code is None:
+                state = "cut"
+                break
+            if code != 0:
+                state = "failed"
+                break
+    if leftovers:
+        progress(name, f"ended {len(leftovers)} leftover process(es): {'; '.join(leftovers)}")
+    return Outcome(state, code, time.monotonic() - t0, leftovers)
+
+
+def wait_or_cut(proc: subprocess.Popen[Any], deadline: float, grace_s: float, name: str,
+                progress: Callable[[str, str], None]) -> int | None:  # fmt: skip
+    """The command's exit status, or None where it was cut at `deadline`."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return proc.wait(max(0.0, deadline - time.monotonic()))
+    progress(name, "deadline: SIGTERM to its process group")
+    kill_group(proc, signal.SIGTERM)
+    cut = time.monotonic()
+    try:
+        proc.wait(grace_s)
+        progress(name, f"stopped {time.monotonic() - cut:.0f} s after SIGTERM")
+    except subprocess.TimeoutExpired:
+        progress(name, f"still there {grace_s:.0f} s after SIGTERM: SIGKILL")
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+    return None
+
+
+# --- the steps' commands -------------------------------------------------------------------------
+
+
+def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str]]:
+    """The commands of step `name` with `share` seconds (results and logs under args.out)."""
+    py, out = args.python, args.out
+    vllm = ["--model-dir", str(args.model_dir), "--vllm-python", args.vllm_python,
+            "--vllm-pythonpath", args.vllm_pythonpath]  # fmt: skip
+    files = ["--results", str(out / f"{name}.json"), "--log-dir", str(out / f"{name}-logs")]
+    budget = ["--budget-s", f"{max(60.0, share - BENCH_MARGIN_S):.0f}"]
+    prepare: list[list[str]] = []
+    if not (args.model_dir / "config.json").exists() and name != "stub":
+        prepare.append([py, "-m", "bench.gpu.dummy_model", str(args.model_dir)])
+    stand_in = [py, "-m", "testkit.layout_model", str(args.layout_cache), "--format",
+                "transformers"]  # fmt: skip
+    has_stand_in = args.layout_cache.is_dir() and any(args.layout_cache.rglob("*_safetensors"))
+    layout = ["--layout-engine", "transformers", "--layout-cache", str(args.layout_cache)]
+    if name in ("layout", "small-card") and not has_stand_in:
+        prepare.append(stand_in)
+    if name == "layout":
+        main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
+                *budget, *files]  # fmt: skip
+    elif name == "mps":
+        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x3,mps-x4,x2",
+                "--pages", "256", *budget, *files]  # fmt: skip
+    elif name == "rerun":
+        main = [py, "-m", "bench.gpu", *vllm, "--rounds", str(args.rerun_rounds),
+                "--concurrency", "128", *files]  # fmt: skip
+    elif name == "loops":
+        main = [py, "-m", "bench.gpu.loop_savings", *vllm, *files]
+    elif name == "small-card":
+        main = [py, "-m", "bench.gpu.small_card", *vllm, "--layout", *layout, *files]
+    elif name == "stub":
+        main = shlex.split(os.environ[STUB_ENV])
+    else:
+        raise ValueError(name)
+    return [*prepare, main]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from bench.gpu.vllm_server import vllm_python_arg
+
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.lease", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--budget-s", type=float, required=True,
+                    help="seconds for every step together, their clean-up included")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="results, logs and progress.txt (copy it out while polling)")
+    ap.add_argument("--plan", default=DEFAULT_PLAN,
+                    help=f"steps in priority order (default {DEFAULT_PLAN})")
+    ap.add_argument("--python", default=sys.executable, type=vllm_python_arg,
+                    help="the Python the benches run in (default this one)")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/model"),
+                    help="random-weight model dir (made with bench.gpu.dummy_model if missing)")
+    ap.add_argument("--vllm-python", default=sys.executable, type=vllm_python_arg,
+                    help="the Python that has vLLM (default this one)")
+    ap.add_argument("--vllm-pythonpath", default="", help="PYTHONPATH for vLLM (a bundle)")
+    ap.add_argument("--layout-cache", type=Path, default=Path("/tmp/lm"),
+                    help="PADDLE_PDX_CACHE_HOME with the layout stand-in (written if missing)")
+    ap.add_argument("--rerun-rounds", type=int, default=2,
+                    help="rounds of the layout-off rerun (the run of record had 5)")
+    ap.add_argument("--share", action="append", default=[], metavar="STEP=SECONDS",
+                    help="a step's estimate (its share at most) instead of the built-in one")
+    ap.add_argument("--grace-s", type=float, default=GRACE_S,
+                    help=f"SIGTERM to SIGKILL at a step's deadline (default {GRACE_S:g})")
+    args = ap.parse_args(argv)
+    try:
+        args.steps = chosen(args.plan)
+    except ValueError as exc:
+        ap.error(f"--plan: {exc}")
+    overrides = {}
+    for item in args.share:
+        name, _, seconds = item.partition("=")
+        if name not in STEPS or not seconds:
+            ap.error(f"--share {item}: STEP=SECONDS with a known step")
+        overrides[name] = float(seconds)
+    if args.rerun_rounds != 2:
+        overrides.setdefault("rerun", rerun_estimate_s(args.rerun_rounds))
+    args.steps = [Step(s.name, overrides.get(s.name, s.estimate_s),
+                       min(s.minimum_s, overrides.get(s.name, s.minimum_s)))
+                  for s in args.steps]  # fmt: skip
+    args.out = args.out.resolve()
+    args.model_dir = args.model_dir.resolve()
+    args.layout_cache = args.layout_cache.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gpu.teardown import stops_what_it_started
+
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(args.out / "progress.txt")
+    token = f"lease-{os.getpid()}-{secrets.token_hex(4)}"
+    t0 = time.monotonic()
+    progress("lease", f"start: budget {args.budget_s:.0f} s, plan "
+             + ", ".join(f"{n} {'skip' if s is None else f'{s:.0f} s'}"
+                         for n, s in split(args.steps, args.budget_s, args.grace_s)))
+    failed = 0
+    with stops_what_it_started():
+        try:
+            for step in args.steps:
+                left = args.budget_s - (time.monotonic() - t0)
+                share = share_s(step, left, args.grace_s)
+                if share is None:
+                    progress(step.name, f"skipped: budget ({left:.0f} s left, needs "
+                             f"{step.minimum_s + args.grace_s:.0f})")  # fmt: skip
+                    continue
+                progress(step.name, f"start (share {share:.0f} s of {left:.0f} s left)")
+                outcome = run_step(step.name, commands(step.name, args, share), share, args.out,
+                                   f"{token}-{step.name}", progress, args.grace_s)  # fmt: skip
+                failed += outcome.state != "done"
+                progress(step.name, f"{outcome.state} (exit {outcome.returncode}) in "
+                         f"{outcome.seconds:.0f} s")  # fmt: skip
+        finally:
+            left_behind = [p for p in psutil.process_iter() if _carries(p, token)]
+            progress("lease", f"end after {time.monotonic() - t0:.0f} s; processes of ours "
+                     f"left: {len(left_behind)}")  # fmt: skip
+    return 1 if failed else 0
+
+
+def _carries(proc: psutil.Process, token: str) -> bool:
+    with contextlib.suppress(psutil.Error, OSError):
+        return proc.environ().get(MARKER_ENV, "").startswith(token)
+    return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
