@@ -9,6 +9,9 @@ Steps, in the order `--plan` gives them (its order is their priority):
   layout      bench.gpu --layout (transformers on gpu:0; the stand-in written first with
               `python -m testkit.layout_model CACHE --format transformers` where CACHE has none),
               its own --budget-s from the step's share
+  layout-api2 the same with vLLM's `--api-server-count 2`, capacity, B2 and convert only: one
+              server with layout on is bound by its API process preparing every block's
+              image on one core (bench/gpu/RESULTS.md, 2026-12-05); does a second one lift it?
   mps         bench.gpu.big_gpu --settings mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
@@ -68,6 +71,7 @@ class Step:
 # capacity 22, B2 40, convert 46, run 44, small documents 120, layout alone and the CPU sweep).
 STEPS = {
     "layout": Step("layout", 720, 330),  # all but the CPU sweep at 4 cores
+    "layout-api2": Step("layout-api2", 420, 300),
     "mps": Step("mps", 560, 330),
     "rerun": Step("rerun", 700, 400),  # 2 rounds; more rounds: rerun_estimate_s
     "loops": Step("loops", 330, 240),
@@ -288,11 +292,15 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "transformers"]  # fmt: skip
     has_stand_in = args.layout_cache.is_dir() and any(args.layout_cache.rglob("*_safetensors"))
     layout = ["--layout-engine", "transformers", "--layout-cache", str(args.layout_cache)]
-    if name in ("layout", "small-card") and not has_stand_in:
+    if name in ("layout", "layout-api2", "small-card") and not has_stand_in:
         prepare.append(stand_in)
     if name == "layout":
         main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
                 *budget, *files]  # fmt: skip
+    elif name == "layout-api2":
+        main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
+                "--vllm-arg=--api-server-count=2", "--only", "capacity,b2,convert", *budget,
+                *files]  # fmt: skip
     elif name == "mps":
         main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x3,mps-x4,x2",
                 "--pages", "256", *budget, *files]  # fmt: skip
