@@ -47,6 +47,7 @@ from ocrvl_daemon.plan import EndpointRoom, isolation_bound, plan
 from ocrvl_daemon.progress import DocumentProgress, Progress
 from ocrvl_daemon.rate import RateMeter
 from ocrvl_daemon.server.autotune import layout_choice
+from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
@@ -466,11 +467,14 @@ class Converter:
             self.in_flight,
         )
 
-    def stage_load(self, now: float) -> StageLoad:
+    def stage_load(self, now: float, gpus: Sequence[GpuReading] = ()) -> StageLoad:
         """How busy each stage was over the last minute, each against its capacity: rendering
         and layout run one page at a time in each engine worker (PDFium's lock, the layout
         model's lock); the server's capacity is the endpoints' bounds, in requests (the
-        request gates hold each to its bound), so its load is how full the bound was."""
+        request gates hold each to its bound), so its load is how full the bound was. `gpus`:
+        the managed servers' GPUs as last read, whose busy share tells a server held by its
+        GPU from one held by its CPU side."""
+        busy = [g.busy_pct / 100 for g in gpus if g.busy_pct is not None]
         if self._layout_device is None:
             self._layout_device = _layout_device(self.config)
         workers = self.engines.size
@@ -480,6 +484,7 @@ class Converter:
             layout=self._busy[Stage.LAYOUT].busy(now, workers),
             server=self._busy[Stage.SERVER].busy(now, bound),
             layout_device=self._layout_device,
+            server_gpu_busy=sum(busy) / len(busy) if busy else None,
         )
 
     def running(self) -> list[DocumentProgress]:

@@ -25,6 +25,11 @@ from ocrvl_daemon.rate import RATE_WINDOW
 
 # A stage at or above this share of its capacity is where pages queue.
 SATURATED = 0.85
+# A full server whose GPU is busier than this is held by the GPU; below it, by its CPU side.
+# With layout detection on, one vLLM server met ~20 block requests a second on an H100 while
+# its GPU decoded a fifth of what it does with whole pages (bench/gpu/RESULTS.md, 2026-12-05):
+# its API process prepares every image on one core.
+GPU_BOUND = 0.6
 
 
 class Stage(enum.Enum):
@@ -80,6 +85,7 @@ class StageLoad:
     layout: float = 0.0
     server: float = 0.0
     layout_device: str = ""  # "cpu", "gpu:0"; "" with layout detection off
+    server_gpu_busy: float | None = None  # the managed servers' GPUs (0-1); None: not known
 
     def loads(self) -> dict[Stage, float]:
         """Each stage's load."""
@@ -92,8 +98,15 @@ class StageLoad:
         return stage if load >= SATURATED else None
 
     def advice(self) -> str | None:
-        """What would help, when a stage before the server sets the pace."""
+        """What would help, when a stage before the server sets the pace, or the server is
+        full while its GPU idles."""
         limit = self.limit()
+        if (limit is Stage.SERVER and self.server_gpu_busy is not None
+                and self.server_gpu_busy < GPU_BOUND):
+            return (f"the server is full but its GPU is only {self.server_gpu_busy:.0%} busy: "
+                    "its CPU side (one process prepares every image) sets the pace; more "
+                    "replicas would help (server.replicas, sharing the GPU with server.mps), "
+                    "or a second API process (server.vllm_args: {api-server-count: 2})")
         if limit is Stage.LAYOUT and self.layout_device == "cpu":
             return ("the layout model on the CPU sets the pace: put it on the GPU "
                     "(pipeline.layout_device: gpu; README: Layout detection: which engine) or "

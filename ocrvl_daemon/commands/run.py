@@ -242,6 +242,7 @@ class Daemon:
         """This tick's `DaemonState`: shown as STATUS=, in /metrics and by `ocrvl status`."""
         progress = self.converter.progress()
         endpoints = tuple(self._endpoints())
+        gpus = self.gpus.latest()
         return DaemonState(
             pid=os.getpid(),
             updated=time.time(),
@@ -274,8 +275,8 @@ class Daemon:
             engine_error=self.converter.engines.start_error,
             hook_failures=dict(self.converter.hooks.failures),
             gpus=tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct, r.power_w)
-                       for r in self.gpus.latest()),
-            stages=self.converter.stage_load(time.monotonic()),
+                       for r in gpus),
+            stages=self.converter.stage_load(time.monotonic(), gpus),
         )
 
     def _endpoints(self) -> list[EndpointState]:
