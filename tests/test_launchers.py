@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,27 +19,50 @@ from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.server.launchers import (
     BACKEND_CONFIG_NAME,
+    STREAM_INTERVAL,
     check_launcher,
     prepare_launch,
     resolve_vllm_args,
+    server_vllm_version,
     vllm_flags,
     vllm_serve_command,
 )
+from testkit.fake_server.cli import parse_args
+from testkit.harness import FakeServerProcess, free_port
+from testkit.runner import checkout_first
 
 
 def make_config(tmp_path: Path, **server: Any) -> Config:
     return validate_config({"state_dir": str(tmp_path / "state"), "server": server})
 
 
-def fake_venv(tmp_path: Path, *scripts: str) -> Path:
-    """A directory shaped like a virtual environment's bin/ with executable stubs."""
-    bin_dir = tmp_path / "venv" / "bin"
+def fake_venv(tmp_path: Path, *scripts: str, vllm: str | None = None,
+              name: str = "venv") -> Path:
+    """A directory shaped like a virtual environment's bin/ with executable stubs, and with
+    vLLM `vllm`'s dist-info in its site-packages when given (what pip leaves there)."""
+    bin_dir = tmp_path / name / "bin"
     bin_dir.mkdir(parents=True)
-    for name in ("python", *scripts):
-        path = bin_dir / name
+    for script in ("python", *scripts):
+        path = bin_dir / script
         path.write_text("#!/bin/sh\nexit 0\n")
         path.chmod(0o755)
+    site = tmp_path / name / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "vllm_flash_attn-9.9.9.dist-info").mkdir()  # another package, not vLLM's version
+    if vllm is not None:
+        install_vllm(bin_dir / "python", vllm)
     return bin_dir / "python"
+
+
+def install_vllm(python: Path, version: str) -> None:
+    """Leave vLLM `version`'s dist-info in `python`'s venv, as pip does (and remove others)."""
+    site = python.parent.parent / "lib" / "python3.12" / "site-packages"
+    for old in site.glob("vllm-*.dist-info"):
+        (old / "METADATA").unlink()
+        old.rmdir()
+    info = site / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
 
 
 def flag_value(argv: list[str], flag: str) -> str:
@@ -228,3 +253,128 @@ def test_vllm_flags_spelling() -> None:
     assert vllm_flags({"a": True, "b": False, "enable-prefix-caching": False, "c": None,
                        "d": [1, 2], "e": 0.5}) == [
         "--a", "--no-enable-prefix-caching", "--d", "[1, 2]", "--e", "0.5"]
+
+
+# --- --stream-interval where the server's vLLM has it -------------------------------------
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("installed", "added"), [
+    ("0.26.0", True), ("0.12.0", True), ("0.12.0+cu129", True),
+    ("0.11.1", False), ("0.11.2", False), ("0.12.0rc1", False), (None, False)])
+def test_stream_interval_only_where_the_server_vllm_has_it(
+        tmp_path: Path, installed: str | None, added: bool) -> None:
+    python = fake_venv(tmp_path, "vllm", vllm=installed)
+    argv = prepare_launch(make_config(tmp_path, python=str(python))).argv
+    if added:
+        assert flag_value(argv, "--stream-interval") == str(STREAM_INTERVAL) == "16"
+    else:
+        assert "--stream-interval" not in argv, f"vLLM {installed} would exit on the flag"
+    assert server_vllm_version(make_config(tmp_path, python=str(python)))[0] == installed
+
+
+@pytest.mark.quick
+def test_stream_interval_read_from_the_vllm_script_on_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No server.python: the env of the `vllm` found on PATH decides, not ocrvl's own."""
+    new = fake_venv(tmp_path, "vllm", vllm="0.26.0", name="new")
+    old = fake_venv(tmp_path, "vllm", vllm="0.11.1", name="old")
+    for python, added in ((new, True), (old, False)):
+        monkeypatch.setenv("PATH", str(python.parent))
+        argv = prepare_launch(make_config(tmp_path)).argv
+        assert argv[0] == str(python.parent / "vllm")
+        assert ("--stream-interval" in argv) is added
+
+
+@pytest.mark.quick
+def test_stream_interval_for_genai_server_from_its_env(tmp_path: Path) -> None:
+    for installed, added in (("0.26.0", True), ("0.11.1", False)):
+        python = fake_venv(tmp_path, "paddleocr", vllm=installed, name=f"v{installed}")
+        config = make_config(tmp_path, launcher="genai_server", python=str(python))
+        prepare_launch(config)
+        written = yaml.safe_load((tmp_path / "state" / BACKEND_CONFIG_NAME).read_text())
+        assert written.get("stream-interval") == (STREAM_INTERVAL if added else None)
+
+
+@pytest.mark.quick
+def test_command_launcher_never_gets_stream_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own command (maybe a container) runs a vLLM ocrvl cannot see."""
+    python = fake_venv(tmp_path, "vllm", vllm="0.26.0")
+    monkeypatch.setenv("PATH", f"{python.parent}{os.pathsep}{os.environ['PATH']}")
+    for server in ({"python": str(python)}, {}):
+        config = make_config(tmp_path, launcher="command", command=["true", "{vllm_args}"],
+                             **server)
+        argv = prepare_launch(config).argv
+        assert "--stream-interval" not in argv and "--max-num-seqs" in argv
+    # Unless the user asks for it.
+    config = make_config(tmp_path, launcher="command", command=["true", "{vllm_args}"],
+                         vllm_args={"stream-interval": 8})
+    assert flag_value(prepare_launch(config).argv, "--stream-interval") == "8"
+
+
+@pytest.mark.quick
+def test_user_stream_interval_wins_and_null_drops_it(tmp_path: Path) -> None:
+    python = fake_venv(tmp_path, "vllm", vllm="0.26.0")
+    dropped = make_config(tmp_path, python=str(python), vllm_args={"stream-interval": None})
+    assert "--stream-interval" not in prepare_launch(dropped).argv
+    mine = make_config(tmp_path, python=str(python), vllm_args={"stream_interval": 4})
+    assert flag_value(prepare_launch(mine).argv, "--stream-interval") == "4"
+    # The user's value even on a vLLM that ocrvl would not give it to.
+    install_vllm(python, "0.11.1")
+    assert flag_value(prepare_launch(mine).argv, "--stream-interval") == "4"
+
+
+@pytest.mark.quick
+def test_serve_line_for_another_machine_leaves_stream_interval_out(tmp_path: Path) -> None:
+    """The printed line must run on any vLLM the printed requirement admits (>= 0.11.1)."""
+    python = fake_venv(tmp_path, "vllm", vllm="0.26.0")
+    config = make_config(tmp_path, python=str(python), port=9001)
+    managed = prepare_launch(config).argv
+    by_hand = shlex.split(vllm_serve_command(config))
+    assert flag_value(managed, "--stream-interval") == "16"
+    assert "--stream-interval" not in by_hand
+    at = managed.index("--stream-interval")
+    without = managed[:at] + managed[at + 2:]
+    assert by_hand[2:] == [a if a != "127.0.0.1" else "0.0.0.0" for a in without[2:]]
+
+
+@pytest.mark.quick
+def test_version_is_read_again_after_an_upgrade_and_the_choice_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    python = fake_venv(tmp_path, "vllm", vllm="0.11.1")
+    config = make_config(tmp_path, python=str(python))
+    caplog.set_level(logging.INFO, logger="ocrvl_daemon.server.launchers")
+    for _ in range(3):
+        assert "stream-interval" not in resolve_vllm_args(config).values
+    said = [r.getMessage() for r in caplog.records if "stream-interval" in r.getMessage()]
+    assert len(said) == 1 and "0.11.1" in said[0] and "predates 0.12.0" in said[0], said
+    install_vllm(python, "0.26.0")
+    caplog.clear()
+    for _ in range(3):
+        assert resolve_vllm_args(config).values["stream-interval"] == STREAM_INTERVAL
+    said = [r.getMessage() for r in caplog.records if "stream-interval" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("adding --stream-interval 16"), said
+
+
+def test_the_fake_vllm_starts_with_stream_interval(tmp_path: Path) -> None:
+    """A real launch through the vllm launcher: the flags ocrvl adds for a 0.26.0 env reach
+    the server (here the fake one behind a `vllm` script), which starts with them."""
+    assert parse_args(["--stream-interval", "16"]).ignored_args == ("--stream-interval", "16")
+    python = fake_venv(tmp_path, vllm="0.26.0")
+    vllm = python.parent / "vllm"
+    # `vllm serve MODEL FLAGS...` -> the fake server with FLAGS.
+    vllm.write_text(f"#!/bin/sh\nshift 2\nexec {shlex.quote(sys.executable)} "
+                    "-m testkit.fake_server \"$@\"\n")
+    vllm.chmod(0o755)
+    port = free_port()
+    spec = prepare_launch(make_config(tmp_path, python=str(python), port=port))
+    assert flag_value(spec.argv, "--stream-interval") == "16"
+    env = {**spec.env, "PYTHONPATH": checkout_first(spec.env.get("PYTHONPATH"))}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with FakeServerProcess(proc, "127.0.0.1", port, log_path) as server:
+        server.wait_ready(15)
+        assert "--stream-interval 16" in server.output()

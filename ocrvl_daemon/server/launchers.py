@@ -20,10 +20,12 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
@@ -49,6 +51,15 @@ SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
 ANY_HOST = "0.0.0.0"  # a server meant for other machines listens on every address
 # vLLM >= 0.11.1 has the PaddleOCR-VL architecture built in; 1.0 may change the CLI.
 VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
+# ocrvl streams every answer only to stop one as soon as it loops. vLLM sends an SSE chunk per
+# generated token by default, each costing CPU in its API process, which bound a layout-on
+# server on an H100 (bench/gpu/RESULTS.md). A chunk per 16 tokens delays a loop stop by at most
+# 16 tokens, a fraction of any loop ocrvl stops, against ~16x fewer chunks. Added to the
+# managed vllm/genai_server launch only where the server's vLLM has the flag: an unknown flag
+# makes `vllm serve` exit at once.
+STREAM_INTERVAL = 16
+STREAM_INTERVAL_FLAG = "stream-interval"
+STREAM_INTERVAL_SINCE = Version("0.12.0")  # vLLM PR #27869 (2025-11-12) added it
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
 
 
@@ -62,14 +73,98 @@ class LaunchSpec:
 
 def resolve_vllm_args(config: Config, gpu: GpuReading | None = None,
                       remembered: dict[str, Any] | None = None) -> TunedArgs:
-    """The vLLM flags to launch with: recipe defaults, then the user's, `auto` planned.
+    """The vLLM flags to launch with: recipe defaults, `server_defaults`, then the user's,
+    `auto` planned.
 
     `gpu` is the card as it is now (None: safe fixed values); `remembered` holds values an
     out-of-memory recovery lowered, which the plan never exceeds.
     """
     tuned = plan_vllm_args(config, gpu, remembered)
-    tuned.values = {**RECIPE_DEFAULTS, **tuned.values}
+    tuned.values = {**RECIPE_DEFAULTS, **server_defaults(config), **tuned.values}
     return tuned
+
+
+def server_defaults(config: Config) -> dict[str, Any]:
+    """Defaults that depend on the server environment's vLLM: `stream-interval` where it has
+    the flag. Never for `server.launcher: command` (the user's own program, maybe a
+    container), nor when the user set the flag (their value, or `null`, wins anyway)."""
+    if config.server.launcher == "command" or STREAM_INTERVAL_FLAG in config.server.vllm_args:
+        return {}
+    version, where = server_vllm_version(config)
+    parsed = _parse_version(version) if version is not None else None
+    if parsed is not None and parsed >= STREAM_INTERVAL_SINCE:
+        _say_once(where, f"adding --{STREAM_INTERVAL_FLAG} {STREAM_INTERVAL} to the vLLM flags: "
+                  f"vLLM {version} in {where} has it (a streamed chunk per {STREAM_INTERVAL} "
+                  "tokens instead of one per token)")
+        return {STREAM_INTERVAL_FLAG: STREAM_INTERVAL}
+    if version is None:
+        why = f"no vLLM version found in {where}"
+    elif parsed is None:
+        why = f"cannot compare vLLM version {version!r} in {where}"
+    else:
+        why = f"vLLM {version} in {where} predates {STREAM_INTERVAL_SINCE}, which added it"
+    _say_once(where, f"not adding --{STREAM_INTERVAL_FLAG} to the vLLM flags: {why}")
+    return {}
+
+
+_said: dict[str, str] = {}  # the last decision logged per server environment
+
+
+def _say_once(where: str, message: str) -> None:
+    if _said.get(where) != message:
+        _said[where] = message
+        log.info("%s", message)
+
+
+def _parse_version(version: str) -> Version | None:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def _server_prefix(config: Config) -> Path | None:
+    """The environment (its prefix: bin/, lib/) whose vLLM the managed server runs; None when
+    that is ocrvl's own interpreter's."""
+    server = config.server
+    if server.python is not None:
+        # Not resolved: a venv's bin/python links to the base interpreter, outside the venv.
+        return server.python.parent.parent
+    script = _find_script(config, "paddleocr" if server.launcher == "genai_server" else "vllm")
+    return script.parent.parent if script is not None else None
+
+
+_versions: dict[tuple[Any, ...], str | None] = {}
+
+
+def server_vllm_version(config: Config) -> tuple[str | None, str]:
+    """The vLLM version installed in the server environment (None: none found), and where
+    that environment is.
+
+    Read from the `vllm-<version>.dist-info` folder in its lib/python3*/site-packages (or
+    dist-packages), without importing vLLM or starting its Python; for ocrvl's own
+    environment from importlib.metadata. Remembered per environment until one of those
+    folders changes (an install or upgrade there). Several versions found (a broken
+    upgrade's leftover): the oldest.
+    """
+    prefix = _server_prefix(config)
+    if prefix is None:
+        where = f"ocrvl's own environment ({sys.prefix})"
+        key: tuple[Any, ...] = (sys.prefix,)
+        if key not in _versions:
+            try:
+                _versions[key] = metadata.version("vllm")
+            except metadata.PackageNotFoundError:
+                _versions[key] = None
+        return _versions[key], where
+    sites = sorted(d for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages")
+                   for d in prefix.glob(pattern) if d.is_dir())
+    key = (str(prefix), *((str(d), d.stat().st_mtime_ns) for d in sites))
+    if key not in _versions:
+        found = [v for d in sites for info in d.glob("vllm-*.dist-info")
+                 if (v := _parse_version(info.name[len("vllm-"):-len(".dist-info")]))]
+        _versions[key] = str(min(found)) if found else None
+    return _versions[key], str(prefix)
 
 
 def _flag_value(value: Any) -> str:
@@ -191,11 +286,13 @@ def vllm_serve_command(config: Config, host: str = ANY_HOST, port: int | None = 
 
     For a server started by hand, typically on another machine with a GPU (listening on every
     address by default; `port` defaults to server.port). `auto` flags take the values ocrvl
-    uses when it cannot read the GPU, which start on an 8 GB card.
+    uses when it cannot read the GPU, which start on an 8 GB card. Defaults that depend on
+    the local server environment's vLLM (`server_defaults`: --stream-interval) are left out:
+    the line must run on any vLLM that VLLM_REQUIREMENT admits.
     """
     # One server there, whatever server.replicas says of the servers ocrvl starts here.
     alone = config.model_copy(update={"server": config.server.model_copy(update={"replicas": 1})})
-    args = resolve_vllm_args(alone).values
+    args = {**RECIPE_DEFAULTS, **plan_vllm_args(alone, None).values}
     port = port or config.server.port
     return shlex.join(["vllm", "serve", *_serve_args(config, args, host, port)])
 
