@@ -340,8 +340,15 @@ class Ocrvl:
 
     def wait(self, timeout: float) -> int:
         code = self.proc.wait(timeout)
-        self._reader.join(5)
+        self._done_reading()
         return code
+
+    def _done_reading(self) -> None:
+        """Let the reader take the last lines, then close the pipe (left open it is a file
+        the garbage collector closes, with a ResourceWarning)."""
+        self._reader.join(5)
+        if self.proc.stderr is not None and not self._reader.is_alive():
+            self.proc.stderr.close()
 
     def save(self, path: Path) -> None:
         """Write what it said to `path`, each line with its seconds since the start."""
@@ -357,7 +364,7 @@ class Ocrvl:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._reader.join(5)
+        self._done_reading()
 
 
 def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
