@@ -54,12 +54,14 @@ class Rules:
     external_server: bool  # ocrvl does not run the server (the advice differs)
     server_url: str  # the endpoint named when a result does not say
     again: str = "ocrvl retry"  # the command that redoes a document (`pdf.retry_command`)
+    max_new_tokens: int = 4096  # a page's token limit when it is sent as it was
 
     @classmethod
     def from_config(cls, config: Config, again: str) -> Rules:
         """The rules of `config`, with `again` as the redo command."""
         return cls(config.pipeline.page_retries, config.pipeline.fail_on_page_error,
-                   config.server.mode == "external", config.server.base_url, again)
+                   config.server.mode == "external", config.server.base_url, again,
+                   config.model.effective_max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,15 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
                                    document.others_out, max(1, cut))
             if not isinstance(choice, KeptBecause):  # only the blocks cut off go again
                 ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
-        ledger.best(page, _judge_page(result), result)
+        quality = _judge_page(result)
+        ledger.best(page, quality, result)
+        if choice is None and quality.empty_with_ink:
+            # Nothing came back for a page with ink: a fluke of the server is worth one more
+            # try at the page's limit, within the redo budget (DESIGN, Decisions).
+            choice = ledger.retry_empty(page, rules.max_new_tokens)
+            if isinstance(choice, Redo):
+                return SendAgain(page, why=f"p.{page + 1}: the answer is empty although the "
+                                           "page has ink; sending it again once", ledger=ledger)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)

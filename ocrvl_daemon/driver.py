@@ -393,7 +393,7 @@ class Converter:
         md, images, _ = output.outputs_for(job.path, self.place)
         redone = ""
         if ledger.redos:
-            redone = (f"; redoing {len(ledger.redos)} cut-off or looping page(s) took "
+            redone = (f"; redoing {len(ledger.redos)} cut-off, looping or empty page(s) took "
                       f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
                       "first time)")
         fields = _fields(job)

@@ -204,6 +204,7 @@ class RedoLedger:
     keep: dict[int, Mapping[str, Any]] = field(default_factory=dict)
     _answers: int = 0  # first-pass answers counted (a block each)
     _grown: set[int] = field(default_factory=set)  # pages redone with more tokens
+    _emptied: set[int] = field(default_factory=set)  # pages sent again for an empty answer
     _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
 
@@ -211,7 +212,7 @@ class RedoLedger:
         """A ledger of its own with the same entries (`decide.decide` changes a copy)."""
         return RedoLedger(self.first_pass, self.extra, dict(self.redos), dict(self.loop_tries),
                           dict(self.held), dict(self.keep), self._answers, set(self._grown),
-                          dict(self._out), dict(self._best))
+                          set(self._emptied), dict(self._out), dict(self._best))
 
     @property
     def cap(self) -> int:
@@ -274,6 +275,20 @@ class RedoLedger:
         self.redos[page] = redo
         self._out[page] = expected
         return redo
+
+    def retry_empty(self, page: int, max_new_tokens: int) -> Redo | KeptBecause:
+        """How to send `page` again once after an empty answer although it has ink (at its
+        limit and penalty as they were), or why its answer stays: it was sent again already,
+        or the document's redos took their share."""
+        if page in self._emptied:
+            return KeptBecause.REDONE
+        if self.extra + sum(self._out.values()) >= self.cap:
+            return KeptBecause.BUDGET
+        self._emptied.add(page)
+        self.redos[page] = self.redos.get(page, Redo(max_new_tokens))
+        # It reads like the document's other answers when it comes back.
+        self._out[page] = self.first_pass // max(1, self._answers)
+        return self.redos[page]
 
     def release(self, page: int) -> Redo | KeptBecause:
         """The decision for a page held by `Later`, once the document's other pages are in."""

@@ -389,6 +389,30 @@ def reads_well(policy: Policy, job: Job, page: int) -> None:
                               tokens=NORMAL_TOKENS, finish_reason="stop", has_ink=True))
 
 
+def empty(policy: Policy, job: Job, page: int) -> None:
+    """Nothing comes back for a page with ink on it."""
+    policy.deliver(PageResult(job.id, page, markdown="", tokens=0, finish_reason="stop",
+                              has_ink=True))
+
+
+def test_an_empty_answer_for_a_page_with_ink_is_sent_again_once(policy: Policy):
+    book = make_pdf(policy.folder / "book.pdf", 20)
+    job = policy.queue(book)
+    policy.send()
+    blank = [17, 18]  # the last pages: the redo budget (a share of the first pass) is known
+    for page in range(20):
+        (empty if page in blank else reads_well)(policy, job, page)
+    assert sorted(p for _, p in policy.send()) == blank, (
+        "an empty answer for a page with ink was kept without the one retry it gets")
+    reads_well(policy, job, 17)  # the server's fluke: the retry reads well
+    empty(policy, job, 18)  # empty again: kept, flagged, never a third time
+    assert policy.send() == [], "an empty page was sent a third time"
+    md = book.with_suffix(".md").read_text("utf-8")
+    assert "text of page 18" in md and "page 18 bad" not in md, (
+        "the retry's answer was not kept")
+    assert "<!-- ocrvl: page 19 bad: empty -->" in md, "the page empty twice is not flagged"
+
+
 def test_every_looping_page_gets_its_first_retry_within_the_redo_budget(policy: Policy):
     """20 pages of ~700 tokens, 3 of them loop to the 4,096-token limit at once: the budget
     (a quarter of what the first pass generated, ~6,000 tokens) counts what redos generate,
