@@ -48,6 +48,8 @@ from typing import Any
 
 import psutil
 
+from bench.gpu.teardown import end_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 MARKER_ENV = "OCRVL_BENCH_LEASE"
 GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
@@ -178,27 +180,8 @@ def sweep(token: str, grace_s: float = SWEEP_GRACE_S) -> list[str]:
         with contextlib.suppress(psutil.Error):
             if p.name().startswith("nvidia-cuda-mps-control"):
                 quit_mps(p)
-    mine = {p.pid for p in found}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in found if p.is_running()]
-        for p in alive:
-            with contextlib.suppress(psutil.Error, OSError):
-                pgid = os.getpgid(p.pid)
-                members = [q.pid for q in psutil.process_iter() if _pgid(q.pid) == pgid]
-                if pgid != os.getpgrp() and set(members) <= mine:
-                    os.killpg(pgid, sig)
-                else:
-                    p.send_signal(sig)
-        _, alive = psutil.wait_procs(alive, timeout=grace_s if sig == signal.SIGTERM else 5)
-        if not alive:
-            break
+    end_processes(found, grace_s, "of this lease", contained=True)
     return said
-
-
-def _pgid(pid: int) -> int | None:
-    with contextlib.suppress(OSError):
-        return os.getpgid(pid)
-    return None
 
 
 def kill_group(proc: subprocess.Popen[Any], sig: int) -> None:

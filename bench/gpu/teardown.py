@@ -53,10 +53,13 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
 
 
 def end_processes(procs: list[psutil.Process], grace: float = KILL_GRACE_S,
-                  what: str = "left over") -> list[int]:  # fmt: skip
+                  what: str = "left over", contained: bool = False) -> list[int]:  # fmt: skip
     """SIGTERM the process groups of `procs` (a group of their own: all of it; this process's
-    group: only them), wait up to `grace` s, SIGKILL what is left; returns the pids ended."""
+    group: only them), wait up to `grace` s, SIGKILL what is left; returns the pids ended.
+    `contained`: a group is signalled whole only if every member of it is in `procs` (never
+    someone else's process); otherwise each process alone."""
     own_group = os.getpgrp()
+    mine = {p.pid for p in procs}
     alive = [p for p in procs if p.is_running() and p.pid != os.getpid()]
     if not alive:
         return []
@@ -67,7 +70,8 @@ def end_processes(procs: list[psutil.Process], grace: float = KILL_GRACE_S,
         for p in alive:
             with contextlib.suppress(psutil.Error, OSError):
                 pgid = os.getpgid(p.pid)
-                if pgid != own_group and pgid not in groups:
+                whole = pgid != own_group and (not contained or _members(pgid) <= mine)
+                if whole and pgid not in groups:
                     groups.add(pgid)
                     os.killpg(pgid, sig)
                 else:
@@ -76,6 +80,16 @@ def end_processes(procs: list[psutil.Process], grace: float = KILL_GRACE_S,
         if not alive:
             break
     return [p.pid for p in procs]
+
+
+def _members(pgid: int) -> set[int]:
+    """The pids of process group `pgid`."""
+    members = set()
+    for q in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(q.pid) == pgid:
+                members.add(q.pid)
+    return members
 
 
 def _name(p: psutil.Process) -> str:
