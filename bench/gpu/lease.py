@@ -12,7 +12,7 @@ Steps, in the order `--plan` gives them (its order is their priority):
   layout-api2 the same with vLLM's `--api-server-count 2`, capacity, B2 and convert only: one
               server with layout on is bound by its API process preparing every block's
               image on one core (bench/gpu/RESULTS.md, 2026-12-05); does a second one lift it?
-  mps         bench.gpu.big_gpu --settings mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
+  mps         bench.gpu.big_gpu --settings mps-x2,mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
   small-card  bench.gpu.small_card --layout (transformers, the same stand-in)
@@ -285,7 +285,7 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "--vllm-arg=--api-server-count=2", "--only", "capacity,b2,convert", *budget,
                 *files]  # fmt: skip
     elif name == "mps":
-        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x3,mps-x4,x2",
+        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x2,mps-x3,mps-x4,x2",
                 "--pages", "256", *budget, *files]  # fmt: skip
     elif name == "rerun":
         main = [py, "-m", "bench.gpu", *vllm, "--rounds", str(args.rerun_rounds),
