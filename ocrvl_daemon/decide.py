@@ -2,7 +2,8 @@
 
 A page's answer is one per block (with layout detection; one for the page without): each
 block is judged, the page's verdict is its worst block's, and a redo sends again only the
-blocks that were cut off or looped, keeping the others' answers (`RedoLedger.keep`).
+blocks that were cut off or looped, each with the setting its own answer calls for
+(`RedoLedger.decide_blocks`), keeping the others' answers (`RedoLedger.keep`).
 
 `decide(result, document, rules)` reads the result and the document (its pages, attempts and
 redo ledger) and returns one action: `Checkpoint` an answer, `SendAgain` (a redo, a counted
@@ -26,6 +27,8 @@ from ocrvl_daemon.errors import (
     ServerError,
 )
 from ocrvl_daemon.page_quality import (
+    BlockRedos,
+    CutBlock,
     KeptBecause,
     Later,
     PageQuality,
@@ -123,13 +126,9 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
         ledger = document.ledger.copy()
         ledger.count(page, result.generated, max(1, len(result.answers)))
         cut_at = result.truncated_at
-        choice: Redo | KeptBecause | Later | None = None
+        choice: Redo | BlockRedos | KeptBecause | Later | None = None
         if cut_at is not None:
-            cut = sum(a.cut for a in result.answers)
-            choice = ledger.decide(page, cut_at, result.token_ceiling, result.looping,
-                                   document.others_out, max(1, cut))
-            if not isinstance(choice, KeptBecause):  # only the blocks cut off go again
-                ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
+            choice = _decide_cut(ledger, result, cut_at, document.others_out)
         quality = _judge_page(result)
         ledger.best(page, quality, result)
         if choice is None and quality.empty_with_ink:
@@ -139,7 +138,7 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
             if isinstance(choice, Redo):
                 return SendAgain(page, why=f"p.{page + 1}: the answer is empty although the "
                                            "page has ink; sending it again once", ledger=ledger)
-        return _redo_or_keep(document, page, choice, result.looping, ledger, rules)
+        return _redo_or_keep(document, page, choice, result.looping, ledger, rules, result)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)
     if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
@@ -158,6 +157,34 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
     return page_failed(document, page, error, rules)
+
+
+def _decide_cut(ledger: RedoLedger, result: PageResult, cut_at: int,
+                others_out: bool) -> Redo | BlockRedos | KeptBecause | Later:
+    """The ledger's choice for `result`, cut off at `cut_at`: a page of one answer is decided
+    as a whole, a page of blocks block by block (each cut-off block with the limit that cut
+    it off); the answers not sent again are noted to keep."""
+    page = result.page
+    cuts = [CutBlock(a.key, a.limit or cut_at, a.looping) for a in result.answers if a.cut]
+    if len(result.answers) < 2 or not cuts:
+        choice = ledger.decide(page, cut_at, result.token_ceiling, result.looping, others_out)
+        if not isinstance(choice, KeptBecause):
+            ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
+        return choice
+    choice_of_blocks = ledger.decide_blocks(page, cuts, result.token_ceiling, others_out)
+    if not isinstance(choice_of_blocks, KeptBecause):
+        # A held page keeps them all until `release_held` says which go again.
+        ledger.keep[page] = {a.key: a for a in result.answers}
+        _keep_all_but(ledger, page, choice_of_blocks)
+    return choice_of_blocks
+
+
+def _keep_all_but(ledger: RedoLedger, page: int, choice: object) -> None:
+    """The answers `page` keeps, less the blocks `choice` sends again (if it is a
+    `BlockRedos`)."""
+    if isinstance(choice, BlockRedos):
+        kept = ledger.keep.get(page, {})
+        ledger.keep[page] = {k: a for k, a in kept.items() if k not in choice.redos}
 
 
 def _judge_page(result: PageResult) -> PageQuality:
@@ -188,7 +215,9 @@ def release_held(document: Document, rules: Rules) -> list[Action]:
     ledger = document.ledger
     for page in document.held():
         ledger = ledger.copy()
-        actions.append(_redo_or_keep(document, page, ledger.release(page), True, ledger, rules))
+        choice = ledger.release(page)
+        _keep_all_but(ledger, page, choice)
+        actions.append(_redo_or_keep(document, page, choice, True, ledger, rules))
     return actions
 
 
@@ -204,18 +233,20 @@ def page_failed(document: Document, page: int, error: str, rules: Rules) -> Acti
                                                          rules.again), rules)
 
 
-def _redo_or_keep(document: Document, page: int, choice: Redo | KeptBecause | Later | None,
-                  looping: bool, ledger: RedoLedger, rules: Rules) -> Action:
-    """The action for the ledger's `choice` for `page` (whose last answer was cut off and
-    `looping`, if `choice` is set; its answers are in `ledger`): send it again, hold it until
-    the document's other pages are in, or keep its best answer."""
+def _redo_or_keep(document: Document, page: int,
+                  choice: Redo | BlockRedos | KeptBecause | Later | None, looping: bool,
+                  ledger: RedoLedger, rules: Rules, latest: PageResult | None = None) -> Action:
+    """The action for the ledger's `choice` for `page` (whose last answer, `latest` if known,
+    was cut off and `looping`, if `choice` is set; its answers are in `ledger`): send it again,
+    hold it until the document's other pages are in, or keep its best answer."""
     kept = ledger.kept(page)
     assert kept is not None, "the ledger keeps every answer of a page until it settles"
     quality, answer = kept
-    if isinstance(choice, Redo):
-        how = (f"it loops; sending it again with repetition_penalty {choice.repetition_penalty}"
-               if looping else f"redoing it once with {choice.max_new_tokens}")
-        what = _blocks_cut(answer) or "answer"
+    if isinstance(choice, (Redo, BlockRedos)):
+        last = latest or answer
+        how = (_how(choice, looping) if isinstance(choice, Redo)
+               else _how_blocks_go(last, choice))
+        what = _blocks_cut(last) or "answer"
         if ledger.keep.get(page):
             how += f" (the other {len(ledger.keep[page])} answers kept)"
         return SendAgain(page, why=f"p.{page + 1}: {what} cut off; {how}", ledger=ledger)
@@ -223,6 +254,27 @@ def _redo_or_keep(document: Document, page: int, choice: Redo | KeptBecause | La
         return SendAgain(page, wait=math.inf, ledger=ledger)
     return Checkpoint(page, answer, quality,
                       _quality_note(document, answer, quality, choice, rules), ledger)
+
+
+def _how(redo: Redo, looping: bool) -> str:
+    """How an answer goes again with `redo`, for a log line (`looping`: it loops)."""
+    if looping:
+        return f"it loops; sending it again with repetition_penalty {redo.repetition_penalty}"
+    return f"redoing it once with {redo.max_new_tokens}"
+
+
+def _how_blocks_go(answer: PageResult, choice: BlockRedos) -> str:
+    """How the blocks of `answer` that `choice` sends again go, for a log line: each named
+    ("block 4: redoing it once with 8192; block 7: it loops; ..."), unless it is the page's
+    one block cut off."""
+    numbers: dict[str, int] = {}
+    for n, a in enumerate(answer.answers):
+        numbers.setdefault(a.key, n + 1)
+    each = sorted((numbers.get(key, 0), _how(redo, key in choice.looping))
+                  for key, redo in choice.redos.items())
+    if len(each) == 1 and sum(a.cut for a in answer.answers) < 2:
+        return each[0][1]
+    return "; ".join(f"block {n}: {how}" if n else how for n, how in each)
 
 
 def _quality_note(document: Document, answer: PageResult, quality: PageQuality,

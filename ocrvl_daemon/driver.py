@@ -250,7 +250,8 @@ class Converter:
             doc.send(page, send.url, send.worker)
             self.engines.submit(send.worker, PageTask(
                 job.id, str(job.path), page, redo.max_new_tokens, job.size, job.mtime,
-                send.priority, redo.repetition_penalty, send.url, doc.ledger.keep.get(page, {})))
+                send.priority, redo.repetition_penalty, send.url, doc.ledger.keep.get(page, {}),
+                doc.ledger.block_redos.get(page, {})))
 
     def _collect(self) -> None:
         full: StateFullError | None = None
@@ -392,8 +393,8 @@ class Converter:
         output.remove_error_note(job.path, self.place)
         md, images, _ = output.outputs_for(job.path, self.place)
         redone = ""
-        if ledger.redos:
-            redone = (f"; redoing {len(ledger.redos)} cut-off, looping or empty page(s) took "
+        if redone_pages := ledger.redos.keys() | ledger.block_redos.keys():
+            redone = (f"; redoing {len(redone_pages)} cut-off, looping or empty page(s) took "
                       f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
                       "first time)")
         fields = _fields(job)

@@ -11,21 +11,23 @@ a loop. More tokens help only the first: a cut-off page that does not loop is re
 once, with at most REDO_GROWTH times its first limit (never above what the server's
 `max-model-len` allows). A loop is sent again, at most LOOP_RETRIES times, with vLLM's
 loop-breaking sampling parameter (`repetition_penalty` > 1) and the same limit; every
-looping page gets its first retry before any page gets a second. The redos of a document may
-generate about REDO_SHARE of the tokens its pages generated the first time. A page that stays
-bad keeps its best answer, flagged.
+looping page (or block) gets its first retry before any gets a second. The redos of a
+document may generate about REDO_SHARE of the tokens its pages generated the first time. A
+page that stays bad keeps its best answer, flagged.
 
 With layout detection a page is many answers, one per block: each block is judged, the page
 is as good as its worst block (`worst_of`), and a redo sends again only the blocks that were
 cut off or looped (the ledger keeps the others' answers: `keep`), so the budget counts only
-what those generate.
+what those generate. Each of those is decided as a page of that one answer would be
+(`decide_blocks`): in one redo a cut-off block gets more tokens while a looping one gets the
+penalty.
 """
 
 from __future__ import annotations
 
 import unicodedata
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -182,37 +184,89 @@ class KeptBecause(str, Enum):
 
 @dataclass(frozen=True)
 class Redo:
-    """How a page is sent again: its token limit, and the loop-breaking penalty if any."""
+    """How a page (or one of its blocks) is sent again: its token limit, and the loop-breaking
+    penalty if any."""
 
     max_new_tokens: int
     repetition_penalty: float | None = None
 
 
+# The key under which the ledger follows a page sent as one answer (layout detection off).
+WHOLE_PAGE = ""
+
+
+@dataclass(frozen=True)
+class BlockId:
+    """One answer of one page, as the ledger follows it: the page, and the block's key
+    (`BlockAnswer.key`; WHOLE_PAGE for a page of one answer)."""
+
+    page: int
+    key: str = WHOLE_PAGE
+
+
+@dataclass(frozen=True)
+class CutBlock:
+    """One block's answer cut off at the token limit `cut_at`, and whether it loops."""
+
+    key: str
+    cut_at: int
+    looping: bool
+
+
+@dataclass(frozen=True)
+class BlockRedos:
+    """A page sent again for some of its blocks: each one's `Redo` by key (the others'
+    answers are kept), and the keys of those sent again because they loop."""
+
+    redos: Mapping[str, Redo]
+    looping: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Held:
+    """A page whose next loop-breaking retry waits (`Later`): what `release` decides again.
+    `per_block`: its blocks are decided one by one (`decide_blocks`), else the page is one
+    answer (`decide`)."""
+
+    cuts: tuple[CutBlock, ...]
+    ceiling: int
+    per_block: bool = False
+
+
 @dataclass
 class RedoLedger:
     """The tokens one document's pages generated, first time and redone, and how each was
-    redone."""
+    redone.
+
+    Each answer cut off is decided on its own (`BlockId`): a page of one answer as a whole
+    (`decide`, its setting in `redos`), a page of many blocks block by block (`decide_blocks`,
+    each block's setting in `block_redos`), by the same rules and from the same budget.
+    """
 
     first_pass: int = 0
     extra: int = 0
     redos: dict[int, Redo] = field(default_factory=dict)  # page -> how it is sent now
-    loop_tries: dict[int, int] = field(default_factory=dict)
-    # Pages whose next loop-breaking retry waits (`Later`): page -> its `decide` arguments
-    # (cut_at, ceiling, blocks).
-    held: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    # Pages sent again for some of their blocks: page -> the good answers to keep, by key.
+    # Pages of many blocks: page -> block key -> how that block is sent now (the last setting
+    # it was redone with; a block not named goes as the page: `redos`, else its first limit).
+    block_redos: dict[int, dict[str, Redo]] = field(default_factory=dict)
+    loop_tries: dict[BlockId, int] = field(default_factory=dict)
+    # Pages whose next loop-breaking retry waits (`Later`), with what to decide again.
+    held: dict[int, Held] = field(default_factory=dict)
+    # Pages sent again for some of their blocks: page -> the answers to keep, by key.
     keep: dict[int, Mapping[str, Any]] = field(default_factory=dict)
     _answers: int = 0  # first-pass answers counted (a block each)
-    _grown: set[int] = field(default_factory=set)  # pages redone with more tokens
+    _grown: set[BlockId] = field(default_factory=set)  # answers redone with more tokens
     _emptied: set[int] = field(default_factory=set)  # pages sent again for an empty answer
     _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
 
     def copy(self) -> RedoLedger:
         """A ledger of its own with the same entries (`decide.decide` changes a copy)."""
-        return RedoLedger(self.first_pass, self.extra, dict(self.redos), dict(self.loop_tries),
-                          dict(self.held), dict(self.keep), self._answers, set(self._grown),
-                          set(self._emptied), dict(self._out), dict(self._best))
+        return RedoLedger(self.first_pass, self.extra, dict(self.redos),
+                          {page: dict(blocks) for page, blocks in self.block_redos.items()},
+                          dict(self.loop_tries), dict(self.held), dict(self.keep),
+                          self._answers, set(self._grown), set(self._emptied), dict(self._out),
+                          dict(self._best))
 
     @property
     def cap(self) -> int:
@@ -225,55 +279,92 @@ class RedoLedger:
         if page in self._out:
             del self._out[page]
             self.extra += tokens
-        elif page not in self.redos:
+        elif page not in self.redos and page not in self.block_redos:
             self.first_pass += tokens
             self._answers += answers
 
     def decide(self, page: int, cut_at: int, ceiling: int, looping: bool,
-               others_out: bool = False, blocks: int = 1) -> Redo | KeptBecause | Later:
-        """How to send `page` again, or why its answer, cut off at `cut_at`, stays.
+               others_out: bool = False) -> Redo | KeptBecause | Later:
+        """How to send `page`, one answer, again, or why its answer, cut off at `cut_at`,
+        stays.
 
         `ceiling`: the most new tokens the server allows a request (0: it does not say).
         `others_out`: other pages of the document are still to come back, which may loop
         and need their first retry: a second one waits for them (`Later`, then `release`), and
-        so does a loop's retry that the budget refuses before they are in. `blocks`: how many
-        of the page's answers are sent again (those cut off; the others are kept).
+        so does a loop's retry that the budget refuses before they are in.
         """
-        before = self.redos.get(page)
+        choice = self._decide(BlockId(page), self.redos.get(page), cut_at, ceiling, looping,
+                              others_out)
+        if isinstance(choice, Redo):
+            self.redos[page] = choice
+        elif isinstance(choice, Later):
+            self.held[page] = Held((CutBlock(WHOLE_PAGE, cut_at, looping),), ceiling)
+        return choice
+
+    def decide_blocks(self, page: int, cuts: Sequence[CutBlock], ceiling: int,
+                      others_out: bool = False) -> BlockRedos | KeptBecause | Later:
+        """How to send again the blocks of `page` that were cut off (`cuts`, in the page's
+        order), each as `decide` would a page of that one answer, or why they all stay.
+
+        Each gets the setting its own answer calls for: one cut off more tokens, one that
+        loops the loop-breaking penalty. A block that stays (or whose retry waits) while
+        others are sent keeps its answer, and is decided again when the page is back; only
+        when no block is sent now does the page wait (`Later`) or stay (the reason of its
+        first looping block, else its first block).
+        """
+        before = self.block_redos.get(page, {})
+        choices = {cut.key: self._decide(BlockId(page, cut.key), before.get(cut.key),
+                                         cut.cut_at, ceiling, cut.looping, others_out)
+                   for cut in cuts}
+        redos = {key: c for key, c in choices.items() if isinstance(c, Redo)}
+        if redos:
+            self.block_redos[page] = {**before, **redos}
+            return BlockRedos(redos, frozenset(c.key for c in cuts
+                                               if c.looping and c.key in redos))
+        waiting = [c for c in choices.values() if isinstance(c, Later)]
+        if waiting:
+            self.held[page] = Held(tuple(cuts), ceiling, per_block=True)
+            return waiting[0]
+        worst = next((c for c in cuts if c.looping), cuts[0])
+        kept = choices[worst.key]
+        assert isinstance(kept, KeptBecause)
+        return kept
+
+    def _decide(self, block: BlockId, before: Redo | None, cut_at: int, ceiling: int,
+                looping: bool, others_out: bool) -> Redo | KeptBecause | Later:
+        """How to send `block`, whose answer was cut off at `cut_at` (and last sent with
+        `before`, if redone), again, or why it stays (`decide`)."""
         if looping:
             # More tokens would only loop longer: the same limit, with a penalty.
-            tries = self.loop_tries.get(page, 0)
+            tries = self.loop_tries.get(block, 0)
             if tries >= LOOP_RETRIES:
                 return KeptBecause.LOOP
             if tries > 0 and others_out:
-                self.held[page] = (cut_at, ceiling, blocks)
                 return Later.AFTER_FIRST_RETRIES
             redo = Redo(cut_at, LOOP_PENALTIES[tries])
             # A loop broken reads like the document's other answers.
-            expected = self.first_pass // max(1, self._answers) * blocks
+            expected = self.first_pass // max(1, self._answers)
         else:
-            if page in self._grown:
+            if block in self._grown:
                 return KeptBecause.CEILING if cut_at >= ceiling else KeptBecause.REDONE
             limit = min(cut_at * REDO_GROWTH, ceiling)
             if limit <= cut_at:
                 return KeptBecause.CEILING
-            # A page that stopped looping keeps its penalty.
+            # An answer that stopped looping keeps its penalty.
             redo = Redo(limit, before.repetition_penalty if before else None)
-            expected = cut_at * blocks  # each needed more than that
+            expected = cut_at  # it needed more than that
         # What redos generated, and what those under way are expected to (not what they ask
-        # for: a loop broken stops far below its limit), so pages cut off together cannot
+        # for: a loop broken stops far below its limit), so answers cut off together cannot
         # all start one before the first is counted.
         if self.extra + sum(self._out.values()) >= self.cap:
             if looping and others_out:
-                self.held[page] = (cut_at, ceiling, blocks)
                 return Later.AFTER_FIRST_PASS
             return KeptBecause.BUDGET
         if looping:
-            self.loop_tries[page] = self.loop_tries.get(page, 0) + 1
+            self.loop_tries[block] = self.loop_tries.get(block, 0) + 1
         else:
-            self._grown.add(page)
-        self.redos[page] = redo
-        self._out[page] = expected
+            self._grown.add(block)
+        self._out[block.page] = self._out.get(block.page, 0) + expected
         return redo
 
     def retry_empty(self, page: int, max_new_tokens: int) -> Redo | KeptBecause:
@@ -290,10 +381,15 @@ class RedoLedger:
         self._out[page] = self.first_pass // max(1, self._answers)
         return self.redos[page]
 
-    def release(self, page: int) -> Redo | KeptBecause:
+    def release(self, page: int) -> Redo | BlockRedos | KeptBecause:
         """The decision for a page held by `Later`, once the document's other pages are in."""
-        cut_at, ceiling, blocks = self.held.pop(page)
-        decision = self.decide(page, cut_at, ceiling, looping=True, blocks=blocks)
+        held = self.held.pop(page)
+        decision: Redo | BlockRedos | KeptBecause | Later
+        if held.per_block:
+            decision = self.decide_blocks(page, held.cuts, held.ceiling)
+        else:
+            (cut,) = held.cuts
+            decision = self.decide(page, cut.cut_at, held.ceiling, cut.looping)
         assert not isinstance(decision, Later)
         return decision
 

@@ -4,14 +4,18 @@ blocks that were cut off or looped, keeping the others' answers."""
 
 from __future__ import annotations
 
+import json
+import math
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from ocrvl_daemon.decide import Checkpoint, Rules, SendAgain, decide
+from ocrvl_daemon.config import Config
+from ocrvl_daemon.decide import Checkpoint, Rules, SendAgain, decide, release_held
 from ocrvl_daemon.document import Document
 from ocrvl_daemon.page_quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.worker import main as worker_main
@@ -19,6 +23,8 @@ from ocrvl_daemon.worker.messages import BlockAnswer, PageResult, PageTask
 from ocrvl_daemon.worker.streaming import LOOP
 from testkit.core import URL, document, send_all
 from testkit.documents import make_pdf
+from testkit.fake_server import FakeServerConfig, InProcessFakeServer
+from testkit.harness import chat_payload, make_test_jpeg
 from testkit.stand_in_worker import Policy
 
 RULES = Rules(page_retries=2, fail_on_page_error=False, external_server=False, server_url=URL)
@@ -53,14 +59,15 @@ def page_result(page: int, answers: list[BlockAnswer], max_new_tokens: int = LIM
         finish_reason="length" if bad else "stop",
         truncated_at=max_new_tokens if bad else None,
         looping=any(a.looping for a in bad),
-        token_ceiling=0 if any(a.looping for a in bad) else ceiling)
+        token_ceiling=0 if all(a.looping for a in bad) else ceiling)
 
 
-def book_with_first_pass_in(pages: int = 20) -> Document:
-    """A book whose pages but the first came back good, 30 blocks each."""
+def book_with_first_pass_in(pages: int = 20, out: int = 0) -> Document:
+    """A book whose pages but the first (and the last `out`, still out) came back good, 30
+    blocks each."""
     doc = document(1, pages)
     send_all(doc)
-    for page in range(1, pages):
+    for page in range(1, pages - out):
         action = decide(page_result(page, [good(page, b) for b in range(BLOCKS)]), doc, RULES)
         assert isinstance(action, Checkpoint) and action.ledger is not None
         doc.ledger = action.ledger
@@ -82,7 +89,7 @@ def test_one_looping_block_among_30_is_sent_again_alone_the_other_29_kept() -> N
     answers = [looped(0, b) if b == LOOPING else good(0, b) for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None
-    assert action.ledger.redos[0] == Redo(LIMIT, LOOP_PENALTIES[0])
+    assert action.ledger.block_redos[0] == {f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0])}
     keep = action.ledger.keep[0]
     assert sorted(keep) == sorted(a.key for a in answers if a.key != f"p0b{LOOPING}"), (
         "the blocks kept are not exactly the 29 good ones")
@@ -105,7 +112,7 @@ def test_a_cut_off_block_is_redone_alone_with_more_tokens() -> None:
     answers = [cut(0, b) if b == 3 else good(0, b) for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None
-    assert action.ledger.redos[0] == Redo(LIMIT * REDO_GROWTH)
+    assert action.ledger.block_redos[0] == {"p0b3": Redo(LIMIT * REDO_GROWTH)}
     assert len(action.ledger.keep[0]) == BLOCKS - 1 and "p0b3" not in action.ledger.keep[0]
 
 
@@ -169,7 +176,8 @@ def test_a_redo_task_carries_the_answers_to_keep_and_the_loop_breaking_settings(
     policy.deliver(result)
     assert policy.send() == [(job.id, 0)], "the page with a looping block was not sent again"
     redo = tasks[-1]
-    assert redo.repetition_penalty == LOOP_PENALTIES[0] and redo.max_new_tokens == LIMIT
+    assert redo.blocks == {f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0])}
+    assert redo.repetition_penalty is None and redo.max_new_tokens == LIMIT  # any other block
     assert set(redo.keep) == {a.key for a in answers} - {f"p0b{LOOPING}"}
     assert all(redo.keep[a.key] == a for a in answers if a.key in redo.keep)
     policy.store.close()
@@ -227,3 +235,150 @@ def test_the_worker_answers_kept_blocks_at_once_and_sends_only_the_others() -> N
         ("kept answer", True, 80), ("fresh answer", False, 12)]
     result = PageResult(1, 0, tokens=92, answers=answers)
     assert result.generated == 12
+
+
+# --- each redone block with the setting its own verdict calls for ---------------------------
+
+CUT = 3  # the block cut off without looping (0-based: block 4 of 30)
+
+
+def sent_with(task: PageTask, key: str) -> Redo:
+    """How the worker asks the block `key` of `task` (when it is not kept): its own setting,
+    else the page's."""
+    return task.blocks.get(key, Redo(task.max_new_tokens, task.repetition_penalty))
+
+
+@pytest.mark.quick
+def test_a_cut_off_block_gets_more_tokens_and_a_looping_block_the_penalty_in_one_redo() -> None:
+    doc = book_with_first_pass_in()
+    answers = [cut(0, b) if b == CUT else looped(0, b) if b == LOOPING else good(0, b)
+               for b in range(BLOCKS)]
+    action = decide(page_result(0, answers), doc, RULES)
+    assert isinstance(action, SendAgain) and action.ledger is not None
+    assert action.ledger.block_redos[0] == {
+        f"p0b{CUT}": Redo(LIMIT * REDO_GROWTH),  # more tokens, no penalty
+        f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0]),  # the same limit, the penalty
+    }
+    assert set(action.ledger.keep[0]) == {a.key for a in answers} - {f"p0b{CUT}",
+                                                                     f"p0b{LOOPING}"}
+    assert action.why == (
+        f"p.1: blocks 4, 7 of 30 cut off; block 4: redoing it once with {LIMIT * REDO_GROWTH}; "
+        f"block 7: it loops; sending it again with repetition_penalty {LOOP_PENALTIES[0]} "
+        "(the other 28 answers kept)"), action.why
+
+    # The redo: both come back whole; the budget counts what the two generated.
+    redo_of(action, doc)
+    again = [good(0, b, reused=b not in (CUT, LOOPING)) for b in range(BLOCKS)]
+    done = decide(page_result(0, again), doc, RULES)
+    assert isinstance(done, Checkpoint) and done.note is None
+    assert done.ledger is not None and done.ledger.extra == 2 * TOKENS
+
+
+@pytest.mark.quick
+def test_a_blocks_second_loop_retry_waits_for_the_other_pages_while_a_cut_block_goes_now(
+) -> None:
+    doc = book_with_first_pass_in(22, out=2)
+    answers = [looped(0, b) if b == LOOPING else good(0, b) for b in range(BLOCKS)]
+    first = decide(page_result(0, answers), doc, RULES)
+    assert isinstance(first, SendAgain)
+    redo_of(first, doc)
+    # Its loop-breaking retry loops again, and another block is cut off, while pages 21 and 22
+    # are still out: the cut block goes now, the loop's second retry waits for them.
+    again = [looped(0, b) if b == LOOPING else cut(0, b) if b == CUT
+             else good(0, b, reused=True) for b in range(BLOCKS)]
+    second = decide(page_result(0, again), doc, RULES)
+    assert isinstance(second, SendAgain) and second.ledger is not None and second.wait == 0
+    assert second.ledger.block_redos[0][f"p0b{CUT}"] == Redo(LIMIT * REDO_GROWTH)
+    assert f"p0b{LOOPING}" in second.ledger.keep[0], "the loop was sent again before its turn"
+    redo_of(second, doc)
+    # The cut block comes back whole, the loop as it was kept: it waits for pages 21 and 22.
+    third = [good(0, b, reused=b != CUT) if b != LOOPING
+             else replace(looped(0, b), reused=True) for b in range(BLOCKS)]
+    held = decide(page_result(0, third), doc, RULES)
+    assert isinstance(held, SendAgain) and held.wait == math.inf and held.ledger is not None
+    doc.ledger = held.ledger
+    doc.rest(0, math.inf)
+    for page in (20, 21):
+        action = decide(page_result(page, [good(page, b) for b in range(BLOCKS)]), doc, RULES)
+        assert isinstance(action, Checkpoint) and action.ledger is not None
+        doc.ledger = action.ledger
+        doc.answered(page)
+    (released,) = release_held(doc, RULES)
+    assert isinstance(released, SendAgain) and released.ledger is not None
+    assert released.ledger.block_redos[0][f"p0b{LOOPING}"] == Redo(LIMIT, LOOP_PENALTIES[1])
+    assert set(released.ledger.keep[0]) == {f"p0b{b}" for b in range(BLOCKS)} - {
+        f"p0b{LOOPING}"}
+
+
+@pytest.mark.quick
+def test_a_redo_task_carries_each_redone_blocks_own_settings(tmp_path: Path) -> None:
+    policy = Policy(tmp_path)
+    pages = 20
+    book = make_pdf(policy.folder / "book.pdf", pages)
+    job = policy.queue(book)
+    tasks: list[PageTask] = []
+    submit = policy.worker.submit
+    policy.worker.submit = lambda task: (tasks.append(task), submit(task))  # type: ignore[method-assign]
+    # The book's other pages come back good first (the redo budget is a share of them).
+    waiting = policy.send()
+    while [p for p in waiting if p != (job.id, 0)]:
+        for _, page in [p for p in waiting if p != (job.id, 0)]:
+            result = page_result(page, [good(page, b) for b in range(BLOCKS)])
+            result.job_id = job.id
+            policy.deliver(result)
+        waiting = [p for p in waiting if p == (job.id, 0)] + policy.send()
+    answers = [cut(0, b) if b == CUT else looped(0, b) if b == LOOPING else good(0, b)
+               for b in range(BLOCKS)]
+    result = page_result(0, answers)
+    result.job_id = job.id
+    policy.deliver(result)
+    assert policy.send() == [(job.id, 0)], "the page with bad blocks was not sent again"
+    redo = tasks[-1]
+    assert sent_with(redo, f"p0b{CUT}") == Redo(LIMIT * REDO_GROWTH), (
+        "the cut-off block is not sent with more tokens and no penalty")
+    assert sent_with(redo, f"p0b{LOOPING}") == Redo(LIMIT, LOOP_PENALTIES[0]), (
+        "the looping block is not sent with the loop-breaking penalty")
+    assert set(redo.keep) == {a.key for a in answers} - {f"p0b{CUT}", f"p0b{LOOPING}"}
+    policy.store.close()
+
+
+def test_the_server_sees_each_redone_block_with_its_own_settings(tmp_path: Path) -> None:
+    """The worker's requests, through its real endpoints to the fake vLLM: a block named in
+    `PageTask.blocks` goes with its own limit and penalty, any other with the page's."""
+    cut_width, loop_width, plain_width = 96, 64, 128
+    log = tmp_path / "requests.jsonl"
+    server = InProcessFakeServer(FakeServerConfig(
+        port=0, access_log=False, output_tokens="fixed:40", request_log=str(log),
+        cut_widths=frozenset({cut_width}), loop_widths=frozenset({loop_width})))
+    config = Config.model_validate({})
+    client = SimpleNamespace(create_chat_completion=None)
+    pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(
+        vl_rec_model=SimpleNamespace(genai_client=client)))
+    blocks = {width: chat_payload(make_test_jpeg(width, (width, 64)))["messages"]
+              for width in (cut_width, loop_width, plain_width)}
+    settings = {worker_main.block_key(blocks[cut_width]): Redo(LIMIT * REDO_GROWTH),
+                worker_main.block_key(blocks[loop_width]): Redo(LIMIT, LOOP_PENALTIES[0])}
+    calls = worker_main._COMPLETIONS
+    with server:
+        worker_main._track_completions(
+            pipeline, worker_main._Endpoints(config, f"{server.url}/v1"))
+        calls.blocks, calls.asked, calls.started = settings, [], []
+        try:
+            # As PaddleX asks for each block: the page's limit, no penalty.
+            futures = [client.create_chat_completion(
+                messages, return_future=True, temperature=0, max_completion_tokens=LIMIT,
+                timeout=60, extra_body={"skip_special_tokens": True})
+                for messages in blocks.values()]
+            for future in futures:
+                future.result(60)
+            answers = worker_main._answers(calls.asked)
+        finally:
+            calls.blocks, calls.asked, calls.started = {}, None, None
+    seen = {r["w"]: (r["max_tokens"], r["repetition_penalty"])
+            for r in map(json.loads, log.read_text().splitlines())}
+    assert seen == {cut_width: (LIMIT * REDO_GROWTH, None),
+                    loop_width: (LIMIT, LOOP_PENALTIES[0]),
+                    plain_width: (LIMIT, None)}, seen
+    assert [(a.finish_reason, a.limit) for a in answers] == [
+        ("length", LIMIT * REDO_GROWTH), ("stop", LIMIT), ("stop", LIMIT)], (
+        "each answer does not know the limit it was asked with")

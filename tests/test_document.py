@@ -7,6 +7,7 @@ import math
 import pytest
 
 from ocrvl_daemon.document import SMALL_DOCUMENT_PAGES, SentPage, pages_per_endpoint
+from ocrvl_daemon.page_quality import WHOLE_PAGE, CutBlock, Held
 from testkit.core import URL, document
 
 
@@ -59,7 +60,7 @@ def test_pages_held_for_later_are_released_only_once_the_others_are_in() -> None
     doc = document(1, 3)
     for page in (0, 1, 2):
         doc.send(page, URL)
-    doc.ledger.held[0] = (4096, 8192)
+    doc.ledger.held[0] = Held((CutBlock(WHOLE_PAGE, 4096, looping=True),), 8192)
     doc.rest(0, math.inf)
     assert doc.held() == [], "held while other pages are out"
     doc.answered(1)
@@ -74,7 +75,7 @@ def test_an_answered_page_is_no_longer_a_suspect_nor_in_the_ledger() -> None:
     doc = document(1, 2)
     doc.send(0, URL)
     doc.suspects.add(0)
-    doc.ledger.held[0] = (4096, 8192)
+    doc.ledger.held[0] = Held((CutBlock(WHOLE_PAGE, 4096, looping=True),), 8192)
     doc.answered(0)
     assert not doc.suspects and not doc.ledger.held
 

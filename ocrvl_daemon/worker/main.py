@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.page_quality import repetition
+from ocrvl_daemon.page_quality import Redo, repetition
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
 from ocrvl_daemon.server.process_group import die_with_parent
@@ -154,16 +154,28 @@ class _Locked:
         return getattr(self._target, name)
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A chat completion a page asked for: its block's key, its answer (a future), the token
+    limit it asked for, and whether the answer was kept from the page's last try."""
+
+    key: str
+    future: Future[Any]
+    limit: int
+    reused: bool = False
+
+
 class _Completions(threading.local):
     """The chat completions (futures) requested on this thread during one page: those sent
-    to the server (`started`) and every one asked for, by key, with whether its answer was
-    kept from the page's last try (`asked`); the answers to keep (`PageTask.keep`); how to
-    tell the converter once the page's first request leaves for the server, and the endpoint
-    its requests go to ("": the pipeline's own)."""
+    to the server (`started`) and every one asked for (`asked`); the answers to keep
+    (`PageTask.keep`) and how each block sent again goes (`PageTask.blocks`); how to tell the
+    converter once the page's first request leaves for the server, and the endpoint its
+    requests go to ("": the pipeline's own)."""
 
     started: list[Any] | None = None
-    asked: list[tuple[str, Future[Any], bool]] | None = None
+    asked: list[_Asked] | None = None
     keep: Mapping[str, BlockAnswer] = {}
+    blocks: Mapping[str, Redo] = {}
     announce: Callable[[], None] | None = None
     priority = 0
     document: int | None = None
@@ -262,8 +274,11 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
             answered.set_result(_Completion(StreamedAnswer(kept.text, kept.finish_reason,
                                                            kept.tokens)))
             if _COMPLETIONS.asked is not None:
-                _COMPLETIONS.asked.append((key, answered, True))
+                _COMPLETIONS.asked.append(_Asked(key, answered, kept.limit, reused=True))
             return answered if return_future else answered.result()
+        setting = _COMPLETIONS.blocks.get(key)
+        if setting is not None:  # a block sent again with a setting of its own
+            kwargs = _with_setting(kwargs, setting)
         url = _COMPLETIONS.url
         request = GatedRequest(
             endpoints.gate(url),
@@ -278,10 +293,26 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
         if _COMPLETIONS.started is not None:
             _COMPLETIONS.started.append(request.future)
         if _COMPLETIONS.asked is not None:
-            _COMPLETIONS.asked.append((key, request.future, False))
+            _COMPLETIONS.asked.append(_Asked(key, request.future, _limit(kwargs)))
         return request.future if return_future else request.future.result()
 
     pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
+
+
+def _with_setting(kwargs: dict[str, Any], setting: Redo) -> dict[str, Any]:
+    """PaddleX's arguments of one block's chat completion (`kwargs`: the page's limit and
+    penalty) with the block's own limit and penalty instead (none: none)."""
+    limit_name = "max_tokens" if "max_tokens" in kwargs else "max_completion_tokens"
+    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items()
+             if k != "repetition_penalty"}
+    if setting.repetition_penalty is not None:  # PaddleX sends it in the extra_body
+        extra["repetition_penalty"] = setting.repetition_penalty
+    return {**kwargs, limit_name: setting.max_new_tokens, "extra_body": extra}
+
+
+def _limit(kwargs: dict[str, Any]) -> int:
+    """The token limit a chat completion's arguments ask for (0: none)."""
+    return int(kwargs.get("max_completion_tokens") or kwargs.get("max_tokens") or 0)
 
 
 def block_key(messages: Any) -> str:
@@ -291,15 +322,16 @@ def block_key(messages: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _answers(asked: list[tuple[str, Future[Any], bool]]) -> list[BlockAnswer]:
+def _answers(asked: list[_Asked]) -> list[BlockAnswer]:
     """The page's completions that came back, in the order asked: each one's key, how it
-    ended, its text and tokens, and whether it was kept from the last try."""
+    ended, its text, tokens and limit, and whether it was kept from the last try."""
     answers = []
-    for key, future, reused in asked:
+    for each in asked:
+        future = each.future
         if future.done() and not future.cancelled() and future.exception() is None:
             answer = future.result().answer
-            answers.append(BlockAnswer(key, answer.text, answer.finish_reason, answer.tokens,
-                                       reused))
+            answers.append(BlockAnswer(each.key, answer.text, answer.finish_reason,
+                                       answer.tokens, each.reused, each.limit))
     return answers
 
 
@@ -450,6 +482,7 @@ def _run_page(
     _COMPLETIONS.priority = task.priority
     _COMPLETIONS.document = task.job_id
     _COMPLETIONS.keep = task.keep
+    _COMPLETIONS.blocks = task.blocks
     _LOCKED_SPANS.spans = result.layout_spans
     try:
         check_unchanged(path, task.size, task.mtime)
@@ -487,6 +520,7 @@ def _run_page(
     finally:
         _COMPLETIONS.started = _COMPLETIONS.announce = _COMPLETIONS.asked = None
         _COMPLETIONS.keep = {}
+        _COMPLETIONS.blocks = {}
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
         _LOCKED_SPANS.spans = None
@@ -509,13 +543,14 @@ def _recognise(
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     # An answer stopped because it looped is one that would have run to the limit: judged
-    # as cut off there and looping, it gets the loop-breaking retry at the same limit.
+    # as cut off there and looping, it gets the loop-breaking retry at the same limit. Each
+    # answer knows its own limit (a block sent again may have had more tokens than the page).
     cut = [a for a in answers if a.cut]
     result.finish_reason = "length" if cut else (answers[0].finish_reason if answers else None)
     if cut:
-        result.truncated_at = task.max_new_tokens
+        result.truncated_at = max(a.limit for a in cut) or task.max_new_tokens
         result.looping = any(a.looping for a in cut)
-        if not result.looping:
+        if not all(a.looping for a in cut):  # one needs more tokens: how many may it have
             result.token_ceiling = _token_ceiling(config, task.url or server_url)
     return res
 

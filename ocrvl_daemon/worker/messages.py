@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ocrvl_daemon.page_quality import looks_like_a_loop
+from ocrvl_daemon.page_quality import Redo, looks_like_a_loop
 from ocrvl_daemon.worker.request_gate import YieldCap
 from ocrvl_daemon.worker.streaming import LOOP
 
@@ -42,6 +42,7 @@ class BlockAnswer:
     finish_reason: str | None  # "stop", "length", or streaming.LOOP (stopped as a loop)
     tokens: int  # completion tokens the answer took when the server generated it
     reused: bool = False  # kept from an earlier answer: not asked of the server this time
+    limit: int = 0  # the token limit its request asked for (0: not known)
 
     @property
     def cut(self) -> bool:
@@ -77,9 +78,12 @@ class PageTask:
     url: str = ""
     # A redo of some of the page's blocks: the answers kept from its last try, by key. A block
     # asked for again with one of these keys gets its answer at once, with no request; the
-    # others (the blocks that were cut off or looped, and any the layout found anew) are sent
-    # with `max_new_tokens` and `repetition_penalty`.
+    # others (the blocks that were cut off or looped, and any the layout found anew) are sent.
     keep: Mapping[str, BlockAnswer] = field(default_factory=dict)
+    # How each block sent again goes, by key: its own limit and penalty (a cut-off block more
+    # tokens, a looping one the loop-breaking penalty). A block not named here goes with
+    # `max_new_tokens` and `repetition_penalty`.
+    blocks: Mapping[str, Redo] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
