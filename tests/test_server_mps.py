@@ -215,9 +215,12 @@ def test_auto_replicas_rule_by_card_size_and_mps() -> None:
     for mps_available in (False, True):
         assert autotune.auto_replicas(None, mps_available) == 1
         assert autotune.auto_replicas(24 * GIB, mps_available) == 1
-        # Until the big-GPU bench measures MPS, it keeps today's counts.
         assert autotune.auto_replicas(40 * GIB, mps_available) == 2
-        assert autotune.auto_replicas(H200[1], mps_available) == 2
+        assert autotune.auto_replicas(80 * GIB, mps_available) == 2
+    assert autotune.auto_replicas(H200[1], False) == 2, (
+        "an H200 without MPS: a third server only takes turns on the card")
+    assert autotune.auto_replicas(H200[1], True) == 4, (
+        "an H200 under MPS: four servers measured best (bench/gpu/big_gpu.json)")
     assert [r.from_mib for r in autotune.REPLICA_RULES] == sorted(
         r.from_mib for r in autotune.REPLICA_RULES), "the rule reads from small to large"
     assert autotune.REPLICA_RULES[0].from_mib == 0, "every card has a row"

@@ -79,13 +79,15 @@ class ReplicaRule:
 
 
 # `server.replicas: auto`, by card size (the largest `from_mib` a card reaches wins). On a
-# large card one server leaves the GPU partly idle (its per-request CPU work is the limit)
-# and a second server helps, a third hardly without MPS (the processes time-slice the card;
-# figures in bench/gpu/RESULTS.md); on 8-24 GB cards the GPU itself is the limit and a
-# replica adds nothing. So: two from a card with room for two servers with a large KV cache
-# each (40 GiB: A100 40 GB, L40S, A6000), else one. The `mps` counts equal the plain ones
-# until bench/gpu/big_gpu.py measures a winner (it prints the row its figures make).
-REPLICA_RULES = (ReplicaRule(0, 1, 1), ReplicaRule(40 * 1024, 2, 2))
+# large card one server leaves the GPU partly idle (its per-request CPU work is the limit),
+# so a second server helps; without MPS a third hardly does (the processes take turns on
+# the card), under MPS their kernels run side by side and up to four keep a 141 GiB card
+# busy. On 8-24 GB cards the GPU itself is the limit and a replica adds nothing. So: two
+# from a card with room for two servers with a large KV cache each (40 GiB: A100 40 GB,
+# L40S, A6000), four under MPS from 100 GiB (H200 and larger; measured on the H200 only),
+# else one. Figures: bench/gpu/RESULTS.md; bench/gpu/big_gpu.py prints the row its
+# figures make for the card it ran on.
+REPLICA_RULES = (ReplicaRule(0, 1, 1), ReplicaRule(40 * 1024, 2, 2), ReplicaRule(100 * 1024, 2, 4))
 
 
 @dataclass
