@@ -104,9 +104,9 @@ class StageLoad:
         if (limit is Stage.SERVER and self.server_gpu_busy is not None
                 and self.server_gpu_busy < GPU_BOUND):
             return (f"the server is full but its GPU is only {self.server_gpu_busy:.0%} busy: "
-                    "its CPU side (one process prepares every image) sets the pace; more "
-                    "replicas would help (server.replicas, sharing the GPU with server.mps), "
-                    "or a second API process (server.vllm_args: {api-server-count: 2})")
+                    "its CPU side (its engine loop pays a share of one core per request) "
+                    "sets the pace; more replicas would help (server.replicas, sharing the "
+                    "GPU with server.mps)")
         if limit is Stage.LAYOUT and self.layout_device == "cpu":
             return ("the layout model on the CPU sets the pace: put it on the GPU "
                     "(pipeline.layout_device: gpu; README: Layout detection: which engine) or "

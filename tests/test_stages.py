@@ -63,11 +63,12 @@ def test_no_stage_is_the_limit_while_all_have_room():
     assert StageLoad(rendering=0.1, layout=0.5, server=0.6).limit() is None
 
 
-def test_a_full_server_on_an_idle_gpu_is_told_to_add_api_processes():
+def test_a_full_server_on_an_idle_gpu_is_told_to_add_replicas():
     load = StageLoad(layout=0.2, server=0.95, layout_device="gpu:0", server_gpu_busy=0.3)
     advice = load.advice() or ""
     assert "GPU is only 30% busy" in advice, "a server held by its CPU side must be named"
-    assert "server.replicas" in advice and "api-server-count" in advice
+    assert "server.replicas" in advice and "server.mps" in advice, (
+        "the cure for a server's CPU-bound engine loop is another server on the same GPU")
     busy_gpu = StageLoad(server=0.95, layout_device="gpu:0", server_gpu_busy=0.9)
     assert busy_gpu.advice() is None, "a server held by its GPU needs no advice"
     assert StageLoad.from_json(load.to_json()) == load
