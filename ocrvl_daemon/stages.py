@@ -26,9 +26,8 @@ from ocrvl_daemon.rate import RATE_WINDOW
 # A stage at or above this share of its capacity is where pages queue.
 SATURATED = 0.85
 # A full server whose GPU is busier than this is held by the GPU; below it, by its CPU side.
-# With layout detection on, one vLLM server met ~20 block requests a second on an H100 while
-# its GPU decoded a fifth of what it does with whole pages (bench/gpu/RESULTS.md, 2026-12-05):
-# its API process prepares every image on one core.
+# With layout detection on, one vLLM server is held by its engine loop's per-request CPU
+# cost while its GPU is mostly idle (bench/gpu/RESULTS.md).
 GPU_BOUND = 0.6
 
 
