@@ -255,6 +255,13 @@ def test_vllm_flags_spelling() -> None:
         "--a", "--no-enable-prefix-caching", "--d", "[1, 2]", "--e", "0.5"]
 
 
+@pytest.mark.quick
+def test_async_scheduling_false_turns_it_off_where_vllm_turns_it_on_by_default() -> None:
+    assert vllm_flags({"async-scheduling": False}) == ["--no-async-scheduling"], (
+        "server.vllm_args {async-scheduling: false} must reach vLLM, whose default is on")
+    assert vllm_flags({"async-scheduling": True}) == ["--async-scheduling"]
+
+
 # --- --stream-interval where the server's vLLM has it -------------------------------------
 
 

@@ -44,8 +44,10 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "mm-processor-cache-gb": 0,
     "max-num-batched-tokens": 16384,
 }
-# vLLM boolean flags whose `false` must be spelled `--no-<flag>` (their default is on).
-NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill"})
+# vLLM boolean flags whose `false` must be spelled `--no-<flag>` (their default is on, or
+# decided by vLLM: 0.26 turns async scheduling on unless a feature rules it out).
+NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill",
+                             "async-scheduling"})
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
 SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
 ANY_HOST = "0.0.0.0"  # a server meant for other machines listens on every address
