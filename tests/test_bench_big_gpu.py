@@ -95,13 +95,18 @@ def test_the_summary_has_the_figures_of_record(tmp_path: Path) -> None:
 
 
 def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    return bench_run(tmp_path, *args)[0]
+
+
+def bench_run(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """The dry run's results file and its stderr (8 pages unless `args` say otherwise)."""
     results = tmp_path / "big_gpu.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gpu.big_gpu", "--fake", "--pages", "8",
                            "--results", str(results), "--log-dir", str(tmp_path / "logs"),
                            *args], cwd=PACKAGE_ROOT, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, f"bench.gpu.big_gpu failed:\n{proc.stderr[-3000:]}"
-    return json.loads(results.read_text())
+    return json.loads(results.read_text()), proc.stderr
 
 
 @pytest.mark.slow
@@ -221,3 +226,115 @@ def test_a_stopped_dry_run_stops_its_daemon_and_the_servers_it_manages(tmp_path:
         for p in seen:
             with __import__("contextlib").suppress(psutil.Error):
                 p.kill()
+
+
+# --- layout detection on (--layout) ------------------------------------------------------------
+
+LAYOUT_GPU = {"use_layout_detection": True, "layout_engine": "transformers",
+              "layout_device": "gpu:0"}  # fmt: skip
+
+
+def _reading(total_mib: int) -> Any:
+    from ocrvl_daemon.server.gpu import GpuReading
+
+    return GpuReading(0, "GPU-0", "H", total_mib, 500, total_mib - 500, "580", (9, 0), "nvml")
+
+
+@pytest.mark.quick
+def test_layout_on_the_gpu_keeps_the_layout_workers_memory_from_the_replicas() -> None:
+    """The daemon's own workers run layout off, so its own plan would give the replicas the
+    memory ocrvl convert's layout workers need: layout on the GPU, the daemon gets the
+    utilization of ocrvl's plan with layout on (the whole card's; it splits it itself)."""
+    from ocrvl_daemon.config import Config
+    from ocrvl_daemon.server import autotune
+    from ocrvl_daemon.server.autotune import UTILIZATION
+    from ocrvl_daemon.worker.layout_engine import Installed
+
+    installed = Installed(cpu=frozenset({"paddle", "transformers"}),
+                          gpu=frozenset({"transformers"}))  # fmt: skip
+    for total in (143771, 81559):
+        gpu = _reading(total)
+        room = big_gpu.layout_room(LAYOUT_GPU, gpu, installed)
+        plain = autotune.plan_vllm_args(Config(), gpu).values[UTILIZATION]
+        assert set(room) == {UTILIZATION} and room[UTILIZATION] < plain, (room, plain)
+    cpu = {**LAYOUT_GPU, "layout_device": "cpu"}
+    assert big_gpu.layout_room(cpu, _reading(143771), installed) == {}, "nothing on the GPU"
+    assert big_gpu.layout_room(LAYOUT_GPU, None, installed) == {}, "the dry run: no reading"
+
+
+@pytest.mark.quick
+def test_layout_on_every_replica_gets_the_block_answer_lengths(tmp_path: Path) -> None:
+    from bench.gpu.lengths import ENV
+
+    layout = big_gpu.LayoutOn({"layout_engine": "paddle", "layout_device": "cpu"},
+                              {"use_layout_detection": True}, "71:0.9:17")  # fmt: skip
+    setting = big_gpu.SETTINGS["x2-async"]
+    on = big_gpu.Runner(_fake_args(tmp_path), tmp_path, tmp_path / "b.pdf", {}, layout)
+    assert on.server_options(setting) == {
+        "mps": "off", "vllm_args": {"async-scheduling": True}, "env": {ENV: "71:0.9:17"}}
+    off = big_gpu.Runner(_fake_args(tmp_path), tmp_path, tmp_path / "b.pdf", {})
+    assert off.server_options(setting) == {"mps": "off", "vllm_args": {"async-scheduling": True}}
+    assert layout.pipeline == {"use_layout_detection": True, "layout_engine": "paddle",
+                               "layout_device": "cpu"}  # fmt: skip
+    assert on.cost_s() > off.cost_s(), "layout on, a page takes longer"
+    assert big_gpu.parse_args(["--fake", "--layout"]).results.name == "big_gpu_layout.json"
+    assert big_gpu.parse_args(["--fake"]).results.name == "big_gpu.json"
+
+
+@pytest.fixture(scope="module")
+def small_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3 (paddle, CPU)."""
+    from testkit.runner import ocrvl_env
+
+    cache = tmp_path_factory.mktemp("paddlex-cache")
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dry_run_with_layout_on_sends_blocks_from_b2_and_every_convert(
+        tmp_path: Path, small_layout_cache: Path) -> None:  # fmt: skip
+    """`--layout` on a 2-page layout book (the small stand-in on the CPU): B2 and ocrvl
+    convert send the blocks (7 a page reach the replicas, not 1), the convert's markdown has
+    them, the replicas' config carries the block answer lengths, the rows say layout on."""
+    import re
+    import shutil
+
+    import yaml
+
+    from bench.gpu.layout_on import block_lengths
+    from bench.gpu.lengths import ENV
+
+    data, err = bench_run(tmp_path, "--settings", "x2,x1", "--pages", "2", "--layout",
+                          "--layout-engine", "paddle", "--layout-device", "cpu",
+                          "--layout-cache", str(small_layout_cache), "--keep")  # fmt: skip
+    work = Path(re.findall(r"work directory (\S+)", err)[0])
+    try:
+        config = yaml.safe_load((work / "x2-daemon" / "ocrvl.yaml").read_text())
+        markdown = [p.read_text() for p in sorted(work.glob("x*-daemon/x*/book.md"))]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert data["layout"] is True, data
+    assert (data["layout_engine"], data["layout_device"]) == ("paddle", "cpu")
+    assert data["b2_kwargs"]["use_layout_detection"] is True
+    assert data["requests_per_page"] == 7 and data["blocks_per_page"] == 8, (
+        "the blocks ocrvl's pipeline sends for the layout book")
+    lengths = block_lengths(7, 500)
+    assert data["answer_lengths"] == lengths
+    assert config["server"]["env"][ENV] == lengths, "the replicas' logits processor"
+    assert data["b2_requests"] == 14 and data["b2_requests_per_page"] == 7.0, (
+        f"B2 sent {data['b2_requests']} requests for 2 pages: not one per block")
+    assert [r["setting"] for r in data["rows"]] == ["x2", "x1"]
+    for r in data["rows"]:
+        assert r["layout"] is True and r["layout_engine"] == "paddle", r
+        assert r["pages_per_s"] > 0 and r["requests"] == 14, (
+            f"{r['setting']}: {r['requests']} requests for 2 pages: not one per block")
+        assert any("cpu (paddle_static" in line for line in r["layout_line"]), r["layout_line"]
+    assert len(markdown) == 2, "one book.md per convert"
+    for md in markdown:
+        # blocks, not pages (PaddleX leaves the page numbers out of the markdown)
+        assert md.count("fake-ocr ") > 2 * 2 and "fake-ocr Table" in md, md[:500]

@@ -601,6 +601,35 @@ def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path
     assert small[2] == "bench.gpu.small_card" and "--layout" in small
 
 
+@pytest.mark.quick
+def test_the_lease_layout_mps_step_runs_big_gpu_with_layout_on_over_mps_replicas(
+        tmp_path: Path) -> None:  # fmt: skip
+    from bench.gpu import lease
+
+    args = lease.parse_args(["--budget-s", "1500", "--out", str(tmp_path / "out"),
+                             "--model-dir", str(tmp_path / "model"), "--layout-cache",
+                             str(tmp_path / "lm"), "--plan", "layout-mps,mps"])  # fmt: skip
+    assert [s.name for s in args.steps] == ["layout-mps", "mps"]
+    step = lease.STEPS["layout-mps"]
+    assert (step.estimate_s, step.minimum_s) == (480, 330), "4 replicas start in ~270 s"
+    commands = lease.commands("layout-mps", args, 480)
+    assert commands[1][1:] == ["-m", "testkit.layout_model", str(tmp_path / "lm"), "--format",
+                               "transformers"], "the stand-in is written where it is missing"
+    main = commands[-1]
+    assert main[1:3] == ["-m", "bench.gpu.big_gpu"] and "--layout" in main
+    for flag, value in (("--layout-engine", "transformers"), ("--layout-device", "gpu:0"),
+                        ("--layout-cache", str(tmp_path / "lm")),
+                        ("--settings", "mps-x4,mps-x2"), ("--pages", "64"),
+                        ("--results", str(tmp_path / "out" / "layout-mps.json")),
+                        ("--log-dir", str(tmp_path / "out" / "layout-mps-logs")),
+                        ("--model-dir", str(tmp_path / "model"))):  # fmt: skip
+        assert main[main.index(flag) + 1] == value, (flag, main)
+    assert float(main[main.index("--budget-s") + 1]) == 480 - lease.BENCH_MARGIN_S
+    (tmp_path / "lm" / "official_models" / "PP-DocLayoutV3_safetensors").mkdir(parents=True)
+    assert lease.commands("layout-mps", args, 480)[1][2] == "bench.gpu.big_gpu", (
+        "a cache with the stand-in is used as it is")
+
+
 STUB_BENCH = '''
 import os, signal, subprocess, sys, time
 # like a bench that started vLLM in a session of its own, then hung deaf to SIGTERM

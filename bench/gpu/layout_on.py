@@ -306,6 +306,38 @@ def layout_alone(settings: dict[str, Any], workers: int, pdf: Path, pages: int, 
                                  for e in each]}  # fmt: skip
 
 
+def use_layout_cache(cache: Path | None) -> Path | None:
+    """`cache` (resolved) as PADDLE_PDX_CACHE_HOME for this process and every child, and the
+    stand-in hook on their path: where ocrvl's workers, B2 and the block capture find the
+    layout model. Returns the resolved cache."""
+    if cache is not None:
+        cache = cache.resolve()
+        os.environ["PADDLE_PDX_CACHE_HOME"] = str(cache)
+    use_stand_in_hook()
+    return cache
+
+
+def layout_fields(settings: dict[str, Any]) -> dict[str, Any]:
+    """What a layout-on result records of `settings` (layout_engine, layout_device): ocrvl's
+    choice for them (engine, device, workers) and B2's constructor arguments for the same."""
+    from ocrvl_daemon.server.autotune import layout_choice
+
+    choice = layout_choice(layout_config(settings))
+    return {"layout_engine": choice.engine, "layout_device": choice.device,
+            "layout_choice": choice.describe(), "layout_workers": choice.workers,
+            "b2_kwargs": {"use_layout_detection": True, **choice.common_args()}}  # fmt: skip
+
+
+def caught_blocks(settings: dict[str, Any], book: Path, pages: int, bodies: Path,
+                  log_dir: Path, timeout: float = 1800) -> dict[str, Any]:  # fmt: skip
+    """`capture_blocks` in a child (`python -m bench.gpu.layout_on capture`, its log
+    LOG_DIR/blocks.log): the first `pages` pages' block requests into `bodies`; returns its
+    summary (requests_per_page, blocks_per_page, labels, seconds)."""
+    log_path = log_dir / "blocks.log"
+    return last_json(child(["capture", json.dumps(settings), str(book), str(pages),
+                            str(bodies)], log_path), log_path, timeout)  # fmt: skip
+
+
 def use_stand_in_hook() -> None:
     """Put STANDIN_SITE on the PYTHONPATH every child of this process inherits (ocrvl, its
     workers, B2, the layout model alone), where the checkout has it."""
@@ -558,10 +590,7 @@ def run_layout_on(args: argparse.Namespace) -> int:
     from ocrvl_daemon.server.autotune import layout_choice
 
     parts = set(args.only.split(","))
-    if args.layout_cache:
-        args.layout_cache = args.layout_cache.resolve()
-        os.environ["PADDLE_PDX_CACHE_HOME"] = str(args.layout_cache)
-    use_stand_in_hook()
+    args.layout_cache = use_layout_cache(args.layout_cache)
     budget = Budget(getattr(args, "budget_s", None))
     args.budget_s = budget.seconds
     work = Path(tempfile.mkdtemp(prefix="ocrvl-gpubench-layout-"))
@@ -578,10 +607,7 @@ def run_layout_on(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
         "concurrency": args.concurrency, "python": platform.python_version(),
-        "layout_engine": choice.engine, "layout_device": choice.device,
-        "layout_choice": choice.describe(), "layout_workers": choice.workers,
-        "b2_kwargs": {"use_layout_detection": True, **choice.common_args()},
-        "cpus": len(os.sched_getaffinity(0)),
+        **layout_fields(settings), "cpus": len(os.sched_getaffinity(0)),
     }  # fmt: skip
     run = LayoutRun(args, res, kept, budget)
     cores = len(os.sched_getaffinity(0))
@@ -626,9 +652,7 @@ def with_server(run: LayoutRun, book: Path, work: Path, settings: dict[str, Any]
     args, res, parts = run.args, run.res, {p.split()[0] for p, _ in plan}
     log("blocks: ocrvl's pipeline on every page, its requests caught (untimed)")
     bodies_path = work / "blocks.jsonl"
-    blocks = last_json(child(["capture", json.dumps(settings), str(book), str(args.pages),
-                              str(bodies_path)], args.log_dir / "blocks.log"),
-                       args.log_dir / "blocks.log", 1800)  # fmt: skip
+    blocks = caught_blocks(settings, book, args.pages, bodies_path, args.log_dir)
     bodies = [json.loads(line)["body"] for line in bodies_path.open(encoding="utf-8")]
     prompts = Counter(b["messages"][0]["content"][1]["text"] for b in bodies)
     res.update(blocks_per_page=round(blocks["blocks_per_page"], 2),

@@ -1,6 +1,6 @@
 """A GPU lease's benches, one after another, within its budget: `python -m bench.gpu.lease`.
 
-    python3 -m bench.gpu.lease --budget-s 1500 --out DIR [--plan layout,mps,rerun,loops,small-card]
+    python3 -m bench.gpu.lease --budget-s 1500 --out DIR [--plan layout-mps,layout,mps,rerun,...]
         [--model-dir /tmp/model] [--vllm-python python3] [--vllm-pythonpath /tmp/site]
         [--layout-cache /tmp/lm] [--rerun-rounds 2]
 
@@ -12,6 +12,11 @@ Steps, in the order `--plan` gives them (its order is their priority):
   layout-api2 the same with vLLM's `--api-server-count 2`, capacity, B2 and convert only: one
               server with layout on is bound by its API process preparing every block's
               image on one core (bench/gpu/RESULTS.md, 2026-12-05); does a second one lift it?
+  layout-mps  bench.gpu.big_gpu --layout (transformers on gpu:0, the same stand-in) --settings
+              mps-x4,mps-x2 --pages 64, --budget-s likewise: ocrvl convert with layout on over
+              4 and 2 replicas under MPS against B2 on one (one server with layout on is bound
+              by its engine loop's per-request CPU: ~21-23 block requests/s on an H200, the
+              GPU 22-37% busy); results bench.gpu.big_gpu's rows, `layout: true`
   mps         bench.gpu.big_gpu --settings mps-x2,mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
@@ -74,6 +79,9 @@ class Step:
 STEPS = {
     "layout": Step("layout", 720, 330),  # all but the CPU sweep at 4 cores
     "layout-api2": Step("layout-api2", 420, 300),
+    # 4 replicas under MPS start in ~270 s on an H200, then B2 and two converts of 64 layout
+    # pages (~30 s each) and the stop
+    "layout-mps": Step("layout-mps", 480, 330),
     "mps": Step("mps", 560, 330),
     "rerun": Step("rerun", 700, 400),  # 2 rounds; more rounds: rerun_estimate_s
     "loops": Step("loops", 330, 240),
@@ -275,7 +283,7 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "transformers"]  # fmt: skip
     has_stand_in = args.layout_cache.is_dir() and any(args.layout_cache.rglob("*_safetensors"))
     layout = ["--layout-engine", "transformers", "--layout-cache", str(args.layout_cache)]
-    if name in ("layout", "layout-api2", "small-card") and not has_stand_in:
+    if name in ("layout", "layout-api2", "layout-mps", "small-card") and not has_stand_in:
         prepare.append(stand_in)
     if name == "layout":
         main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
@@ -283,6 +291,10 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
     elif name == "layout-api2":
         main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
                 "--vllm-arg=--api-server-count=2", "--only", "capacity,b2,convert", *budget,
+                *files]  # fmt: skip
+    elif name == "layout-mps":
+        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--layout", *layout, "--layout-device",
+                "gpu:0", "--settings", "mps-x4,mps-x2", "--pages", "64", *budget,
                 *files]  # fmt: skip
     elif name == "mps":
         main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x2,mps-x3,mps-x4,x2",

@@ -120,7 +120,8 @@ def all_failed(status: dict[str, Any]) -> str | None:
 
 class ReplicaDaemon:
     """`ocrvl run` in a work dir of its own, its managed server with `server.replicas: N`;
-    `server` adds keys to its `server:` section (`vllm_args` merged into the launcher's)."""
+    `server` adds keys to its `server:` section (`vllm_args` and `env` merged into the
+    launcher's)."""
 
     def __init__(self, n: int, work: Path, args: argparse.Namespace,
                  server: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -137,6 +138,8 @@ class ReplicaDaemon:
         extra = dict(server or {})
         launcher = sections["server"]
         launcher["vllm_args"] = {**launcher.get("vllm_args", {}), **extra.pop("vllm_args", {})}
+        if "env" in extra:
+            launcher["env"] = {**launcher.get("env", {}), **extra.pop("env")}
         launcher.update(extra)
         self.config = write_config(work / "ocrvl.yaml", state_dir=str(work / "state"),
                                    inbox={"paths": [str(self.inbox)], "stable_seconds": 0.5,

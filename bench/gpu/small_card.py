@@ -26,7 +26,6 @@ or any ocrvl process ran out of memory, go under `layout_on` in the results file
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -41,8 +40,7 @@ from typing import Any
 from bench.gpu.layout_on import (
     PAGE_TOKENS,
     block_lengths,
-    child,
-    last_json,
+    caught_blocks,
     use_stand_in_hook,
 )
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
@@ -208,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout:  # a block's answer: a page's shared by its blocks (bench.gpu.layout_on)
         settings = {k: v for k, v in layout.items() if k != "use_layout_detection"}
         sample = min(4, args.pages)
-        blocks = last_json(child(["capture", json.dumps(settings), str(book), str(sample),
-                                  str(work / "blocks.jsonl")], log_dir / "blocks.log"),
-                           log_dir / "blocks.log", 900)  # fmt: skip
+        blocks = caught_blocks(settings, book, sample, work / "blocks.jsonl", log_dir, 900)
         lengths = block_lengths(blocks["requests_per_page"], PAGE_TOKENS)
         log(f"blocks: {blocks['requests_per_page']:.1f} sent a page: answers {lengths}")
     options = ServeOptions(
