@@ -32,7 +32,7 @@ def test_the_grid_has_replicas_one_to_four_with_and_without_mps() -> None:
                  "api-server-count"):
         assert any(flag in f for f in flags), flag
     assert [s.name for s in big_gpu.chosen(big_gpu.DEFAULT_SETTINGS)] == [
-        "mps-x3", "mps-x4", "x2-async"], "the most promising first"
+        "mps-x4", "x2"], "the best of record first, then its plain reference"
     assert all(s.changes_input == bool(s.pipeline) for s in big_gpu.SETTINGS.values())
 
 
@@ -47,9 +47,9 @@ def test_settings_are_chosen_in_order_and_unknown_ones_refused() -> None:
 
 @pytest.mark.quick
 def test_settings_that_differ_only_in_replicas_share_one_start() -> None:
-    groups = big_gpu.server_groups(big_gpu.chosen("mps-x3,x2-async,mps-x4,x2,x1,mps-x2"))
+    groups = big_gpu.server_groups(big_gpu.chosen("mps-x3,x2-sync,mps-x4,x2,x1,mps-x2"))
     assert [(started, [s.name for s in group]) for started, group in groups] == [
-        (4, ["mps-x3", "mps-x4", "mps-x2"]), (2, ["x2-async"]), (2, ["x2", "x1"])]
+        (4, ["mps-x3", "mps-x4", "mps-x2"]), (2, ["x2-sync"]), (2, ["x2", "x1"])]
 
 
 @pytest.mark.quick
@@ -59,20 +59,20 @@ def test_the_budget_starts_only_what_fits() -> None:
     assert big_gpu.fits(0, 540, big_gpu.start_cost_s(3) + big_gpu.setting_cost_s(128))
     assert not big_gpu.fits(400, 540, big_gpu.start_cost_s(3))
     assert big_gpu.fits(500, 540, 40) and not big_gpu.fits(500.1, 540, 40)
-    # The default settings fit the default budget by the estimate: the MPS start for x3 and
-    # x4 with B2 and two converts, then x2 with async scheduling.
+    # The default settings fit the default budget by the estimate: the MPS start for x4 with
+    # B2 and its convert, then two plain replicas.
     pages = 128
-    mps = big_gpu.start_cost_s(4) + 3 * big_gpu.setting_cost_s(pages)
-    async_x2 = big_gpu.start_cost_s(2) + big_gpu.setting_cost_s(pages)
-    assert mps + async_x2 <= big_gpu.DEFAULT_BUDGET_S, (mps, async_x2)
+    mps = big_gpu.start_cost_s(4) + 2 * big_gpu.setting_cost_s(pages)
+    plain_x2 = big_gpu.start_cost_s(2) + big_gpu.setting_cost_s(pages)
+    assert mps + plain_x2 <= big_gpu.DEFAULT_BUDGET_S, (mps, plain_x2)
 
 
 @pytest.mark.quick
 def test_the_best_row_and_the_rule_row_it_makes() -> None:
     rows = [row("x1", 9.0, 1), row("x2", 13.4, 2), row("x3", 13.2, 3),
             row("mps-x3", 17.5, 3, mps=True), row("mps-x4", None, 4, mps=True, skipped="budget"),
-            row("x2-async", 18.0, 2, vllm_args={"async-scheduling": True})]
-    assert big_gpu.best(rows)["setting"] == "x2-async"
+            row("x2-sync", 18.0, 2, vllm_args={"async-scheduling": False})]
+    assert big_gpu.best(rows)["setting"] == "x2-sync"
     assert big_gpu.best([row("a", None, 1)]) is None
     assert big_gpu.rule_row(rows, 143771) == "ReplicaRule(from_mib=143771, plain=2, mps=3)", \
         "replica counts are judged without other flags"
@@ -111,15 +111,15 @@ def bench_run(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
 
 @pytest.mark.slow
 def test_dry_run_tries_each_setting_on_one_start_and_writes_rows(tmp_path: Path) -> None:
-    data = bench(tmp_path, "--settings", "x2,x1,x2-async")
-    assert [r["setting"] for r in data["rows"]] == ["x2", "x1", "x2-async"]
+    data = bench(tmp_path, "--settings", "x2,x1,x2-sync")
+    assert [r["setting"] for r in data["rows"]] == ["x2", "x1", "x2-sync"]
     for r in data["rows"]:
         assert r["pages_per_s"] > 0 and r["mps_used"] is False
         assert len(r["vllm_settings"]) == r["replicas_started"] == 2
-    assert data["b2_pages_per_s"] > 0 and data["best_setting"] in {"x2", "x1", "x2-async"}
+    assert data["b2_pages_per_s"] > 0 and data["best_setting"] in {"x2", "x1", "x2-sync"}
     logs = {p.name for p in (tmp_path / "logs").iterdir()}
-    assert {"ocrvl-run-x2-daemon.log", "ocrvl-run-x2-async-daemon.log"} <= logs, logs
-    assert "--async-scheduling" in (tmp_path / "logs" / "ocrvl-run-x2-async-daemon.log"
+    assert {"ocrvl-run-x2-daemon.log", "ocrvl-run-x2-sync-daemon.log"} <= logs, logs
+    assert "--no-async-scheduling" in (tmp_path / "logs" / "ocrvl-run-x2-sync-daemon.log"
                                     ).read_text()
 
 
@@ -268,12 +268,12 @@ def test_layout_on_every_replica_gets_the_block_answer_lengths(tmp_path: Path) -
 
     layout = big_gpu.LayoutOn({"layout_engine": "paddle", "layout_device": "cpu"},
                               {"use_layout_detection": True}, "71:0.9:17")  # fmt: skip
-    setting = big_gpu.SETTINGS["x2-async"]
+    setting = big_gpu.SETTINGS["x2-sync"]
     on = big_gpu.Runner(_fake_args(tmp_path), tmp_path, tmp_path / "b.pdf", {}, layout)
     assert on.server_options(setting) == {
-        "mps": "off", "vllm_args": {"async-scheduling": True}, "env": {ENV: "71:0.9:17"}}
+        "mps": "off", "vllm_args": {"async-scheduling": False}, "env": {ENV: "71:0.9:17"}}
     off = big_gpu.Runner(_fake_args(tmp_path), tmp_path, tmp_path / "b.pdf", {})
-    assert off.server_options(setting) == {"mps": "off", "vllm_args": {"async-scheduling": True}}
+    assert off.server_options(setting) == {"mps": "off", "vllm_args": {"async-scheduling": False}}
     assert layout.pipeline == {"use_layout_detection": True, "layout_engine": "paddle",
                                "layout_device": "cpu"}  # fmt: skip
     assert on.cost_s() > off.cost_s(), "layout on, a page takes longer"

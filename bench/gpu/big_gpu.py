@@ -1,7 +1,7 @@
 """The whole GPU (issue 37): which settings make one large GPU serve the most pages.
 
     python -m bench.gpu.big_gpu --model-dir DIR [--vllm-python P --vllm-pythonpath SITE]
-        [--settings mps-x3,mps-x4,x2-async] [--pages 128] [--budget-s 540] [--merge]
+        [--settings mps-x4,x2,x2-sync] [--pages 128] [--budget-s 540] [--merge]
     python -m bench.gpu.big_gpu --model-dir DIR --layout --layout-engine transformers \
         --layout-device gpu:0 --layout-cache CACHE --settings mps-x4,mps-x2 --pages 64
     python -m bench.gpu.big_gpu --fake --settings x1,x2 --pages 8      # the dry run (no GPU)
@@ -18,31 +18,31 @@ N (an idle vLLM costs the others nothing; each has a 1/M share of the memory ins
 1/N, which on a large card still leaves a KV cache far beyond 64 pages in flight). B2 (one
 warm PaddleX `predict`) runs once, on the first replica of the first daemon, as the baseline.
 
-Settings (`--list`): replicas 1-4 without and with MPS (`server.mps: off` / `on`); vLLM flags
-per replica (`--async-scheduling`, `--max-num-batched-tokens 8192`, fewer CUDA graph sizes,
-`--api-server-count 2`); the image ocrvl sends (`pipeline.max_page_pixels`: a smaller image
-is fewer image tokens, but the model sees less and, with random weights, the answer lengths
-drawn from the prompt length change: such rows carry `changes_input`). JPEG quality is not a
-setting (the worker's 92). Writes `--results` (default bench/gpu/big_gpu.json) after every
-setting; `--budget-s` starts no daemon or setting that its estimate says would not end in
-time. Prints a table and the `autotune.REPLICA_RULES` row the winners make for this card.
-
-`--layout` (issue 35): the same grid with layout detection on for B2 and every ocrvl convert,
-as bench.gpu.layout_on measures it on one server (its helpers, not copies): a
-`make_layout_pdf` book; before any daemon starts, ocrvl's own pipeline runs every page with
-its requests caught (`caught_blocks`), and each block's answer length is a page's
-`--page-tokens` shared by the blocks sent a page (`block_lengths`), set in the environment of
-every vLLM replica the daemon starts (bench.gpu.lengths.ENV, read by their logits processor);
-B2 gets `use_layout_detection=True` and the layout engine and device ocrvl's worker would pass
+Settings (`--list`): replicas 1-4 without and with MPS (`server.mps: off` / `on`); vLLM
+flags per replica (`--no-async-scheduling`, as vLLM 0.26 schedules asynchronously by
+default; `--max-num-batched-tokens 8192`, fewer CUDA graph sizes, `--api-server-count 2`);
+the image ocrvl sends (`pipeline.max_page_pixels`: a smaller image is fewer image tokens,
+but the model sees less and, with random weights, the answer lengths drawn from the prompt
+length change: such rows carry `changes_input`). JPEG quality is not a setting (the worker's
+92). Writes `--results` (default bench/gpu/big_gpu.json) after every setting; `--budget-s`
+starts no daemon or setting that its estimate says would not end in time. Prints a table and
+the `autotune.REPLICA_RULES` row the winners make for this card. `--layout` (issue 35): the
+same grid with layout detection on for B2 and every ocrvl convert, as bench.gpu.layout_on
+measures it on one server (its helpers, not copies): a `make_layout_pdf` book; before any
+daemon starts, ocrvl's own pipeline runs every page with its requests caught
+(`caught_blocks`), and each block's answer length is a page's `--page-tokens` shared by the
+blocks sent a page (`block_lengths`), set in the environment of every vLLM replica the
+daemon starts (bench.gpu.lengths.ENV, read by their logits processor); B2 gets
+`use_layout_detection=True` and the layout engine and device ocrvl's worker would pass
 (`layout_fields`' b2_kwargs), and ocrvl convert `pipeline.use_layout_detection: true` with
 `--layout-engine`/`--layout-device` (the model from `--layout-cache`, PADDLE_PDX_CACHE_HOME,
 with testkit's stand-in hook on every child's path). With the layout model on the GPU, the
 daemon's `gpu-memory-utilization` is ocrvl's own plan for one server with these pipeline
 settings on the card as it reads then (the layout workers' memory kept; the daemon splits it
-between its replicas): the daemon's own workers run layout off, the layout workers are
-ocrvl convert's. Rows and the top level say `layout: true` with the engine and device, and
-every row counts the requests the replicas finished (`requests_per_page`: blocks sent, with
-B2's as `b2_requests_per_page`); results default to bench/gpu/big_gpu_layout.json.
+between its replicas): the daemon's own workers run layout off, the layout workers are ocrvl
+convert's. Rows and the top level say `layout: true` with the engine and device, and every
+row counts the requests the replicas finished (`requests_per_page`: blocks sent, with B2's
+as `b2_requests_per_page`); results default to bench/gpu/big_gpu_layout.json.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from ocrvl_daemon.worker.layout_engine import Installed
 from testkit.documents import make_layout_pdf, make_pdf
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_SETTINGS = "mps-x3,mps-x4,x2-async"
+DEFAULT_SETTINGS = "mps-x4,x2"
 DEFAULT_BUDGET_S = 540.0  # a 10-minute call, less a margin
 # `ocrvl run` with N replicas on an H200 was ready in 70 s (N = 1), 88 s (2), 132 s (3)
 # (bench/gpu/replicas_gpu.json): the first start, then about 35-45 s per replica more.
@@ -119,8 +119,9 @@ def _grid() -> dict[str, Setting]:
     """Every setting known, most promising first."""
     settings = [Setting(f"mps-x{n}", n, mps=True) for n in (3, 4, 2)]
     settings += [
-        Setting("x2-async", 2, vllm_args={"async-scheduling": True}),
-        Setting("mps-x3-async", 3, mps=True, vllm_args={"async-scheduling": True}),
+        # vLLM 0.26 schedules asynchronously by default: these measure what that is worth.
+        Setting("x2-sync", 2, vllm_args={"async-scheduling": False}),
+        Setting("mps-x4-sync", 4, mps=True, vllm_args={"async-scheduling": False}),
         Setting("x2-batched-8k", 2, vllm_args={"max-num-batched-tokens": 8192}),
         Setting("x2-graphs-256", 2, vllm_args={"compilation-config": {
             "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]}}),
