@@ -630,6 +630,19 @@ def test_the_lease_layout_mps_step_runs_big_gpu_with_layout_on_over_mps_replicas
         "a cache with the stand-in is used as it is")
 
 
+@pytest.mark.quick
+def test_the_lease_layout_cpu_step_runs_only_the_cpu_sweep(tmp_path: Path) -> None:
+    from bench.gpu import lease
+
+    args = lease.parse_args(["--budget-s", "1500", "--out", str(tmp_path / "out"),
+                             "--layout-cache", str(tmp_path / "lm"), "--plan", "layout-cpu"])
+    main = lease.commands("layout-cpu", args, 540)[-1]
+    assert main[1:3] == ["-m", "bench.gpu"] and "--layout" in main
+    assert main[main.index("--only") + 1] == "cpu", "the CPU sweep alone, not the whole bench"
+    assert main[main.index("--layout-engine") + 1] == "transformers", main
+    assert "layout-cpu" in lease.DEFAULT_PLAN.split(","), "the next lease runs it"
+
+
 STUB_BENCH = '''
 import os, signal, subprocess, sys, time
 # like a bench that started vLLM in a session of its own, then hung deaf to SIGTERM

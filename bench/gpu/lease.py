@@ -9,9 +9,12 @@ Steps, in the order `--plan` gives them (its order is their priority):
   layout      bench.gpu --layout (transformers on gpu:0; the stand-in written first with
               `python -m testkit.layout_model CACHE --format transformers` where CACHE has none),
               its own --budget-s from the step's share
-  layout-api2 the same with vLLM's `--api-server-count 2`, capacity, B2 and convert only: one
-              server with layout on is bound by its API process preparing every block's
-              image on one core (bench/gpu/RESULTS.md, 2026-12-05); does a second one lift it?
+  layout-api2 the same with vLLM's `--api-server-count 2`, capacity, B2 and convert only: does
+              a second API process lift one server's block-request ceiling? (The H200 run
+              put the engine core at ~1.3 cores and the API process at half of one: likely
+              not; bench/gpu/RESULTS.md.)
+  layout-cpu  bench.gpu --layout --only cpu: the layout model on the CPU (transformers), ocrvl
+              held to 4, 8 and all cores (`--layout-cores`), against one server
   layout-mps  bench.gpu.big_gpu --layout (transformers on gpu:0, the same stand-in) --settings
               mps-x4,mps-x2 --pages 64, --budget-s likewise: ocrvl convert with layout on over
               4 and 2 replicas under MPS against B2 on one (one server with layout on is bound
@@ -60,7 +63,7 @@ MARKER_ENV = "OCRVL_BENCH_LEASE"
 GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
 SWEEP_GRACE_S = 10.0
 BENCH_MARGIN_S = 30.0  # a bench with --budget-s gets its share less this (its own wind-down)
-DEFAULT_PLAN = "layout,mps,rerun,loops,small-card"
+DEFAULT_PLAN = "layout-mps,small-card,loops,mps,layout-cpu"
 STUB_ENV = "OCRVL_LEASE_STUB_COMMAND"  # tests: the `stub` step's command (shlex)
 
 
@@ -79,6 +82,8 @@ class Step:
 STEPS = {
     "layout": Step("layout", 720, 330),  # all but the CPU sweep at 4 cores
     "layout-api2": Step("layout-api2", 420, 300),
+    # vLLM's start (~110-175 s), then 12 pages at 4, 8 and all cores (~80-130 s each)
+    "layout-cpu": Step("layout-cpu", 540, 330),
     # 4 replicas under MPS start in ~270 s on an H200, then B2 and two converts of 64 layout
     # pages (~30 s each) and the stop
     "layout-mps": Step("layout-mps", 480, 330),
@@ -283,7 +288,8 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "transformers"]  # fmt: skip
     has_stand_in = args.layout_cache.is_dir() and any(args.layout_cache.rglob("*_safetensors"))
     layout = ["--layout-engine", "transformers", "--layout-cache", str(args.layout_cache)]
-    if name in ("layout", "layout-api2", "layout-mps", "small-card") and not has_stand_in:
+    needs_stand_in = ("layout", "layout-api2", "layout-cpu", "layout-mps", "small-card")
+    if name in needs_stand_in and not has_stand_in:
         prepare.append(stand_in)
     if name == "layout":
         main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
@@ -292,6 +298,9 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
         main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
                 "--vllm-arg=--api-server-count=2", "--only", "capacity,b2,convert", *budget,
                 *files]  # fmt: skip
+    elif name == "layout-cpu":
+        main = [py, "-m", "bench.gpu", *vllm, "--layout", *layout, "--layout-device", "gpu:0",
+                "--only", "cpu", *budget, *files]  # fmt: skip
     elif name == "layout-mps":
         main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--layout", *layout, "--layout-device",
                 "gpu:0", "--settings", "mps-x4,mps-x2", "--pages", "64", *budget,
