@@ -79,6 +79,8 @@ if sys.argv[1:] == ["-d"]:
     os.makedirs(pipe, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
     os.mkfifo(fifo)
+    # Noted before this command returns, so what a caller starts after it comes later.
+    note("started")
     if os.fork():
         sys.exit(0)
     os.setsid()
@@ -89,7 +91,6 @@ if sys.argv[1:] == ["-d"]:
         os.dup2(devnull, fd)
     with open(os.path.join(pipe, "nvidia-cuda-mps-control.pid"), "w") as f:
         f.write(str(os.getpid()))
-    note("started")
     while True:
         with open(fifo) as commands:
             for command in commands:
