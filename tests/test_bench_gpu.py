@@ -287,7 +287,8 @@ def test_the_block_feeder_sends_exactly_the_blocks_ocrvl_sends(layout_cache: Pat
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     caught = [json.loads(line)["body"] for line in bodies.read_text().splitlines()]
     assert len(caught) == len(_Capture.seen) == summary["requests"] > 2, (
-        f"{len(caught)} blocks caught, ocrvl sent {len(_Capture.seen)}: not one per block")
+        f"{len(caught)} blocks caught, ocrvl sent {len(_Capture.seen)}: not one per block; "
+        f"ocrvl said:\n{out.stderr[-4000:]}")
     assert summary["blocks_per_page"] > summary["requests_per_page"], (
         "figures are laid out but not sent: blocks per page counts them")
 
