@@ -5,6 +5,10 @@ loop, converted end to end."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,6 +170,76 @@ def test_a_server_that_is_not_there_is_a_transport_error() -> None:
         url = srv.url
     with pytest.raises(httpx.TransportError):
         asyncio.run(_stream_to(url))
+
+
+class _DroppingServer:
+    """A server that reads each request and closes the first `drops` connections unanswered
+    (as a server closing a kept-alive connection just as it is reused); then it answers whole.
+    `connections`: how many it accepted."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops, self.connections = drops, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/v1"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                self.connections += 1
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(65536)
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                assert length is not None, head
+                size = int(length[1])
+                body = head.split(b"\r\n\r\n", 1)[1]
+                while len(body) < size:
+                    body += conn.recv(65536)
+                if self.connections <= self.drops:
+                    continue  # closed unanswered
+                answer = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "content": "answered"}}],
+                    "usage": {"completion_tokens": 1}}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(answer), answer))
+
+    def close(self) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self._sock.close()
+        self._thread.join(5)
+
+
+@pytest.mark.quick
+def test_a_request_whose_connection_drops_unanswered_is_sent_once_more() -> None:
+    """A kept-alive connection that the server closes as it is reused loses nothing: the
+    request goes once more on a new connection, and the page is not sent again whole."""
+    server = _DroppingServer(drops=1)
+    try:
+        answer = asyncio.run(_stream_to(server.url))
+    finally:
+        server.close()
+    assert answer.text == "answered", answer
+    assert server.connections == 2, f"{server.connections} connections for one request"
+
+
+@pytest.mark.quick
+def test_a_server_that_drops_every_request_unanswered_is_a_transport_error_after_two_tries(
+        ) -> None:  # fmt: skip
+    server = _DroppingServer(drops=10)
+    try:
+        with pytest.raises(httpx.TransportError):
+            asyncio.run(_stream_to(server.url))
+    finally:
+        server.close()
+    assert server.connections == 2, (
+        f"{server.connections} tries of a request a server keeps dropping: once more, not more")
 
 
 async def _stream_to(url: str) -> StreamedAnswer:

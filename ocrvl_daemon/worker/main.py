@@ -52,6 +52,7 @@ from ocrvl_daemon.worker.messages import (
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.worker.streaming import (
+    KEEPALIVE_EXPIRY,
     StatusError,
     StreamedAnswer,
     request_body,
@@ -217,7 +218,8 @@ class _Endpoints:
         self._lock = threading.Lock()  # guards _gates
         self._gates: dict[str, RequestGate] = {}
         # Used on PaddleX's event-loop thread only. The gates bound the requests in flight.
-        self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        self._client = httpx.AsyncClient(limits=httpx.Limits(
+            max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY))
         self._headers = bearer_header(config.server.api_key)
 
     def gate(self, url: str) -> RequestGate:

@@ -29,6 +29,14 @@ CHECK_EVERY_TOKENS = 64
 # The answer's usage with every chunk (vLLM's `continuous_usage_stats`), so the tokens of an
 # answer cut short are known; servers that do not send it have their chunks counted.
 STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+# A connection lost before any answer: the server closed a kept-alive connection just as it
+# was reused, or dropped it unanswered. The request never reached the model, so it is sent
+# once more on a new connection before the server counts as gone (a page of 30 blocks would
+# otherwise go again whole, and the server's other pages wait for its health check).
+DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+# Kept-alive connections are closed after this many idle seconds: sooner than servers close
+# them (uvicorn's and so vLLM's default is 5 s), which makes that race rare.
+KEEPALIVE_EXPIRY = 2.0
 
 
 class StatusError(Exception):
@@ -66,14 +74,19 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     streams; with `stop_loops`, stop it as soon as it loops (finish reason LOOP).
 
     `timeout` bounds each wait for the server (a queued request may wait that long for its
-    first token). Raises StatusError for an error status, httpx.TransportError when the
-    server cannot be reached or goes away.
+    first token). A request whose connection is lost before any answer is sent once more
+    (DROPPED). Raises StatusError for an error status, httpx.TransportError when the server
+    cannot be reached or goes away.
     """
     parts: list[str] = []
     chars = tokens = judged = 0
     finish: str | None = None
-    async with client.stream("POST", url, json=body, headers=headers,
-                             timeout=timeout) as response:
+    request = client.build_request("POST", url, json=body, headers=headers, timeout=timeout)
+    try:
+        response = await client.send(request, stream=True)
+    except DROPPED:
+        response = await client.send(request, stream=True)
+    try:
         if response.status_code >= 400:
             await response.aread()
             raise StatusError(response.status_code, _error_message(response.content))
@@ -102,8 +115,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                 judged = tokens
                 answer = "".join(parts)
                 if looks_like_a_loop(answer):
-                    # Leaving the block closes the stream: the server aborts the request.
                     return StreamedAnswer(answer, LOOP, tokens)
+    finally:
+        await response.aclose()  # a stream left early: the server aborts the request
     return StreamedAnswer("".join(parts), finish, tokens)
 
 
