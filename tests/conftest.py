@@ -1,14 +1,18 @@
-"""Shared fixtures: a fake vLLM server on a free port; children that import this checkout."""
+"""Shared fixtures: a fake vLLM server on a free port; children that import this checkout; the
+small stand-in layout model."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from testkit.harness import FakeServerProcess, free_port, start_fake_server
-from testkit.runner import checkout_first
+from testkit.runner import checkout_first, ocrvl_env
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,3 +30,17 @@ def fake_server() -> Iterator[FakeServerProcess]:
     """A fake vLLM server (ready, default model) on a free port; stopped and reaped after."""
     with start_fake_server(free_port()) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PaddleX cache home (PADDLE_PDX_CACHE_HOME) holding the small stand-in PP-DocLayoutV3
+    for the paddle engine on the CPU (`python -m testkit.layout_model CACHE --small`), written
+    once for the whole run."""
+    cache = tmp_path_factory.mktemp("paddlex-cache")
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, (
+        f"the stand-in layout model was not written:\n{done.stderr[-3000:]}")
+    return cache

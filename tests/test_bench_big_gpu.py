@@ -281,23 +281,12 @@ def test_layout_on_every_replica_gets_the_block_answer_lengths(tmp_path: Path) -
     assert big_gpu.parse_args(["--fake"]).results.name == "big_gpu.json"
 
 
-@pytest.fixture(scope="module")
-def small_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3 (paddle, CPU)."""
-    from testkit.runner import ocrvl_env
-
-    cache = tmp_path_factory.mktemp("paddlex-cache")
-    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
-                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return cache
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dry_run_with_layout_on_sends_blocks_from_b2_and_every_convert(
-        tmp_path: Path, small_layout_cache: Path) -> None:  # fmt: skip
+        tmp_path: Path, layout_cache: Path) -> None:  # fmt: skip
     """`--layout` on a 2-page layout book (the small stand-in on the CPU): B2 and ocrvl
     convert send the blocks (7 a page reach the replicas, not 1), the convert's markdown has
     them, the replicas' config carries the block answer lengths, the rows say layout on."""
@@ -311,7 +300,7 @@ def test_dry_run_with_layout_on_sends_blocks_from_b2_and_every_convert(
 
     data, err = bench_run(tmp_path, "--settings", "x2,x1", "--pages", "2", "--layout",
                           "--layout-engine", "paddle", "--layout-device", "cpu",
-                          "--layout-cache", str(small_layout_cache), "--keep")  # fmt: skip
+                          "--layout-cache", str(layout_cache), "--keep")  # fmt: skip
     work = Path(re.findall(r"work directory (\S+)", err)[0])
     try:
         config = yaml.safe_load((work / "x2-daemon" / "ocrvl.yaml").read_text())

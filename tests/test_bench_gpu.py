@@ -242,15 +242,6 @@ def test_the_gpu_sampler_reports_a_contenders_mean_gpu_busy_share_and_power(
 LAYOUT_CPU = {"use_layout_detection": True, "layout_engine": "paddle", "layout_device": "cpu"}
 
 
-@pytest.fixture(scope="module")
-def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3 (paddle, CPU)."""
-    cache = tmp_path_factory.mktemp("paddlex-cache")
-    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
-                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return cache
 
 
 class _Capture(_Handler):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import pytest
 from ocrvl_daemon.daemon_state import read_runtime_file
 from testkit.documents import BLOCKS_PAGE_LINES, LAYOUT_PAGE, make_blocks_pdf, make_layout_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
-from testkit.runner import DaemonProcess, managed_fake_server, ocrvl_env, run_ocrvl, write_config
+from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config
 
 PAGES = 2
 # Pages of the book whose layout keeps one worker busy for long enough to be measured.
@@ -36,15 +34,6 @@ PROMPTS = {"OCR:": 5, "Table Recognition:": 1, "Formula Recognition:": 1}  # a p
 FIGURE_LEFT, FIGURE_RIGHT = 300, 924  # where make_layout_pdf draws the figure (page pixels)
 
 
-@pytest.fixture(scope="module")
-def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PaddleX cache home holding the small stand-in PP-DocLayoutV3."""
-    cache = tmp_path_factory.mktemp("paddlex-cache")
-    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
-                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return cache
 
 
 @pytest.fixture(scope="module")

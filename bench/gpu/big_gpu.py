@@ -70,7 +70,7 @@ from bench.gpu.layout_on import (
 )
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from bench.gpu.replicas import ReplicaDaemon, ServersFailed, gpu_memory_used_mib
-from bench.gpu.run import PAGE_HEIGHT, Bench, gpu_name, log, warm_up
+from bench.gpu.run import PAGE_HEIGHT, Bench, add_layout_model_args, gpu_name, log, warm_up
 from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, model_dir_parser, version
 from ocrvl_daemon.config import Config
@@ -463,14 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lay.add_argument("--layout", action="store_true",
                      help="layout detection on for B2 and every ocrvl convert: a "
                      "make_layout_pdf book, blocks as requests")  # fmt: skip
-    lay.add_argument("--layout-engine", default="auto",
-                     choices=("auto", "paddle", "transformers", "onnxruntime"),
-                     help="pipeline.layout_engine for everyone (default auto)")  # fmt: skip
-    lay.add_argument("--layout-device", default="gpu:0",
-                     help="pipeline.layout_device for everyone: gpu:N or cpu (default gpu:0)")
-    lay.add_argument("--layout-cache", type=Path, default=None,
-                     help="PADDLE_PDX_CACHE_HOME holding the layout model (e.g. the stand-in "
-                     "of python -m testkit.layout_model DIR)")  # fmt: skip
+    add_layout_model_args(lay)
     lay.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
                      help="random weights: a page's answer tokens (median) that its blocks "
                      f"share (default {PAGE_TOKENS})")  # fmt: skip

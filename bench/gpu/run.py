@@ -608,6 +608,19 @@ def server(args: argparse.Namespace, work: Path) -> Iterator[str]:
         yield url
 
 
+def add_layout_model_args(group: argparse._ArgumentGroup) -> None:
+    """--layout-engine, --layout-device and --layout-cache: the layout model every contender
+    runs (bench.gpu and bench.gpu.big_gpu with --layout)."""
+    group.add_argument("--layout-engine", default="auto",
+                       choices=("auto", "paddle", "transformers", "onnxruntime"),
+                       help="pipeline.layout_engine for everyone (default auto)")  # fmt: skip
+    group.add_argument("--layout-device", default="gpu:0",
+                       help="pipeline.layout_device for everyone: gpu:N or cpu (default gpu:0)")
+    group.add_argument("--layout-cache", type=Path, default=None,
+                       help="PADDLE_PDX_CACHE_HOME holding the layout model (e.g. the stand-in "
+                       "of python -m testkit.layout_model DIR)")  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -634,14 +647,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lay.add_argument("--layout", action="store_true",
                      help="measure with layout detection on: a make_layout_pdf book, blocks as "
                      "requests; results go under `layout_on` in --results")  # fmt: skip
-    lay.add_argument("--layout-engine", default="auto",
-                     choices=("auto", "paddle", "transformers", "onnxruntime"),
-                     help="pipeline.layout_engine for everyone (default auto)")  # fmt: skip
-    lay.add_argument("--layout-device", default="gpu:0",
-                     help="pipeline.layout_device for everyone: gpu:N or cpu (default gpu:0)")
-    lay.add_argument("--layout-cache", type=Path, default=None,
-                     help="PADDLE_PDX_CACHE_HOME holding the layout model (e.g. the stand-in "
-                     "of python -m testkit.layout_model DIR)")  # fmt: skip
+    add_layout_model_args(lay)
     lay.add_argument("--layout-cores", default="4,8,all",
                      help="`cpu`: the layout model on the CPU with ocrvl held to this many "
                      "cores each (default 4,8,all; counts above the machine's are skipped)")
