@@ -16,6 +16,7 @@ moves on comes back inside the action, as a new value, and the converter applies
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ocrvl_daemon.config import Config
@@ -27,6 +28,7 @@ from ocrvl_daemon.errors import (
     ServerError,
 )
 from ocrvl_daemon.page_quality import (
+    WHOLE_PAGE,
     BlockRedos,
     CutBlock,
     KeptBecause,
@@ -39,7 +41,7 @@ from ocrvl_daemon.page_quality import (
     worst_of,
 )
 from ocrvl_daemon.pdf import retry_command
-from ocrvl_daemon.worker.messages import Failure, PageResult
+from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult
 
 # A page the server failed (HTTP 5xx) waits this long before it is sent again, doubling with
 # each failure up to SERVER_ERROR_LONGEST_WAIT: a server failing every request is not
@@ -131,13 +133,19 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
             choice = _decide_cut(ledger, result, cut_at, document.others_out)
         quality = _judge_page(result)
         ledger.best(page, quality, result)
-        if choice is None and quality.empty_with_ink:
-            # Nothing came back for a page with ink: a fluke of the server is worth one more
-            # try at the page's limit, within the redo budget (DESIGN, Decisions).
-            choice = ledger.retry_empty(page, rules.max_new_tokens)
-            if isinstance(choice, Redo):
-                return SendAgain(page, why=f"p.{page + 1}: the answer is empty although the "
-                                           "page has ink; sending it again once", ledger=ledger)
+        empties = _empty_answers(result, quality)
+        if choice is None and empties:
+            # Nothing came back for ink (the page's, or a block the layout model found): a
+            # fluke of the server is worth one more try at its limit, within the redo budget
+            # (DESIGN, Decisions).
+            choice = ledger.retry_empty(page, rules.max_new_tokens, empties)
+            if isinstance(choice, (Redo, BlockRedos)):
+                if isinstance(choice, BlockRedos):
+                    ledger.keep[page] = {a.key: a for a in result.answers
+                                         if a.key not in choice.redos}
+                what = _blocks_named(result, _is_empty) or "the answer"
+                return SendAgain(page, why=f"p.{page + 1}: {what} empty although there is ink; "
+                                           "sending it again once", ledger=ledger)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules, result)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)
@@ -195,14 +203,36 @@ def _judge_page(result: PageResult) -> PageQuality:
                   result.looping, result.has_ink, result.repetition)
     if len(result.answers) < 2:
         return page  # the page is its one block
+    # Each block is where the layout model found ink.
     return worst_of(page, [assess(a.text, "length" if a.cut else a.finish_reason, a.tokens,
-                                  a.looping, has_ink=False) for a in result.answers])
+                                  a.looping, has_ink=True) for a in result.answers])
 
 
-def _blocks_cut(answer: PageResult) -> str:
-    """The blocks of a page's `answer` that were cut off or looped, named for a log line or
-    note ("block 7 of 30", "blocks 3, 7 of 30"); "" for a page of one block."""
-    numbers = [str(n + 1) for n, a in enumerate(answer.answers) if a.cut]
+def _empty_answers(result: PageResult, quality: PageQuality) -> list[str]:
+    """The keys of the answers of `result` that are empty although there is ink: the page's
+    (WHOLE_PAGE) for a page of one answer, else each empty block's (the layout model found
+    something there)."""
+    if len(result.answers) < 2:
+        return [WHOLE_PAGE] if quality.empty_with_ink else []
+    return [a.key for a in result.answers if _is_empty(a)]
+
+
+def _is_empty(answer: BlockAnswer) -> bool:
+    return not answer.text.strip()
+
+
+def _is_cut(answer: BlockAnswer) -> bool:
+    return answer.cut
+
+
+def _is_to_blame(answer: BlockAnswer) -> bool:
+    return answer.cut or _is_empty(answer)
+
+
+def _blocks_named(answer: PageResult, which: Callable[[BlockAnswer], bool]) -> str:
+    """The blocks of a page's `answer` that are `which` (cut off, empty), named for a log
+    line or note ("block 7 of 30", "blocks 3, 7 of 30"); "" for a page of one block."""
+    numbers = [str(n + 1) for n, a in enumerate(answer.answers) if which(a)]
     if len(answer.answers) < 2 or not numbers:
         return ""
     return f"block{'s' * (len(numbers) > 1)} {', '.join(numbers)} of {len(answer.answers)}"
@@ -246,7 +276,7 @@ def _redo_or_keep(document: Document, page: int,
         last = latest or answer
         how = (_how(choice, looping) if isinstance(choice, Redo)
                else _how_blocks_go(last, choice))
-        what = _blocks_cut(last) or "answer"
+        what = _blocks_named(last, _is_cut) or "answer"
         if ledger.keep.get(page):
             how += f" (the other {len(ledger.keep[page])} answers kept)"
         return SendAgain(page, why=f"p.{page + 1}: {what} cut off; {how}", ledger=ledger)
@@ -282,7 +312,8 @@ def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
     """The note of a page kept although it is not ok (None when it is ok)."""
     return flag_note(answer.page, quality, why, answer.truncated_at,
                      retry_command(document.job.path, str(answer.page + 1), rules.again),
-                     external_server=rules.external_server, where=_blocks_cut(answer))
+                     external_server=rules.external_server,
+                     where=_blocks_named(answer, _is_to_blame))
 
 
 def _server_failed(document: Document, page: int, error: str | None, url: str,

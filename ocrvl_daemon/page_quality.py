@@ -256,7 +256,7 @@ class RedoLedger:
     keep: dict[int, Mapping[str, Any]] = field(default_factory=dict)
     _answers: int = 0  # first-pass answers counted (a block each)
     _grown: set[BlockId] = field(default_factory=set)  # answers redone with more tokens
-    _emptied: set[int] = field(default_factory=set)  # pages sent again for an empty answer
+    _emptied: set[BlockId] = field(default_factory=set)  # answers sent again for being empty
     _out: dict[int, int] = field(default_factory=dict)  # redos not answered yet: expected tokens
     _best: dict[int, tuple[PageQuality, Any]] = field(default_factory=dict)
 
@@ -367,19 +367,29 @@ class RedoLedger:
         self._out[block.page] = self._out.get(block.page, 0) + expected
         return redo
 
-    def retry_empty(self, page: int, max_new_tokens: int) -> Redo | KeptBecause:
-        """How to send `page` again once after an empty answer although it has ink (at its
-        limit and penalty as they were), or why its answer stays: it was sent again already,
-        or the document's redos took their share."""
-        if page in self._emptied:
+    def retry_empty(self, page: int, max_new_tokens: int,
+                    keys: Sequence[str] = (WHOLE_PAGE,)) -> Redo | BlockRedos | KeptBecause:
+        """How to send again once the answers of `page` that came back empty although there is
+        ink (`keys`: its blocks; WHOLE_PAGE, a page of one answer), each at its limit and
+        penalty as they were, or why they stay: each was sent again already, or the
+        document's redos took their share."""
+        fresh = [key for key in keys if BlockId(page, key) not in self._emptied]
+        if not fresh:
             return KeptBecause.REDONE
         if self.extra + sum(self._out.values()) >= self.cap:
             return KeptBecause.BUDGET
-        self._emptied.add(page)
-        self.redos[page] = self.redos.get(page, Redo(max_new_tokens))
-        # It reads like the document's other answers when it comes back.
-        self._out[page] = self.first_pass // max(1, self._answers)
-        return self.redos[page]
+        self._emptied.update(BlockId(page, key) for key in fresh)
+        # Each reads like the document's other answers when it comes back.
+        self._out[page] = (self._out.get(page, 0)
+                           + len(fresh) * self.first_pass // max(1, self._answers))
+        as_sent = self.redos.get(page, Redo(max_new_tokens))
+        if list(keys) == [WHOLE_PAGE]:
+            self.redos[page] = as_sent
+            return as_sent
+        before = self.block_redos.get(page, {})
+        redos = {key: before.get(key, as_sent) for key in fresh}
+        self.block_redos[page] = {**before, **redos}
+        return BlockRedos(redos)
 
     def release(self, page: int) -> Redo | BlockRedos | KeptBecause:
         """The decision for a page held by `Later`, once the document's other pages are in."""

@@ -144,6 +144,44 @@ def test_a_pages_verdict_is_its_worst_blocks() -> None:
 
 
 @pytest.mark.quick
+def test_an_empty_block_among_30_is_sent_again_once_alone_then_flags_its_page() -> None:
+    doc = book_with_first_pass_in()
+    blank = BlockAnswer("p0b4", "", "stop", 1)
+    answers = [blank if b == 4 else good(0, b) for b in range(BLOCKS)]
+    action = decide(page_result(0, answers), doc, RULES)
+    assert isinstance(action, SendAgain) and action.ledger is not None, (
+        "a block that came back empty (the layout model found ink there) was not sent again")
+    assert action.ledger.block_redos[0] == {"p0b4": Redo(LIMIT)}, (
+        "the empty block is not sent again as it was")
+    assert sorted(action.ledger.keep[0]) == sorted(a.key for a in answers if a.key != "p0b4"), (
+        "the other 29 blocks' answers are not all kept")
+    assert action.why is not None and "block 5 of 30 empty" in action.why, action.why
+
+    # Empty again: kept, the page flagged bad with the block named, never a third time.
+    redo_of(action, doc)
+    again = [blank if b == 4 else good(0, b, reused=True) for b in range(BLOCKS)]
+    kept = decide(page_result(0, again), doc, RULES)
+    assert isinstance(kept, Checkpoint), f"an empty block was sent a third time: {kept}"
+    assert (kept.quality.verdict, kept.quality.reason) == (Verdict.BAD, "empty")
+    assert kept.note is not None and "(block 5 of 30)" in kept.note, kept.note
+
+
+@pytest.mark.quick
+def test_an_empty_block_whose_retry_reads_well_leaves_its_page_ok() -> None:
+    doc = book_with_first_pass_in()
+    answers = [BlockAnswer("p0b4", " \n", "stop", 1) if b == 4 else good(0, b)
+               for b in range(BLOCKS)]
+    action = decide(page_result(0, answers), doc, RULES)
+    assert isinstance(action, SendAgain)
+    redo_of(action, doc)
+    again = [good(0, b, reused=b != 4) for b in range(BLOCKS)]
+    done = decide(page_result(0, again), doc, RULES)
+    assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK and done.note is None
+    assert done.ledger is not None and done.ledger.extra == TOKENS, (
+        f"the budget counted {done.ledger.extra} redo tokens, not the {TOKENS} of the one block")
+
+
+@pytest.mark.quick
 def test_a_block_that_stays_looping_is_named_in_the_pages_note() -> None:
     doc = book_with_first_pass_in()
     for tries in range(len(LOOP_PENALTIES)):
