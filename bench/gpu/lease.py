@@ -63,7 +63,7 @@ MARKER_ENV = "OCRVL_BENCH_LEASE"
 GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
 SWEEP_GRACE_S = 10.0
 BENCH_MARGIN_S = 30.0  # a bench with --budget-s gets its share less this (its own wind-down)
-DEFAULT_PLAN = "layout-mps,small-card,loops,mps,layout-cpu"
+DEFAULT_PLAN = "layout-mps,small-card,layout-cpu,loops,mps"
 STUB_ENV = "OCRVL_LEASE_STUB_COMMAND"  # tests: the `stub` step's command (shlex)
 
 
