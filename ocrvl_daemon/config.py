@@ -11,6 +11,7 @@ import ipaddress
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -502,6 +503,25 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve to anything
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How pages are recognised, as far as their answers depend on it: the model, and whether
+    layout detection cuts each page into blocks (else the page is sent whole).
+
+    Jobs and page checkpoints are stored under `key`, so answers made another way are never
+    mixed into a document or reused for it; the Markdown's header names `model`.
+    """
+
+    model: str
+    layout: bool = True
+
+    @property
+    def key(self) -> str:
+        """The name jobs and pages are stored under (the model's name with layout detection
+        on, the default, so stores from before it was part of the key stay valid)."""
+        return self.model if self.layout else f"{self.model} (whole pages)"
+
+
 class Config(_Section):
     """The whole ocrvl configuration."""
 
@@ -589,6 +609,11 @@ class Config(_Section):
                 f"max-model-len to at least {need}, or lower model.max_new_tokens",
             )
         return self
+
+    @property
+    def recipe(self) -> Recipe:
+        """How this configuration recognises pages (see `Recipe`)."""
+        return Recipe(self.model.name, self.pipeline.use_layout_detection)
 
     @property
     def config_for_server(self) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Converter:
         self.store = store
         self.dispatcher = Dispatcher(config, servers)
         self.only = only
-        self.model = config.model.name
+        self.recipe = config.recipe
         self.place = output.output_place(config)
         self.hooks = DocumentHooks(store)
         self.rules = Rules.from_config(config, again)
@@ -214,7 +214,7 @@ class Converter:
                 self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
-        started = jobs.start_job(self.store, job, self.model, self.place,
+        started = jobs.start_job(self.store, job, self.recipe.key, self.place,
                                  json_output="json" in self.config.output.formats)
         if started is not None:
             self.active[started.job_id] = started
@@ -337,7 +337,7 @@ class Converter:
         job, answer, quality, note = doc.job, action.answer, action.quality, action.note
         fields = _fields(job, action.page)
         self.store.save_page(
-            job.sha256, self.model, action.page, answer.markdown, answer.images, note=note,
+            job.sha256, self.recipe.key, action.page, answer.markdown, answer.images, note=note,
             quality=quality.to_json(),
             layout={"size": list(answer.size), "blocks": [b.to_json() for b in answer.blocks]},
         )
@@ -357,7 +357,7 @@ class Converter:
     def _placeholder(self, doc: Document, action: Placeholder) -> None:
         """Record a page given up on: a visible placeholder, and the book still completes."""
         job = doc.job
-        self.store.save_page(job.sha256, self.model, action.page, "", {}, note=action.note,
+        self.store.save_page(job.sha256, self.recipe.key, action.page, "", {}, note=action.note,
                              failure=PageFailure.RETRYABLE if action.retryable
                              else PageFailure.DAMAGED)
         log.error("%s: %s", job.path.name, action.note, extra=_fields(job, action.page))
@@ -371,10 +371,10 @@ class Converter:
             output.write_document(
                 job.path,
                 job.sha256,
-                self.model,
+                self.recipe.model,
                 doc.page_count,
                 self._pages(job),
-                size_hint=self.store.pages_size(job.sha256, self.model),
+                size_hint=self.store.pages_size(job.sha256, self.recipe.key),
                 json_output="json" in self.config.output.formats,
                 place=self.place,
             )
@@ -398,7 +398,8 @@ class Converter:
                       f"{ledger.extra} extra tokens (cap {ledger.cap}; {ledger.first_pass} the "
                       "first time)")
         fields = _fields(job)
-        flagged = ",".join(str(p + 1) for p in self.store.flagged_pages(job.sha256, self.model))
+        flagged = ",".join(str(p + 1)
+                           for p in self.store.flagged_pages(job.sha256, self.recipe.key))
         if flagged:
             redo = pdf.retry_command(job.path, flagged, self.again)
             redone += f"; flagged pages: {flagged} (redo: {redo})"
@@ -421,7 +422,7 @@ class Converter:
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
-        for page in self.store.iter_pages(job.sha256, self.model):
+        for page in self.store.iter_pages(job.sha256, self.recipe.key):
             yield output.Page(page.page, page.markdown, page.images, page.note,
                               page.quality, page.layout)
 
@@ -437,11 +438,11 @@ class Converter:
         self.place = output.output_place(config)
         self.dispatcher.reconfigure(config)
         self._layout_device = None
-        if config.model.name != self.model:
-            self.model = config.model.name
+        if config.recipe != self.recipe:
+            self.recipe = config.recipe
             for job_id in list(self.active):
-                log.info("%s: the model is now %s; converting it again with it",
-                         self.active[job_id].job.path.name, self.model)
+                log.info("%s: pages are now recognised with %s; converting it again that way",
+                         self.active[job_id].job.path.name, self.recipe.key)
                 self._drop(job_id)
                 self.store.requeue(job_id)
             self.wake()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ocrvl_daemon import output, pdf
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config import Config, Recipe
 from ocrvl_daemon.document import Document
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.logs import doc_fields
@@ -69,7 +69,7 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
     return jobs[:limit]
 
 
-def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
+def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
               json_output: bool) -> Document | None:
     """Mark queued `job` running: its active document, with the job (identified again if its
     file changed) and its pages still to do. None when its file is gone (it is dropped) or
@@ -81,17 +81,17 @@ def start_job(store: Store, job: Job, model: str, place: output.OutputPlace,
         store.forget(job.id)
         return None
     stat = path.stat()
-    # No hash yet (unreadable when found), another version or another model (a reload
+    # No hash yet (unreadable when found), another version or another recipe (a reload
     # changed it): identify it again.
     if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
-            or job.model != model):
+            or job.model != key):
         ident = pdf.file_identity(path)
-        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
+        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
         if job.state is not JobState.QUEUED:
             return None
     output.check_writable(path, json_output=json_output, place=place)
     count = pdf.page_count(path)
-    done = store.done_pages(job.sha256, model)
+    done = store.done_pages(job.sha256, key)
     store.set_running(job.id, count)
     pending = [p for p in range(count) if p not in done]
     if done:
@@ -139,27 +139,28 @@ def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
     return False
 
 
-def _record_unreadable(store: Store, path: Path, model: str, exc: InputFileError,
+def _record_unreadable(store: Store, path: Path, key: str, exc: InputFileError,
                        again: str, place: output.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
     except OSError:
         return
-    job = store.enqueue(path, "", st.st_size, st.st_mtime, model)
+    job = store.enqueue(path, "", st.st_size, st.st_mtime, key)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
         output.write_error_note(path, exc.message, exc.fix,
                                 redo=pdf.retry_command(path, again=again), place=place)
 
 
-def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry",
+def enqueue_file(store: Store, path: Path, recipe: Recipe, again: str = "ocrvl retry",
                  place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
     """Identify `path` and queue it, unless this content is already handled (`again`: the
     command that redoes a document, for the advice in notes: see `pdf.retry_command`).
 
     A Markdown file that ocrvl wrote from this very content with this model counts as done,
-    even when the store has never seen the file (a new state dir, a moved inbox).
+    even when the store has never seen the file (a new state dir, a moved inbox), and when it
+    was made another way (layout detection since switched): a finished book is not redone.
     """
     known = store.job_for_path(path)
     try:
@@ -167,17 +168,18 @@ def enqueue_file(store: Store, path: Path, model: str, again: str = "ocrvl retry
     except OSError:
         stat = None
     # The start-up scan hands over every PDF again: a version already identified (same size,
-    # mtime and model) is not hashed again, which would read whole libraries at each start.
-    if (known is not None and known.sha256 and known.model == model and stat is not None
+    # mtime and recipe) is not hashed again, which would read whole libraries at each start.
+    if (known is not None and known.sha256 and known.model == recipe.key and stat is not None
             and (known.size, known.mtime) == (stat.st_size, stat.st_mtime)):
         return known
     try:
         ident = pdf.file_identity(path)
     except InputFileError as exc:
-        _record_unreadable(store, path, model, exc, again, place)
+        _record_unreadable(store, path, recipe.key, exc, again, place)
         raise
-    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, model)
-    if job.state is not JobState.DONE and output.is_current(path, ident.sha256, model, place):
+    job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, recipe.key)
+    if (job.state is not JobState.DONE
+            and output.is_current(path, ident.sha256, recipe.model, place)):
         log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
         store.set_done(job.id)
         output.remove_error_note(path, place)

@@ -167,7 +167,7 @@ class Policy:
         self.tick()
 
     def queue(self, pdf: Path) -> Job:
-        job = enqueue_file(self.store, pdf, self.config.model.name)
+        job = enqueue_file(self.store, pdf, self.config.recipe)
         self.activate()
         return job
 

@@ -69,7 +69,7 @@ class TwoEndpoints:
         self.store.close()
 
     def queue(self, pdf: Path) -> int:
-        job = enqueue_file(self.store, pdf, self.config.model.name)
+        job = enqueue_file(self.store, pdf, self.config.recipe)
         self.converter.wake()
         return job.id
 
@@ -203,7 +203,7 @@ def test_a_server_that_preempts_gets_a_lower_bound_and_the_other_keeps_its_own(
     busy, calm = ScriptedServer("http://busy:8118/v1"), ScriptedServer("http://calm:8118/v1")
     converter, worker, store, config = converter_with_stand_in(
         tmp_path, [busy, calm], max_concurrency=32, min_concurrency=2)
-    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.recipe)
     converter.wake()
     bounds = {e.url: e.bound for e in converter.endpoint_load()}
     for step in range(1, 40):
@@ -227,7 +227,7 @@ def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
 ) -> None:
     first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
     converter, worker, store, config = converter_with_stand_in(tmp_path, [first, second])
-    job = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 1), config.model.name)
+    job = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 1), config.recipe)
     converter.wake()
     converter.tick(0.0)
     assert worker.urls == {(job.id, 0): first.url}, "the page did not go to the first server"
@@ -238,10 +238,10 @@ def test_a_late_answer_from_a_server_a_page_was_taken_from_is_not_written(
     # The first server's answer comes late, after the page went to the other one.
     worker.results.append(PageResult(job.id, 0, markdown="late answer", url=first.url))
     converter.tick(2.0)
-    assert store.count_pages(job.sha256, config.model.name) == 0, "the late answer was kept"
+    assert store.count_pages(job.sha256, config.recipe.key) == 0, "the late answer was kept"
     worker.results.append(PageResult(job.id, 0, markdown="answer", url=second.url))
     converter.tick(3.0)
-    pages = list(store.iter_pages(job.sha256, config.model.name))
+    pages = list(store.iter_pages(job.sha256, config.recipe.key))
     assert [p.markdown for p in pages] == ["answer"], "the page is not the awaited answer, once"
     store.close()
 
@@ -251,7 +251,7 @@ def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
 ) -> None:
     first, second = ScriptedServer("http://a:8118/v1"), ScriptedServer("http://b:8118/v1")
     converter, worker, store, config = converter_with_stand_in(tmp_path, [first, second])
-    job = enqueue_file(store, make_pdf(tmp_path / "book.pdf", 4), config.model.name)
+    job = enqueue_file(store, make_pdf(tmp_path / "book.pdf", 4), config.recipe)
     converter.wake()
     converter.tick(0.0)
     on_first = sorted(k for k, url in worker.urls.items() if url == first.url)
@@ -267,8 +267,8 @@ def test_a_server_whose_request_failed_gets_no_pages_for_a_while_then_rejoins(
     for job_id, page in sorted(worker.in_flight):
         worker.results.append(PageResult(job_id, page, markdown="text", url=second.url))
     converter.tick(2.0)
-    assert store.count_pages(job.sha256, config.model.name) == 4, "a page was lost"
-    later = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 4), config.model.name)
+    assert store.count_pages(job.sha256, config.recipe.key) == 4, "a page was lost"
+    later = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 4), config.recipe)
     converter.wake()
     converter.tick(60.0)
     assert any(url == first.url for (j, _), url in worker.urls.items() if j == later.id), (
@@ -282,7 +282,7 @@ def test_a_reload_that_raises_max_concurrency_lets_a_running_book_use_it_at_once
     server = ScriptedServer("http://one:8118/v1")
     converter, worker, store, config = converter_with_stand_in(
         tmp_path, [server], max_concurrency=16, min_concurrency=2)
-    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.recipe)
     converter.wake()
     assert [e.bound for e in converter.endpoint_load()] == [16]
     raised = config.model_copy(deep=True)

@@ -106,7 +106,8 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
 
     Only the places are swapped: the PDF, the scratch folder, the port (8118 may be taken)
     and `.venv/bin/` (this interpreter's)."""
-    block = shell_block(readme(), "testkit.fake_server")
+    block = shell_block(readme(), "testkit.fake_server") + shell_block(readme(),
+                                                                      "testkit.layout_model")
     port = free_port()
     script = (block.replace("/tmp/ocrvl-try", str(tmp_path / "try"))
               .replace("8118", str(port))
@@ -125,6 +126,10 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
     assert shell.returncode == 0, f"README's commands failed:\n{output}"
     markdown = (tmp_path / "try" / "book.md").read_text(encoding="utf-8")
     assert "<!-- page 2 -->" in markdown and "fake-ocr OCR" in markdown, markdown
+    # The second block: layout detection on, through the stand-in layout model.
+    sent = [int(w) * int(h) for w, h in re.findall(r"fake-ocr \w+ (\d+)x(\d+)", markdown)]
+    assert sent and all(pixels < MAX_IMAGE_PIXELS / 4 for pixels in sent), (
+        f"with layout detection on, whole pages were sent, not their blocks:\n{markdown}")
     assert "Nothing blocks conversion" in output, "doctor finds a problem in the documented set-up"
     assert "none needed here" in output, "doctor did not run without a GPU"
 

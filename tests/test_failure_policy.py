@@ -196,7 +196,7 @@ def test_a_full_disk_pauses_output_and_retries_by_itself(
 
 def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(policy: Policy):
     gone = make_pdf(policy.folder / "gone.pdf", 1)
-    enqueue_file(policy.store, gone, policy.config.model.name)
+    enqueue_file(policy.store, gone, policy.config.recipe)
     gone.unlink()  # deleted while queued
     policy.activate()
     assert policy.store.job_for_path(gone) is None
@@ -222,9 +222,9 @@ def test_permanent_input_failures_wait_until_the_file_changes(policy: Policy):
     failed = policy.job(job)
     assert failed is not None and failed.state is JobState.FAILED
     assert "is not a PDF" in note_of(junk) and "ocrvl retry" in note_of(junk)
-    assert enqueue_file(policy.store, junk, policy.config.model.name).state is JobState.FAILED
+    assert enqueue_file(policy.store, junk, policy.config.recipe).state is JobState.FAILED
     make_pdf(junk, 1)
-    assert enqueue_file(policy.store, junk, policy.config.model.name).state is JobState.QUEUED
+    assert enqueue_file(policy.store, junk, policy.config.recipe).state is JobState.QUEUED
 
 
 def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
@@ -233,7 +233,7 @@ def test_an_unreadable_file_gets_a_failed_job_a_note_and_a_status_reason(
     locked = make_pdf(policy.folder / "locked.pdf", 1)
     deny_reading(monkeypatch, locked)
     with pytest.raises(InputFileError):
-        enqueue_file(policy.store, locked, policy.config.model.name)
+        enqueue_file(policy.store, locked, policy.config.recipe)
     monkeypatch.undo()
     assert "permission denied" in policy.view(locked)["error"]
     assert "chmod u+r" in note_of(locked)
@@ -338,24 +338,32 @@ def test_redoing_cut_off_pages_stays_within_a_quarter_of_the_documents_tokens(tm
     assert doc["flagged_pages"] == list(range(1, pages + 1))
 
 
-def test_a_reload_that_changes_the_model_converts_with_it_from_the_first_page(policy: Policy):
+@pytest.mark.parametrize("change", ["model", "layout detection"])
+def test_a_reload_that_changes_how_pages_are_read_converts_that_way_from_the_first_page(
+        policy: Policy, change: str):
     book = make_pdf(policy.folder / "book.pdf", 2)
     job = policy.queue(book)
     policy.send()
-    policy.answer(job, 0)  # page 2 is still at the engine when the model changes
-    reloaded = policy.config.model_copy(
-        update={"model": policy.config.model.model_copy(update={"name": "PaddleOCR-VL-0.9B"})})
+    policy.answer(job, 0)  # page 2 is still at the engine when the change comes
+    config = policy.config
+    if change == "model":
+        reloaded = config.model_copy(
+            update={"model": config.model.model_copy(update={"name": "PaddleOCR-VL-0.9B"})})
+    else:
+        reloaded = config.model_copy(update={
+            "pipeline": config.pipeline.model_copy(update={"use_layout_detection": False})})
     policy.converter.reconfigure(reloaded)
     policy.tick()
     assert sorted(policy.send()) == [(job.id, 0), (job.id, 1)], (
-        "the pages the old model read were kept: a document must come from one model")
+        f"the pages read before the {change} changed were kept: a document must be read "
+        "one way")
     policy.answer(job, 0)
     policy.answer(job, 1)
     header = output.read_header(book.with_suffix(".md"))
-    assert header["model"] == "PaddleOCR-VL-0.9B", (
+    assert header["model"] == reloaded.model.name, (
         f"the Markdown names {header['model']}, not the model the reload set: the next start "
         "would convert the file again")
-    assert policy.job(job).model == "PaddleOCR-VL-0.9B"  # type: ignore[union-attr]
+    assert policy.job(job).model == reloaded.recipe.key  # type: ignore[union-attr]
 
 
 def test_the_daemon_keeps_retrying_a_read_only_output_folder_and_status_says_so(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,33 @@ def test_blocks_come_out_in_reading_order_with_their_boxes(
     order = [first.index(s) for s in ("fake-ocr OCR", "fake-ocr Table", "fake-ocr Formula",
                                       "book_images/")]
     assert order == sorted(order), "the page's Markdown is not in reading order"
+
+
+@pytest.mark.slow
+def test_pages_read_with_layout_detection_are_not_reused_once_it_is_switched_off(
+        converted: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    folder = converted[0]
+    shutil.copy(folder / "book.pdf", tmp_path / "book.pdf")
+    shutil.copy(folder / "book.md", tmp_path / "book.md")
+    shutil.copytree(folder / "state", tmp_path / "state")  # the layout-on pages checkpointed
+    config = write_config(tmp_path / "config.yaml")  # layout detection off
+    log = tmp_path / "requests.jsonl"
+    with start_fake_server(free_port(), "--request-log", str(log)) as server:
+        kept = run_ocrvl("convert", "--config", config, "--server-url", server.api_url,
+                         tmp_path / "book.pdf")
+        assert kept.returncode == 0 and "already converted" in kept.stderr, (
+            "a finished book was converted again because layout detection was switched:\n"
+            + kept.stderr[-2000:])
+        (tmp_path / "book.md").unlink()
+        redone = run_ocrvl("convert", "--config", config, "--server-url", server.api_url,
+                           tmp_path / "book.pdf")
+    assert redone.returncode == 0, redone.stderr[-3000:]
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    assert len(sent) == PAGES and markdown.count("fake-ocr ") == PAGES, (
+        f"{len(sent)} requests, {markdown.count('fake-ocr ')} answers in the Markdown for "
+        f"{PAGES} pages: the pages read block by block with layout detection on were reused "
+        "instead of sending each page whole")
 
 
 @pytest.mark.slow

@@ -241,7 +241,7 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
     converter, worker, store, config = converter_with_stand_in(tmp_path, [ReadyServer()])
     limit = converter.endpoint_load()[0].bound
     margin = ready_margin(limit)
-    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.recipe)
 
     def dispatch() -> None:
         """One tick of the converter (its clock stands still: no queue look-up unless told)."""
@@ -261,7 +261,7 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
     dispatch()
     assert len(worker.in_flight) == limit + margin, "never more than limit + margin in flight"
 
-    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
+    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.recipe)
     converter.wake()
     dispatch()
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], (
@@ -273,7 +273,7 @@ def test_the_engine_gets_the_limit_plus_a_small_ready_margin_and_a_letter_goes_a
         "the letter's pages must be marked as its first two in flight, so that the worker's "
         "request gate lets them bump or pass the book's"
     )
-    memo = enqueue_file(store, make_pdf(tmp_path / "memo.pdf", 5), config.model.name)
+    memo = enqueue_file(store, make_pdf(tmp_path / "memo.pdf", 5), config.recipe)
     converter.wake()
     dispatch()
     assert sum(job == memo.id for job, _ in worker.order) == SHORT_EXTRA - 2, (
@@ -294,13 +294,13 @@ def test_the_converter_holds_the_book_back_while_a_letter_runs_and_resumes_it_af
     converter, worker, store, config = converter_with_stand_in(tmp_path, [ReadyServer()])
     limit = converter.endpoint_load()[0].bound
     share = yield_room(limit)
-    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.model.name)
+    enqueue_file(store, make_pdf(tmp_path / "book.pdf", 200), config.recipe)
     converter.wake()
     while len(worker.in_flight) < limit:  # the book ramps up to the bound
         worker.reach_server()
         converter.tick(0.0)
     book = worker.order[0][0]
-    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.model.name)
+    letter = enqueue_file(store, make_pdf(tmp_path / "letter.pdf", 2), config.recipe)
     converter.wake()
     converter.tick(0.0)
     assert worker.order[-2:] == [(letter.id, 0), (letter.id, 1)], "the letter did not go at once"

@@ -92,7 +92,7 @@ def convert_files(
                 continue
             try:
                 _check_input(path)
-                job = enqueue_file(store, path, config.model.name, again, place)
+                job = enqueue_file(store, path, config.recipe, again, place)
             except OcrvlError as exc:
                 failures[path] = exc
                 continue

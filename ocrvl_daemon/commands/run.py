@@ -202,7 +202,7 @@ class Daemon:
     def _take(self, path: Path) -> bool:
         """Queue a file the watcher found; True when it is already converted."""
         try:
-            job = enqueue_file(self.store, path, self.config.model.name, self.again,
+            job = enqueue_file(self.store, path, self.config.recipe, self.again,
                                self.converter.place)
         except StateFullError:
             raise
