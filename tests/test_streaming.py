@@ -172,13 +172,26 @@ def test_a_server_that_is_not_there_is_a_transport_error() -> None:
         asyncio.run(_stream_to(url))
 
 
-class _DroppingServer:
-    """A server that reads each request and closes the first `drops` connections unanswered
-    (as a server closing a kept-alive connection just as it is reused); then it answers whole.
-    `connections`: how many it accepted."""
+def _whole_answer() -> bytes:
+    answer = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "answered"}}], "usage": {"completion_tokens": 1}}).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
 
-    def __init__(self, drops: int) -> None:
+
+def _event_stream(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+            b"Connection: close\r\n\r\n" + body)
+
+
+class _RawServer:
+    """A server that reads each request and closes the first `drops` connections unanswered
+    (as a server closing a kept-alive connection just as it is reused); then it sends
+    `response` (raw HTTP, a whole answer by default). `connections`: how many it accepted."""
+
+    def __init__(self, drops: int = 0, response: bytes | None = None) -> None:
         self.drops, self.connections = drops, 0
+        self.response = response or _whole_answer()
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/v1"
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -203,12 +216,7 @@ class _DroppingServer:
                     body += conn.recv(65536)
                 if self.connections <= self.drops:
                     continue  # closed unanswered
-                answer = json.dumps({"choices": [{"index": 0, "finish_reason": "stop", "message": {
-                    "role": "assistant", "content": "answered"}}],
-                    "usage": {"completion_tokens": 1}}).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                             % (len(answer), answer))
+                conn.sendall(self.response)
 
     def close(self) -> None:
         self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
@@ -216,11 +224,47 @@ class _DroppingServer:
         self._thread.join(5)
 
 
+def _answer_of(response: bytes) -> StreamedAnswer:
+    server = _RawServer(response=response)
+    try:
+        return asyncio.run(_stream_to(server.url))
+    finally:
+        server.close()
+
+
+@pytest.mark.quick
+def test_streams_as_other_openai_compatible_servers_send_them_are_read() -> None:
+    """Comments and keep-alive pings, CRLF line ends, `data:` without its space, a role-only
+    first chunk with `delta: null` after it, usage without completion tokens, and the usage
+    alone in a last chunk with no choices."""
+    chunks = [
+        b": ping\r\n\r\n",
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\r\n\r\n',
+        b'data:{"choices":[{"index":0,"delta":{"content":"Hello "}}],"usage":null}\r\n\r\n',
+        b'data: {"choices":[{"index":0,"delta":null}],"usage":{"prompt_tokens":9}}\r\n\r\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"world"},"finish_reason":"stop"}]}'
+        b"\r\n\r\n",
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3}}\r\n\r\n',
+        b"data: [DONE]\r\n\r\n",
+    ]
+    answer = _answer_of(_event_stream(b"".join(chunks)))
+    assert answer == StreamedAnswer("Hello world", "stop", 3), answer
+
+
+@pytest.mark.quick
+def test_an_error_event_in_older_vllms_shape_keeps_its_code_and_message() -> None:
+    event = {"object": "error", "message": "prompt is too long", "type": "BadRequestError",
+             "param": None, "code": 400}
+    with pytest.raises(StatusError) as caught:
+        _answer_of(_event_stream(b"data: %s\n\n" % json.dumps(event).encode()))
+    assert (caught.value.status_code, caught.value.message) == (400, "prompt is too long")
+
+
 @pytest.mark.quick
 def test_a_request_whose_connection_drops_unanswered_is_sent_once_more() -> None:
     """A kept-alive connection that the server closes as it is reused loses nothing: the
     request goes once more on a new connection, and the page is not sent again whole."""
-    server = _DroppingServer(drops=1)
+    server = _RawServer(drops=1)
     try:
         answer = asyncio.run(_stream_to(server.url))
     finally:
@@ -232,7 +276,7 @@ def test_a_request_whose_connection_drops_unanswered_is_sent_once_more() -> None
 @pytest.mark.quick
 def test_a_server_that_drops_every_request_unanswered_is_a_transport_error_after_two_tries(
         ) -> None:  # fmt: skip
-    server = _DroppingServer(drops=10)
+    server = _RawServer(drops=10)
     try:
         with pytest.raises(httpx.TransportError):
             asyncio.run(_stream_to(server.url))

@@ -99,17 +99,20 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if data == "[DONE]":
                 break
             event = json.loads(data)
-            if isinstance(event.get("error"), dict):  # the server failed once streaming
-                error = event["error"]
+            # The server failed once streaming: vLLM sends {"error": {...}}, older ones the
+            # error's fields alone ({"object": "error", ...}).
+            error = event.get("error") if isinstance(event.get("error"), dict) else (
+                event if event.get("object") == "error" else None)
+            if error is not None:
                 raise StatusError(int(error.get("code") or 500), _error_message(data.encode()))
             text = ""
             for choice in event.get("choices") or ():
-                text += choice.get("delta", {}).get("content") or ""
+                text += (choice.get("delta") or {}).get("content") or ""
                 finish = choice.get("finish_reason") or finish
             parts.append(text)
             chars += len(text)
-            usage = event.get("usage")
-            tokens = int(usage["completion_tokens"]) if usage else tokens + bool(text)
+            generated = (event.get("usage") or {}).get("completion_tokens")
+            tokens = int(generated) if generated is not None else tokens + bool(text)
             if (stop_loops and finish is None and chars >= LOOP_WINDOW_CHARS
                     and tokens - judged >= CHECK_EVERY_TOKENS):
                 judged = tokens
