@@ -10,6 +10,9 @@ from dataclasses import dataclass
 MAX_IMAGE_PIXELS = 1_003_520
 PATCH_SIZE = 28
 IMAGE_TOKEN_BUDGET = math.ceil(MAX_IMAGE_PIXELS / PATCH_SIZE**2)
+# The model's image processor in vLLM (`smart_resize`) refuses an image whose long side is
+# more than this many times its short side (HTTP 400).
+MAX_IMAGE_ASPECT = 200
 # Chat template, the task prompt ("OCR:", "Table Recognition:", ...) and special tokens.
 PROMPT_TOKEN_BUDGET = 64
 # PaddleX's pipeline asks for this many new tokens when none are configured.

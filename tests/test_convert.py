@@ -14,10 +14,11 @@ import pytest
 
 from ocrvl_daemon.config import PipelineConfig
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.model_registry import MAX_IMAGE_PIXELS
+from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 from ocrvl_daemon.output import read_header
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from testkit.documents import (
+    make_blank_pages_pdf,
     make_damaged_page_pdf,
     make_empty_pdf,
     make_encrypted_pdf,
@@ -88,6 +89,20 @@ def test_with_layout_detection_on_pages_keep_their_full_scale_for_the_blocks():
     assert PipelineConfig(use_layout_detection=False).page_pixel_limit == MAX_IMAGE_PIXELS
     smaller = PipelineConfig(use_layout_detection=False, max_page_pixels=500_000)
     assert smaller.page_pixel_limit == 500_000, "max_page_pixels stopped being a limit"
+
+
+def test_a_strip_of_a_page_beyond_the_models_aspect_limit_is_padded_not_lost(tmp_path,
+                                                                             fake_server):
+    strip = make_blank_pages_pdf(tmp_path / "strip.pdf", 1, 2000, 8)  # 250:1 rendered
+    result = convert(tmp_path, fake_server, strip)
+    assert result.returncode == 0, result.stderr[-3000:]
+    markdown = (tmp_path / "strip.md").read_text(encoding="utf-8")
+    sizes = [(int(w), int(h)) for w, h in re.findall(r"fake-ocr OCR (\d+)x(\d+)", markdown)]
+    assert len(sizes) == 1, f"the page did not come back:\n{markdown}"
+    (w, h), = sizes
+    assert w / h <= MAX_IMAGE_ASPECT and w >= 4000, (
+        f"the page went as {w}x{h}: beyond the {MAX_IMAGE_ASPECT}:1 the server accepts, or "
+        "shrunk instead of padded")
 
 
 NAMES = ["my book.pdf", "Ünïcödé ßuch – 日本語.pdf", 'it\'s "quoted".pdf']

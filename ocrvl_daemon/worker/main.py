@@ -51,6 +51,7 @@ from ocrvl_daemon.worker.messages import (
 )
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
+from ocrvl_daemon.worker.request_images import within_aspect
 from ocrvl_daemon.worker.streaming import (
     KEEPALIVE_EXPIRY,
     StatusError,
@@ -282,9 +283,10 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
         if setting is not None:  # a block sent again with a setting of its own
             kwargs = _with_setting(kwargs, setting)
         url = _COMPLETIONS.url
+        sent = within_aspect(messages)
         request = GatedRequest(
             endpoints.gate(url),
-            lambda: endpoints.send(url, messages, kwargs),
+            lambda: endpoints.send(url, sent, kwargs),
             _COMPLETIONS.priority,
             _COMPLETIONS.document,
         )

@@ -52,6 +52,7 @@ from aiohttp import web
 from PIL import UnidentifiedImageError
 from prometheus_client import CollectorRegistry, generate_latest
 
+from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT
 from testkit.fake_server.answers import (
     ChatRequest,
     ImageInfo,
@@ -502,6 +503,10 @@ class FakeServer:
             if not self.cfg.simulate:
                 self._direct_active -= 1
                 self.activity.set(self._direct_active)
+        aspect = max(info.width, info.height) / max(1, min(info.width, info.height))
+        if aspect > MAX_IMAGE_ASPECT:  # as vLLM's PaddleOCR-VL image processor refuses it
+            raise RequestError(400, "absolute aspect ratio must be smaller than "
+                                    f"{MAX_IMAGE_ASPECT}, got {aspect}", "BadRequestError")
         return info, image_tokens(info.width, info.height, chat.max_pixels)
 
     async def _hang(self, record: dict[str, Any]) -> None:

@@ -1,0 +1,101 @@
+"""The images of a chat request, kept within what the model's image processor accepts.
+
+vLLM's PaddleOCR-VL image processor refuses an image whose long side is more than
+MAX_IMAGE_ASPECT times its short side (HTTP 400, the same on every try): a strip of a page,
+or a thin block the layout model cut (a rule, a running header). Such an image is padded on
+its short side with its own edge colour to PADDED_ASPECT, so its page is read instead of
+failing after its retries. Every other image goes as PaddleX encoded it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT
+
+# Well inside the limit once the server rounds each side to its 28-pixel patches.
+PADDED_ASPECT = 100
+# Enough of the base64 text for an image's header (its size) without decoding all of it.
+HEADER_CHARS = 8192
+
+
+def within_aspect(messages: Any) -> Any:
+    """`messages` (OpenAI chat messages) with every data-URL image beyond MAX_IMAGE_ASPECT
+    padded to PADDED_ASPECT; `messages` itself when none is."""
+    if not isinstance(messages, list):
+        return messages
+    changed = False
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            image_url = part.get("image_url") if isinstance(part, dict) else None
+            if isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
+                padded = _padded(image_url["url"])
+                if padded is not None:
+                    part = {**part, "image_url": {**image_url, "url": padded}}
+                    changed = True
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return out if changed else messages
+
+
+def _padded(url: str) -> str | None:
+    """The data URL `url` with its image padded to PADDED_ASPECT, or None when it is within
+    MAX_IMAGE_ASPECT (or not a base64 image: the server judges it as it is)."""
+    head, sep, data = url.partition(";base64,")
+    if not sep or not head.startswith("data:image/"):
+        return None
+    try:
+        size = _size(data)
+        if size is None or max(size) <= MAX_IMAGE_ASPECT * min(size):
+            return None
+        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+            fmt = img.format or "PNG"
+            pixels = np.asarray(img.convert("RGB"))
+    except (binascii.Error, ValueError, OSError, UnidentifiedImageError):
+        return None
+    buf = io.BytesIO()
+    Image.fromarray(_pad(pixels)).save(buf, format=fmt, **({"quality": 95} if fmt == "JPEG"
+                                                              else {}))
+    return f"{head};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
+
+
+def _size(data: str) -> tuple[int, int] | None:
+    """An image's (width, height) from its base64 text, read from its header alone where
+    that holds it."""
+    for text in (data[:HEADER_CHARS], data):
+        try:
+            with Image.open(io.BytesIO(base64.b64decode(text[: len(text) // 4 * 4]))) as img:
+                return img.size
+        except (binascii.Error, ValueError, OSError, UnidentifiedImageError):
+            continue
+    return None
+
+
+def _pad(pixels: np.ndarray) -> np.ndarray:
+    """`pixels` (height x width x 3) centred on a canvas PADDED_ASPECT times shorter than
+    its long side, filled with the median colour of its two long edges."""
+    height, width = pixels.shape[:2]
+    wide = width >= height
+    edges = (np.concatenate([pixels[0], pixels[-1]]) if wide
+             else np.concatenate([pixels[:, 0], pixels[:, -1]]))
+    colour = np.median(edges, axis=0).astype(np.uint8)
+    short = max(math.ceil(max(height, width) / PADDED_ASPECT), min(height, width))
+    shape = (short, width, 3) if wide else (height, short, 3)
+    canvas = np.empty(shape, dtype=np.uint8)
+    canvas[:] = colour
+    top, left = (short - height) // 2 if wide else 0, 0 if wide else (short - width) // 2
+    canvas[top:top + height, left:left + width] = pixels
+    return canvas
