@@ -110,7 +110,7 @@ class Converter:
         self._recent = RateMeter()  # pages recognised
         # Each stage's work, from the spans the workers time (`stage_load`).
         self._busy = {stage: BusyMeter() for stage in Stage}
-        self._layout_device: str | None = None  # read when first shown
+        self._layout: tuple[str, str] | None = None  # read when first shown
         # How many pages suspected of the last worker crash may be in flight together.
         self._suspects_together = 1
         self._wake = True
@@ -437,7 +437,7 @@ class Converter:
         self.engines.reconfigure(config)
         self.place = output.output_place(config)
         self.dispatcher.reconfigure(config)
-        self._layout_device = None
+        self._layout = None
         if config.recipe != self.recipe:
             self.recipe = config.recipe
             for job_id in list(self.active):
@@ -477,15 +477,16 @@ class Converter:
         the managed servers' GPUs as last read, whose busy share tells a server held by its
         GPU from one held by its CPU side."""
         busy = [g.busy_pct / 100 for g in gpus if g.busy_pct is not None]
-        if self._layout_device is None:
-            self._layout_device = _layout_device(self.config)
+        if self._layout is None:
+            self._layout = _layout_place(self.config)
         workers = self.engines.size
         bound = sum(e.concurrency.limit for e in self.dispatcher.endpoints)
         return StageLoad(
             rendering=self._busy[Stage.RENDERING].busy(now, workers),
             layout=self._busy[Stage.LAYOUT].busy(now, workers),
             server=self._busy[Stage.SERVER].busy(now, bound),
-            layout_device=self._layout_device,
+            layout_device=self._layout[0],
+            layout_why=self._layout[1],
             server_gpu_busy=sum(busy) / len(busy) if busy else None,
         )
 
@@ -520,15 +521,16 @@ def _fields(job: Job, page: int | None = None) -> dict[str, object]:
     return doc_fields(job.path, None if page is None else page + 1, job.id)
 
 
-def _layout_device(config: Config) -> str:
-    """Where the workers run the layout model ("cpu", "gpu:0"); "" with layout detection off,
-    or when it cannot run (the workers report why)."""
+def _layout_place(config: Config) -> tuple[str, str]:
+    """Where the workers run the layout model ("cpu", "gpu:0") and why there; ("", "") with
+    layout detection off, or when it cannot run (the workers report why)."""
     if not config.pipeline.use_layout_detection:
-        return ""
+        return "", ""
     try:
-        return layout_choice(config).device
+        choice = layout_choice(config)
     except OcrvlError:
-        return ""
+        return "", ""
+    return choice.device, choice.why
 
 
 def _unexpected(exc: Exception) -> OcrvlError:

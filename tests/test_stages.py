@@ -6,6 +6,7 @@ import pytest
 
 from ocrvl_daemon.rate import RATE_WINDOW
 from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
+from ocrvl_daemon.worker import layout_engine
 
 pytestmark = pytest.mark.quick
 
@@ -34,10 +35,30 @@ def test_load_is_measured_since_the_first_work_and_forgets_old_work():
 
 
 def test_a_saturated_layout_on_the_cpu_is_named_with_what_would_help():
-    load = StageLoad(rendering=0.03, layout=0.97, server=0.40, layout_device="cpu")
+    load = StageLoad(rendering=0.03, layout=0.97, server=0.40, layout_device="cpu",
+                     layout_why=layout_engine.ON_CPU_ASKED)
     assert load.limit() is Stage.LAYOUT
     assert load.summary() == "layout 97% (limit) · server 40% · rendering 3%"
     assert "pipeline.layout_device: gpu" in (load.advice() or "")
+
+
+@pytest.mark.parametrize(("why", "fix"), [
+    (layout_engine.ON_CPU_NO_GPU_ENGINE, "pip install 'ocrvl-daemon[gpu-layout]'"),
+    (layout_engine.ON_CPU_NO_ROOM, "gpu-memory-utilization"),
+    (layout_engine.ON_CPU_ASKED, "pipeline.layout_device: gpu"),
+])
+def test_the_advice_for_a_layout_on_the_cpu_follows_why_it_is_there(why: str, fix: str):
+    advice = StageLoad(layout=0.97, layout_device="cpu", layout_why=why).advice() or ""
+    assert fix in advice, f"on the CPU because {why!r}, but the advice is: {advice}"
+    assert "pipeline.workers" in advice
+
+
+def test_with_no_gpu_the_advice_for_a_layout_on_the_cpu_is_more_workers_only():
+    advice = StageLoad(layout=0.97, layout_device="cpu",
+                       layout_why=layout_engine.ON_CPU_NO_GPU).advice() or ""
+    assert "GPU" not in advice and "gpu" not in advice, (
+        f"a machine without a GPU is told to use one: {advice}")
+    assert "pipeline.workers" in advice, advice
 
 
 def test_a_busy_server_is_the_limit_and_needs_no_advice():

@@ -47,6 +47,12 @@ MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
 # GPU: PaddlePaddle's own GPU build runs the official graph; torch + transformers is what a
 # PyPI-only install gets (`[gpu-layout]`); onnxruntime-gpu needs matching cuDNN.
 CPU_ORDER = ("transformers", "paddle", "onnxruntime")
+# Why the layout model runs where it does (`LayoutChoice.why`; `stages` advises from these).
+ON_GPU_ASKED = ON_CPU_ASKED = "pipeline.layout_device asks for it"
+ON_GPU_AUTO = "auto: the fastest place here, with room beside the server"
+ON_CPU_NO_GPU = "auto: no GPU here"
+ON_CPU_NO_ROOM = "auto: the GPU's memory plan leaves it no room"
+ON_CPU_NO_GPU_ENGINE = "auto: no engine that can use the GPU is installed"
 GPU_ORDER = ("paddle", "transformers", "onnxruntime")
 # GPU memory the layout model takes beside the server, per worker process (each loads its
 # own), in MiB: fp32 at batch 1, the process's CUDA context, 33.2 M parameters x 4 bytes
@@ -223,16 +229,15 @@ def choose(*, model: str, engine: str, device: str, installed: Installed,
                 "set pipeline.layout_device: auto or cpu, or make that GPU visible (driver, "
                 "CUDA_VISIBLE_DEVICES)")
         return _on_gpu(model, engine, installed, gpu, gpu_room, where, cores, workers,
-                       "pipeline.layout_device asks for it")
+                       ON_GPU_ASKED)
     if kind == AUTO and gpu is not None:
         usable = _usable(GPU_ORDER, installed.gpu, engine)
         if usable and gpu_room(gpu, 1):
             return _on_gpu(model, usable[0], installed, gpu, gpu_room, where, cores, workers,
-                           "auto: the fastest place here, with room beside the server")
-        why = ("auto: the GPU's memory plan leaves it no room" if usable else
-               "auto: no engine that can use the GPU is installed")
+                           ON_GPU_AUTO)
+        why = ON_CPU_NO_ROOM if usable else ON_CPU_NO_GPU_ENGINE
     else:
-        why = ("auto: no GPU here" if kind == AUTO else "pipeline.layout_device asks for it")
+        why = ON_CPU_NO_GPU if kind == AUTO else ON_CPU_ASKED
     return _on_cpu(model, engine, installed, cores, workers, why)
 
 
