@@ -22,13 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ocrvl_daemon.rate import RATE_WINDOW
-from ocrvl_daemon.worker.layout_engine import (
-    INSTALL,
-    ON_CPU_ASKED,
-    ON_CPU_NO_GPU,
-    ON_CPU_NO_GPU_ENGINE,
-    ON_CPU_NO_ROOM,
-)
+from ocrvl_daemon.worker.layout_engine import ON_CPU_ASKED, TO_THE_GPU
 
 # A stage at or above this share of its capacity is where pages queue.
 SATURATED = 0.85
@@ -36,17 +30,6 @@ SATURATED = 0.85
 # With layout detection on, one vLLM server is held by its engine loop's per-request CPU
 # cost while its GPU is mostly idle (bench/gpu/RESULTS.md).
 GPU_BOUND = 0.6
-# What would put a layout model that sets the pace on the CPU on the GPU, by why it is on the
-# CPU (the README's "Layout detection: which engine" has the whole table).
-LAYOUT_ON_GPU = {
-    ON_CPU_ASKED: "set pipeline.layout_device: gpu (or auto) to put it on the GPU",
-    ON_CPU_NO_GPU_ENGINE: "no engine that can use the GPU is installed; with "
-                          f"{INSTALL['transformers']} it moves there by itself",
-    ON_CPU_NO_ROOM: "the GPU's memory plan leaves it no room beside the server; a lower "
-                    "server.vllm_args.gpu-memory-utilization (or pipeline.layout_device: gpu) "
-                    "puts it there",
-    ON_CPU_NO_GPU: "",
-}
 
 
 class Stage(enum.Enum):
@@ -126,7 +109,7 @@ class StageLoad:
                     "sets the pace; more replicas would help (server.replicas, sharing the "
                     "GPU with server.mps)")
         if limit is Stage.LAYOUT and self.layout_device == "cpu":
-            gpu = LAYOUT_ON_GPU.get(self.layout_why, LAYOUT_ON_GPU[ON_CPU_ASKED])
+            gpu = TO_THE_GPU.get(self.layout_why, TO_THE_GPU[ON_CPU_ASKED])
             return (f"the layout model on the CPU sets the pace: {gpu + '; or ' if gpu else ''}"
                     "raise pipeline.workers if there are idle cores")
         if limit is Stage.LAYOUT:

@@ -581,6 +581,16 @@ def test_the_layout_engine_and_device_are_reported(tmp_path: Path, gpu_env: Any)
     assert next(c for c in data["checks"] if c["name"] == "layout engine")["data"] == engine.data
 
 
+def test_a_gpu_with_no_engine_for_it_warns_that_the_layout_model_runs_on_the_cpu(
+        tmp_path: Path, gpu_env: Any, no_model_host: None) -> None:
+    gpu_env("rtx4060")  # PaddlePaddle's CPU build only, as set-up command 1 installs
+    report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
+    engine = by_name(report, "layout engine")
+    assert engine.status == "warn", f"{engine.status}: {engine.detail}"
+    assert "no engine that can use the GPU is installed" in engine.detail, engine.detail
+    assert engine.fix and "[gpu-layout]" in engine.fix, engine.fix
+
+
 def test_a_gpu_engine_puts_the_layout_model_beside_the_server_with_its_room(
         tmp_path: Path, gpu_env: Any, layout_engines: Any, no_model_host: None) -> None:
     gpu_env("rtx4060")

@@ -354,7 +354,12 @@ def _layout_model_checks(config: Config) -> list[Check]:
     except DependencyError as exc:
         return [Check("layout engine", "fail", exc.message, exc.fix)]
     workers = f"{choice.workers} worker{'s' if choice.workers != 1 else ''}"
-    checks = [Check("layout engine", "info", f"{choice.describe()}, {workers}: {choice.why}",
+    # On the CPU although the GPU could take it, and not because the configuration says so:
+    # worth a warning with the fix (the layout model is then the slow stage of every page).
+    to_gpu = "" if choice.why == layout_engine.ON_CPU_ASKED else layout_engine.TO_THE_GPU.get(
+        choice.why, "")
+    checks = [Check("layout engine", "warn" if to_gpu else "info",
+                    f"{choice.describe()}, {workers}: {choice.why}", to_gpu or None,
                     data={"model": choice.model, "engine": choice.paddlex_engine,
                           "device": choice.device, "threads": choice.threads,
                           "workers": choice.workers})]

@@ -47,13 +47,24 @@ MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
 # GPU: PaddlePaddle's own GPU build runs the official graph; torch + transformers is what a
 # PyPI-only install gets (`[gpu-layout]`); onnxruntime-gpu needs matching cuDNN.
 CPU_ORDER = ("transformers", "paddle", "onnxruntime")
-# Why the layout model runs where it does (`LayoutChoice.why`; `stages` advises from these).
+GPU_ORDER = ("paddle", "transformers", "onnxruntime")
+# Why the layout model runs where it does (`LayoutChoice.why`; `ocrvl status` and `doctor`
+# advise from these).
 ON_GPU_ASKED = ON_CPU_ASKED = "pipeline.layout_device asks for it"
 ON_GPU_AUTO = "auto: the fastest place here, with room beside the server"
 ON_CPU_NO_GPU = "auto: no GPU here"
 ON_CPU_NO_ROOM = "auto: the GPU's memory plan leaves it no room"
 ON_CPU_NO_GPU_ENGINE = "auto: no engine that can use the GPU is installed"
-GPU_ORDER = ("paddle", "transformers", "onnxruntime")
+# What would put the layout model on the GPU, by why it runs on the CPU ("": nothing would).
+TO_THE_GPU = {
+    ON_CPU_ASKED: "set pipeline.layout_device: gpu (or auto) to put it on the GPU",
+    ON_CPU_NO_GPU_ENGINE: "no engine that can use the GPU is installed; with "
+                          f"{INSTALL['transformers']} it moves there by itself",
+    ON_CPU_NO_ROOM: "the GPU's memory plan leaves it no room beside the server; a lower "
+                    "server.vllm_args.gpu-memory-utilization (or pipeline.layout_device: gpu) "
+                    "puts it there",
+    ON_CPU_NO_GPU: "",
+}
 # GPU memory the layout model takes beside the server, per worker process (each loads its
 # own), in MiB: fp32 at batch 1, the process's CUDA context, 33.2 M parameters x 4 bytes
 # = 127 MiB of weights and the peak of one 800x800 page's activations; 1703 measured for the
