@@ -523,13 +523,18 @@ def _fields(job: Job, page: int | None = None) -> dict[str, object]:
 
 def _layout_place(config: Config) -> tuple[str, str]:
     """Where the workers run the layout model ("cpu", "gpu:0") and why there; ("", "") with
-    layout detection off, or when it cannot run (the workers report why)."""
+    layout detection off, or when it cannot run (the workers report why). A layout model on
+    the CPU that the GPU could take is logged once, with the fix: it is the slow stage of
+    every page."""
     if not config.pipeline.use_layout_detection:
         return "", ""
     try:
         choice = layout_choice(config)
     except OcrvlError:
         return "", ""
+    if choice.to_the_gpu:
+        log.warning("the layout model runs on the CPU (%s), the slow stage of every page: %s",
+                    choice.why, choice.to_the_gpu)
     return choice.device, choice.why
 
 

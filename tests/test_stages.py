@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
+from ocrvl_daemon import driver
 from ocrvl_daemon.rate import RATE_WINDOW
 from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.worker import layout_engine
+from testkit.stand_in_worker import Policy
 
 pytestmark = pytest.mark.quick
 
@@ -93,3 +98,23 @@ def test_a_full_server_on_an_idle_gpu_is_told_to_add_replicas():
     busy_gpu = StageLoad(server=0.95, layout_device="gpu:0", server_gpu_busy=0.9)
     assert busy_gpu.advice() is None, "a server held by its GPU needs no advice"
     assert StageLoad.from_json(load.to_json()) == load
+
+
+@pytest.mark.parametrize(("why", "warned"), [(layout_engine.ON_CPU_NO_GPU_ENGINE, True),
+                                             (layout_engine.ON_CPU_ASKED, False),
+                                             (layout_engine.ON_CPU_NO_GPU, False)])
+def test_a_layout_model_on_the_cpu_that_the_gpu_could_take_is_logged_once_with_the_fix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        why: str, warned: bool):
+    choice = layout_engine.LayoutChoice("PP-DocLayoutV3", "paddle", "cpu", 2, 1, why)
+    monkeypatch.setattr(driver, "layout_choice", lambda config: choice)
+    policy = Policy(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.driver"):
+        for now in (1.0, 2.0):
+            load = policy.converter.stage_load(now)
+    assert (load.layout_device, load.layout_why) == ("cpu", why)
+    lines = [r.getMessage() for r in caplog.records if "layout model runs on the CPU" in r.message]
+    if warned:
+        assert len(lines) == 1 and "[gpu-layout]" in lines[0], lines
+    else:
+        assert lines == [], f"warned although nothing would put it on the GPU: {lines}"

@@ -354,10 +354,8 @@ def _layout_model_checks(config: Config) -> list[Check]:
     except DependencyError as exc:
         return [Check("layout engine", "fail", exc.message, exc.fix)]
     workers = f"{choice.workers} worker{'s' if choice.workers != 1 else ''}"
-    # On the CPU although the GPU could take it, and not because the configuration says so:
-    # worth a warning with the fix (the layout model is then the slow stage of every page).
-    to_gpu = "" if choice.why == layout_engine.ON_CPU_ASKED else layout_engine.TO_THE_GPU.get(
-        choice.why, "")
+    # On the CPU although the GPU could take it: the slow stage of every page, worth a warning.
+    to_gpu = choice.to_the_gpu
     checks = [Check("layout engine", "warn" if to_gpu else "info",
                     f"{choice.describe()}, {workers}: {choice.why}", to_gpu or None,
                     data={"model": choice.model, "engine": choice.paddlex_engine,

@@ -177,6 +177,12 @@ class LayoutChoice:
 
             torch.set_num_threads(self.threads)
 
+    @property
+    def to_the_gpu(self) -> str:
+        """What would put it on the GPU, when it runs on the CPU although the GPU could take
+        it and the configuration does not ask for the CPU ("" otherwise)."""
+        return "" if self.why == ON_CPU_ASKED else TO_THE_GPU.get(self.why, "")
+
     def describe(self) -> str:
         """E.g. "PP-DocLayoutV3 on cpu (paddle_static, 2 threads)"."""
         how = self.paddlex_engine

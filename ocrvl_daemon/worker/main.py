@@ -104,7 +104,7 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
         # Every local model follows it; the VL recognition goes to the server whatever the
         # engine (PaddleX drops the engine for a sub-model with a server backend).
         layout = layout_choice(config)
-        log.info("layout: %s", layout.describe())
+        log.info("layout: %s: %s", layout.describe(), layout.why)
         layout.limit_threads()
         return kwargs | layout.common_args()
     # The page is the one block, which merging leaves as it is, after copying the whole page
