@@ -505,8 +505,9 @@ def _is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class Recipe:
-    """How pages are recognised, as far as their answers depend on it: the model, and whether
-    layout detection cuts each page into blocks (else the page is sent whole).
+    """How pages are recognised, as far as their answers depend on it: the model, whether
+    layout detection cuts each page into blocks (else the page is sent whole), and the
+    optional steps that are on (`steps`: "page orientation", "unwarping", "charts").
 
     Jobs and page checkpoints are stored under `key`, so answers made another way are never
     mixed into a document or reused for it; the Markdown's header names `model`.
@@ -514,12 +515,15 @@ class Recipe:
 
     model: str
     layout: bool = True
+    steps: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
-        """The name jobs and pages are stored under (the model's name with layout detection
-        on, the default, so stores from before it was part of the key stay valid)."""
-        return self.model if self.layout else f"{self.model} (whole pages)"
+        """The name jobs and pages are stored under: the model's name alone with the default
+        pipeline (so stores from before the rest was part of the key stay valid), else with
+        what differs, e.g. "PaddleOCR-VL-1.6-0.9B (whole pages)"."""
+        parts = ([] if self.layout else ["whole pages"]) + list(self.steps)
+        return f"{self.model} ({', '.join(parts)})" if parts else self.model
 
 
 class Config(_Section):
@@ -613,7 +617,11 @@ class Config(_Section):
     @property
     def recipe(self) -> Recipe:
         """How this configuration recognises pages (see `Recipe`)."""
-        return Recipe(self.model.name, self.pipeline.use_layout_detection)
+        p = self.pipeline
+        steps = (("page orientation", p.use_doc_orientation_classify),
+                 ("unwarping", p.use_doc_unwarping), ("charts", p.use_chart_recognition))
+        return Recipe(self.model.name, p.use_layout_detection,
+                      tuple(name for name, on in steps if on))
 
     @property
     def config_for_server(self) -> dict[str, Any]:

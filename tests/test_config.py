@@ -146,6 +146,21 @@ def test_sections_compare_by_their_values_alone():
 
 
 @pytest.mark.quick
+def test_pages_are_stored_under_the_model_alone_by_default_else_with_what_differs():
+    name = validate_config({}).model.name
+    assert validate_config({}).recipe.key == name, "stores from before the recipe lost their pages"
+    keys = {validate_config({"pipeline": {option: not default}}).recipe.key
+            for option, default in [("use_layout_detection", True),
+                                    ("use_doc_orientation_classify", False),
+                                    ("use_doc_unwarping", False),
+                                    ("use_chart_recognition", False)]}
+    assert keys == {f"{name} (whole pages)", f"{name} (page orientation)",
+                    f"{name} (unwarping)", f"{name} (charts)"}, keys
+    assert validate_config({"pipeline": {"workers": 3}}).recipe.key == name, (
+        "a setting that does not change the answers changed where pages are stored")
+
+
+@pytest.mark.quick
 def test_layout_device_and_engine_are_normalised_and_device_is_their_older_name():
     config = validate_config({"pipeline": {"layout_device": "GPU:1", "layout_engine": "paddle"}})
     assert config.pipeline.layout_device == "gpu:1"
