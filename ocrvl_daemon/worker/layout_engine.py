@@ -61,8 +61,7 @@ TO_THE_GPU = {
     ON_CPU_NO_GPU_ENGINE: "no engine that can use the GPU is installed; with "
                           f"{INSTALL['transformers']} it moves there by itself",
     ON_CPU_NO_ROOM: "the GPU's memory plan leaves it no room beside the server; a lower "
-                    "server.vllm_args.gpu-memory-utilization (or pipeline.layout_device: gpu) "
-                    "puts it there",
+                    "server.vllm_args.gpu-memory-utilization leaves it some",
     ON_CPU_NO_GPU: "",
 }
 # GPU memory the layout model takes beside the server, per worker process (each loads its
