@@ -144,8 +144,8 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
                     ledger.keep[page] = {a.key: a for a in result.answers
                                          if a.key not in choice.redos}
                 what = _blocks_named(result, _is_empty) or "the answer"
-                return SendAgain(page, why=f"p.{page + 1}: {what} empty although there is ink; "
-                                           "sending it again once", ledger=ledger)
+                return SendAgain(page, why=f"p.{page + 1}: {what} came back empty although "
+                                           "there is ink; sending it again once", ledger=ledger)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules, result)
     error = result.error or "unknown error"
     kept = document.ledger.kept(page)

@@ -155,7 +155,7 @@ def test_an_empty_block_among_30_is_sent_again_once_alone_then_flags_its_page() 
         "the empty block is not sent again as it was")
     assert sorted(action.ledger.keep[0]) == sorted(a.key for a in answers if a.key != "p0b4"), (
         "the other 29 blocks' answers are not all kept")
-    assert action.why is not None and "block 5 of 30 empty" in action.why, action.why
+    assert action.why is not None and "block 5 of 30 came back empty" in action.why, action.why
 
     # Empty again: kept, the page flagged bad with the block named, never a third time.
     redo_of(action, doc)
