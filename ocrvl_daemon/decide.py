@@ -203,22 +203,21 @@ def _judge_page(result: PageResult) -> PageQuality:
                   result.looping, result.has_ink, result.repetition)
     if len(result.answers) < 2:
         return page  # the page is its one block
-    # Each block is where the layout model found ink.
     return worst_of(page, [assess(a.text, "length" if a.cut else a.finish_reason, a.tokens,
-                                  a.looping, has_ink=True) for a in result.answers])
+                                  a.looping, a.has_ink) for a in result.answers])
 
 
 def _empty_answers(result: PageResult, quality: PageQuality) -> list[str]:
     """The keys of the answers of `result` that are empty although there is ink: the page's
-    (WHOLE_PAGE) for a page of one answer, else each empty block's (the layout model found
-    something there)."""
+    (WHOLE_PAGE) for a page of one answer, else each such block's."""
     if len(result.answers) < 2:
         return [WHOLE_PAGE] if quality.empty_with_ink else []
     return [a.key for a in result.answers if _is_empty(a)]
 
 
 def _is_empty(answer: BlockAnswer) -> bool:
-    return not answer.text.strip()
+    """Empty although its block has ink (a blank block the layout model cut may answer "")."""
+    return answer.has_ink and not answer.text.strip()
 
 
 def _is_cut(answer: BlockAnswer) -> bool:

@@ -4,6 +4,8 @@ blocks that were cut off or looped, keeping the others' answers."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 from concurrent.futures import Future
@@ -12,7 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.decide import Checkpoint, Rules, SendAgain, decide, release_held
@@ -179,6 +183,38 @@ def test_an_empty_block_whose_retry_reads_well_leaves_its_page_ok() -> None:
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK and done.note is None
     assert done.ledger is not None and done.ledger.extra == TOKENS, (
         f"the budget counted {done.ledger.extra} redo tokens, not the {TOKENS} of the one block")
+
+
+@pytest.mark.quick
+def test_an_empty_answer_for_a_blank_block_is_kept_without_a_retry_or_a_flag() -> None:
+    doc = book_with_first_pass_in()
+    blank = BlockAnswer("p0b4", "", "stop", 1, has_ink=False)
+    action = decide(page_result(0, [blank if b == 4 else good(0, b) for b in range(BLOCKS)]),
+                    doc, RULES)
+    assert isinstance(action, Checkpoint), "a blank block's empty answer was sent again"
+    assert action.quality.verdict is Verdict.OK and action.note is None, action.note
+
+
+def data_url(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return f"data:image/jpeg;base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+@pytest.mark.quick
+def test_the_worker_reads_an_empty_answers_block_for_ink() -> None:
+    white = np.full((60, 400, 3), 255, np.uint8)
+    inked = white.copy()
+    inked[20:40, 20:380] = 0  # a line of text
+    asked = []
+    for n, pixels in enumerate((white, inked)):
+        done: Future[Any] = Future()
+        done.set_result(worker_main._Completion(worker_main.StreamedAnswer("", "stop", 1)))
+        asked.append(worker_main._Asked(f"b{n}", done, LIMIT, image=data_url(pixels)))
+    answers = worker_main._answers(asked)
+    assert [a.has_ink for a in answers] == [False, True], (
+        "an empty answer's block was not read for ink: a blank block would be sent again and "
+        "flag its page, or an inked one would be kept empty")
 
 
 @pytest.mark.quick

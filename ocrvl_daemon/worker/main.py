@@ -51,7 +51,7 @@ from ocrvl_daemon.worker.messages import (
 )
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
-from ocrvl_daemon.worker.request_images import within_aspect
+from ocrvl_daemon.worker.request_images import image_url, pixels_of, within_aspect
 from ocrvl_daemon.worker.streaming import (
     KEEPALIVE_EXPIRY,
     StatusError,
@@ -165,6 +165,7 @@ class _Asked:
     future: Future[Any]
     limit: int
     reused: bool = False
+    image: str = ""  # the block's image (data URL), read for ink if its answer is empty
 
 
 class _Completions(threading.local):
@@ -277,7 +278,8 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
             answered.set_result(_Completion(StreamedAnswer(kept.text, kept.finish_reason,
                                                            kept.tokens)))
             if _COMPLETIONS.asked is not None:
-                _COMPLETIONS.asked.append(_Asked(key, answered, kept.limit, reused=True))
+                _COMPLETIONS.asked.append(_Asked(key, answered, kept.limit, reused=True,
+                                                 image=image_url(messages)))
             return answered if return_future else answered.result()
         setting = _COMPLETIONS.blocks.get(key)
         if setting is not None:  # a block sent again with a setting of its own
@@ -297,7 +299,8 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
         if _COMPLETIONS.started is not None:
             _COMPLETIONS.started.append(request.future)
         if _COMPLETIONS.asked is not None:
-            _COMPLETIONS.asked.append(_Asked(key, request.future, _limit(kwargs)))
+            _COMPLETIONS.asked.append(_Asked(key, request.future, _limit(kwargs),
+                                             image=image_url(messages)))
         return request.future if return_future else request.future.result()
 
     pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
@@ -335,8 +338,15 @@ def _answers(asked: list[_Asked]) -> list[BlockAnswer]:
         if future.done() and not future.cancelled() and future.exception() is None:
             answer = future.result().answer
             answers.append(BlockAnswer(each.key, answer.text, answer.finish_reason,
-                                       answer.tokens, each.reused, each.limit))
+                                       answer.tokens, each.reused, each.limit,
+                                       bool(answer.text.strip()) or _block_has_ink(each.image)))
     return answers
+
+
+def _block_has_ink(url: str) -> bool:
+    """Whether a block's image (a data URL) has ink; True when it cannot be read."""
+    pixels = pixels_of(url)
+    return True if pixels is None else has_ink(pixels)
 
 
 def _token_ceiling(config: Config, server_url: str) -> int:

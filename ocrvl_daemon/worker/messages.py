@@ -43,6 +43,8 @@ class BlockAnswer:
     tokens: int  # completion tokens the answer took when the server generated it
     reused: bool = False  # kept from an earlier answer: not asked of the server this time
     limit: int = 0  # the token limit its request asked for (0: not known)
+    # Its image has ink (read only for an empty answer: a blank block may well answer "").
+    has_ink: bool = True
 
     @property
     def cut(self) -> bool:

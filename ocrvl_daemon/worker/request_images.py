@@ -51,21 +51,43 @@ def within_aspect(messages: Any) -> Any:
     return out if changed else messages
 
 
+def image_url(messages: Any) -> str:
+    """The first data-URL image of `messages` ("" when there is none)."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            image_url = part.get("image_url") if isinstance(part, dict) else None
+            if isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
+                return str(image_url["url"])
+    return ""
+
+
+def pixels_of(url: str) -> np.ndarray | None:
+    """The RGB pixels (height x width x 3) of a base64 data-URL image; None when `url` is not
+    one that decodes."""
+    head, sep, data = url.partition(";base64,")
+    if not sep or not head.startswith("data:image/"):
+        return None
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+            return np.asarray(img.convert("RGB"))
+    except (binascii.Error, ValueError, OSError, UnidentifiedImageError):
+        return None
+
+
 def _padded(url: str) -> str | None:
     """The data URL `url` with its image padded to PADDED_ASPECT, or None when it is within
     MAX_IMAGE_ASPECT (or not a base64 image: the server judges it as it is)."""
     head, sep, data = url.partition(";base64,")
     if not sep or not head.startswith("data:image/"):
         return None
-    try:
-        size = _size(data)
-        if size is None or max(size) <= MAX_IMAGE_ASPECT * min(size):
-            return None
-        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
-            fmt = img.format or "PNG"
-            pixels = np.asarray(img.convert("RGB"))
-    except (binascii.Error, ValueError, OSError, UnidentifiedImageError):
+    size = _size(data)
+    if size is None or max(size) <= MAX_IMAGE_ASPECT * min(size):
         return None
+    pixels = pixels_of(url)
+    if pixels is None:
+        return None
+    fmt = "JPEG" if head.lower() in ("data:image/jpeg", "data:image/jpg") else "PNG"
     buf = io.BytesIO()
     Image.fromarray(_pad(pixels)).save(buf, format=fmt, **({"quality": 95} if fmt == "JPEG"
                                                               else {}))
