@@ -13,6 +13,7 @@ import base64
 import binascii
 import io
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,37 +30,30 @@ HEADER_CHARS = 8192
 def within_aspect(messages: Any) -> Any:
     """`messages` (OpenAI chat messages) with every data-URL image beyond MAX_IMAGE_ASPECT
     padded to PADDED_ASPECT; `messages` itself when none is."""
-    if not isinstance(messages, list):
+    padded = {(m, n): {**image, "url": url} for m, n, image in _image_parts(messages)
+              if (url := _padded(image["url"])) is not None}
+    if not padded:
         return messages
-    changed = False
-    out = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            out.append(message)
-            continue
-        parts = []
-        for part in content:
-            image_url = part.get("image_url") if isinstance(part, dict) else None
-            if isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
-                padded = _padded(image_url["url"])
-                if padded is not None:
-                    part = {**part, "image_url": {**image_url, "url": padded}}
-                    changed = True
-            parts.append(part)
-        out.append({**message, "content": parts})
-    return out if changed else messages
+    return [{**message, "content": [{**part, "image_url": padded[(m, n)]}
+                                    if (m, n) in padded else part
+                                    for n, part in enumerate(message["content"])]}
+            if any(key[0] == m for key in padded) else message
+            for m, message in enumerate(messages)]
 
 
 def image_url(messages: Any) -> str:
     """The first data-URL image of `messages` ("" when there is none)."""
-    for message in messages if isinstance(messages, list) else ():
+    return next((str(image["url"]) for _, _, image in _image_parts(messages)), "")
+
+
+def _image_parts(messages: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(message index, part index, its `image_url`) of each image of `messages` with a URL."""
+    for m, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            image_url = part.get("image_url") if isinstance(part, dict) else None
-            if isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
-                return str(image_url["url"])
-    return ""
+        for n, part in enumerate(content if isinstance(content, list) else ()):
+            image = part.get("image_url") if isinstance(part, dict) else None
+            if isinstance(image, dict) and isinstance(image.get("url"), str):
+                yield m, n, image
 
 
 def pixels_of(url: str) -> np.ndarray | None:
