@@ -59,11 +59,11 @@ def _image_parts(messages: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
 def pixels_of(url: str) -> np.ndarray | None:
     """The RGB pixels (height x width x 3) of a base64 data-URL image; None when `url` is not
     one that decodes."""
-    head, sep, data = url.partition(";base64,")
-    if not sep or not head.startswith("data:image/"):
+    parts = _data_url(url)
+    if parts is None:
         return None
     try:
-        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+        with Image.open(io.BytesIO(base64.b64decode(parts[1]))) as img:
             return np.asarray(img.convert("RGB"))
     except (binascii.Error, ValueError, OSError, UnidentifiedImageError):
         return None
@@ -72,9 +72,10 @@ def pixels_of(url: str) -> np.ndarray | None:
 def _padded(url: str) -> str | None:
     """The data URL `url` with its image padded to PADDED_ASPECT, or None when it is within
     MAX_IMAGE_ASPECT (or not a base64 image: the server judges it as it is)."""
-    head, sep, data = url.partition(";base64,")
-    if not sep or not head.startswith("data:image/"):
+    parts = _data_url(url)
+    if parts is None:
         return None
+    head, data = parts
     size = _size(data)
     if size is None or max(size) <= MAX_IMAGE_ASPECT * min(size):
         return None
@@ -86,6 +87,13 @@ def _padded(url: str) -> str | None:
     Image.fromarray(_pad(pixels)).save(buf, format=fmt, **({"quality": 95} if fmt == "JPEG"
                                                               else {}))
     return f"{head};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
+
+
+def _data_url(url: str) -> tuple[str, str] | None:
+    """("data:image/png", its base64 text) of a base64 data-URL image; None for any other
+    URL."""
+    head, sep, data = url.partition(";base64,")
+    return (head, data) if sep and head.startswith("data:image/") else None
 
 
 def _size(data: str) -> tuple[int, int] | None:
