@@ -79,8 +79,10 @@ if sys.argv[1:] == ["-d"]:
     os.makedirs(pipe, exist_ok=True)
     os.makedirs(logs, exist_ok=True)
     os.mkfifo(fifo)
-    # Noted before this command returns, so what a caller starts after it comes later.
-    note("started")
+    # This process's start time, in psutil's clock (boot time + ticks, not time.time()):
+    # what a caller starts once this command returns was born at or after it.
+    import psutil
+    note(f"started born={{psutil.Process().create_time()}}")
     if os.fork():
         sys.exit(0)
     os.setsid()
@@ -274,18 +276,19 @@ def test_mps_starts_before_the_replicas_and_stops_after_they_are_reaped(
         servers.start()
         wait_until(lambda: all(e.is_ready() for e in servers.endpoints), 30,
                    what="both replicas ready")
-        started = control_log(logs)[0]
-        assert started[1] == "started"
+        started = control_log(logs)[0][1]
+        assert started.startswith("started born="), started
+        daemon_born = float(started.split("=")[1])
+        daemon = int((pipe / "nvidia-cuda-mps-control.pid").read_text())
         for endpoint in servers.endpoints:
             pid = endpoint.status().pid
             assert pid is not None
             groups.append(pid)
             replica = psutil.Process(pid)
-            assert replica.create_time() >= started[0] - 0.01, "a replica started before MPS"
+            assert replica.create_time() >= daemon_born, "a replica started before MPS"
             env = replica.environ()
             assert (env.get(mps.PIPE_ENV), env.get(mps.LOG_ENV)) == (str(pipe), str(logs))
             assert mps.OWNER_ENV not in env, "a replica must not look like the MPS daemon"
-        daemon = int((pipe / "nvidia-cuda-mps-control.pid").read_text())
         assert psutil.pid_exists(daemon)
     finally:
         servers.stop()
