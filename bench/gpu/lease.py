@@ -16,10 +16,11 @@ Steps, in the order `--plan` gives them (its order is their priority):
   layout-cpu  bench.gpu --layout --only cpu: the layout model on the CPU (transformers), ocrvl
               held to 4, 8 and all cores (`--layout-cores`), against one server
   layout-mps  bench.gpu.big_gpu --layout (transformers on gpu:0, the same stand-in) --settings
-              mps-x4,mps-x2 --pages 64, --budget-s likewise: ocrvl convert with layout on over
-              4 and 2 replicas under MPS against B2 on one (one server with layout on is bound
-              by its engine loop's per-request CPU: ~21-23 block requests/s on an H200, the
-              GPU 22-37% busy); results bench.gpu.big_gpu's rows, `layout: true`
+              mps-x4,mps-x2 (--layout-mps-settings) --pages 64, --budget-s likewise: ocrvl
+              convert with layout on over 4 and 2 replicas under MPS against B2 on one (one
+              server with layout on is bound by its engine loop's per-request CPU: ~21-23
+              block requests/s on an H200, the GPU 22-37% busy); results bench.gpu.big_gpu's
+              rows, `layout: true`
   mps         bench.gpu.big_gpu --settings mps-x2,mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
@@ -303,7 +304,7 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "--only", "cpu", *budget, *files]  # fmt: skip
     elif name == "layout-mps":
         main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--layout", *layout, "--layout-device",
-                "gpu:0", "--settings", "mps-x4,mps-x2", "--pages", "64", *budget,
+                "gpu:0", "--settings", args.layout_mps_settings, "--pages", "64", *budget,
                 *files]  # fmt: skip
     elif name == "mps":
         main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x2,mps-x3,mps-x4,x2",
@@ -344,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="PADDLE_PDX_CACHE_HOME with the layout stand-in (written if missing)")
     ap.add_argument("--rerun-rounds", type=int, default=2,
                     help="rounds of the layout-off rerun (the run of record had 5)")
+    ap.add_argument("--layout-mps-settings", default="mps-x4,mps-x2",
+                    help="big_gpu settings of the layout-mps step, in order (an 80 GiB card's "
+                         "`replicas: auto` is mps-x2: put it first there)")
     ap.add_argument("--share", action="append", default=[], metavar="STEP=SECONDS",
                     help="a step's estimate (its share at most) instead of the built-in one")
     ap.add_argument("--grace-s", type=float, default=GRACE_S,
