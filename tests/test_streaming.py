@@ -252,6 +252,32 @@ def test_streams_as_other_openai_compatible_servers_send_them_are_read() -> None
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("content_type", [b"application/json", b"text/plain", None])
+def test_a_stream_sent_without_the_event_stream_content_type_is_still_read(
+        content_type: bytes | None) -> None:
+    body = (b': ping\n\ndata: {"choices":[{"index":0,"delta":{"content":"Hello"},'
+            b'"finish_reason":"stop"}],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+    head = b"HTTP/1.1 200 OK\r\n" + (b"Content-Type: %s\r\n" % content_type
+                                        if content_type else b"")
+    answer = _answer_of(head + b"Connection: close\r\n\r\n" + body)
+    assert answer == StreamedAnswer("Hello", "stop", 2), answer
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("body", [b"<html><body>Welcome to nginx!</body></html>",
+                                  b'{"object": "list", "data": []}', b"[]"])
+def test_an_answer_that_is_not_a_chat_completion_is_a_server_error_naming_the_url_setting(
+        body: bytes) -> None:
+    response = (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with pytest.raises(StatusError) as caught:
+        _answer_of(response)
+    assert caught.value.status_code == 502, "a server answering nonsense fails the request"
+    assert "not a chat completion" in caught.value.message
+    assert "server.url" in caught.value.message and body[:20].decode() in caught.value.message
+
+
+@pytest.mark.quick
 def test_an_error_event_in_older_vllms_shape_keeps_its_code_and_message() -> None:
     event = {"object": "error", "message": "prompt is too long", "type": "BadRequestError",
              "param": None, "code": 400}

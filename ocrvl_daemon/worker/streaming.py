@@ -15,6 +15,7 @@ answers it whole anyway is read whole (its loops are judged once they end, as be
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 # Kept-alive connections are closed after this many idle seconds: sooner than servers close
 # them (uvicorn's and so vLLM's default is 5 s), which makes that race rare.
 KEEPALIVE_EXPIRY = 2.0
+# How an event stream's body begins: an event's data, a comment (a keep-alive ping), a field.
+SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
 
 
 class StatusError(Exception):
@@ -90,9 +93,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
         if response.status_code >= 400:
             await response.aread()
             raise StatusError(response.status_code, _error_message(response.content))
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            return _whole(json.loads(await response.aread()))  # a server that does not stream
-        async for line in response.aiter_lines():
+        lines: AsyncIterator[str]
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            lines = response.aiter_lines()
+        else:  # a server that does not stream, or streams without saying so
+            raw = await response.aread()
+            if not raw.lstrip().startswith(SSE_STARTS):
+                return _whole(raw)
+            lines = _each(raw.decode("utf-8", "replace").splitlines())
+        async for line in lines:
             data = line.removeprefix("data:").strip()
             if not line.startswith("data:") or not data:
                 continue
@@ -124,11 +133,24 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     return StreamedAnswer("".join(parts), finish, tokens)
 
 
-def _whole(completion: dict[str, Any]) -> StreamedAnswer:
-    """A chat completion answered whole (not streamed), as a streamed answer."""
-    choice = completion["choices"][0]
-    usage = completion.get("usage") or {}
-    return StreamedAnswer(choice["message"].get("content") or "", choice.get("finish_reason"),
+async def _each(lines: list[str]) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
+
+
+def _whole(body: bytes) -> StreamedAnswer:
+    """A chat completion answered whole (not streamed), as a streamed answer; StatusError
+    (502) for an answer that is not a chat completion."""
+    try:
+        completion = json.loads(body)
+        choice = completion["choices"][0]
+        text = choice["message"].get("content") or ""
+        usage = completion.get("usage") or {}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        shown = body[:200].decode("utf-8", "replace").strip()
+        raise StatusError(502, "the server's answer is not a chat completion (is "
+                          f"server.url an OpenAI-compatible API?): {shown!r}") from None
+    return StreamedAnswer(text, choice.get("finish_reason"),
                           int(usage.get("completion_tokens") or 0))
 
 
