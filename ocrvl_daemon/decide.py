@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.document import Document
@@ -156,15 +156,29 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
                 f"failed: {error.rstrip('.')})")
         return Checkpoint(page, answer, quality, note)
     if result.error_kind is Failure.SERVER_DOWN:  # not the page's fault: the dispatcher says so
-        return SendAgain(page)
+        return _keeping_what_came(SendAgain(page), document, result)
     if result.error_kind is Failure.SERVER_ERROR:
-        return _server_failed(document, page, result.error, result.url or rules.server_url,
-                              rules)
+        return _keeping_what_came(_server_failed(
+            document, page, result.error, result.url or rules.server_url, rules),
+            document, result)
     if result.error_kind is Failure.INPUT:
         return FailJob(InputVanishedError(result.error or "the file changed"))
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
-    return page_failed(document, page, error, rules)
+    return _keeping_what_came(page_failed(document, page, error, rules), document, result)
+
+
+def _keeping_what_came(action: Action, document: Document, result: PageResult) -> Action:
+    """`action` for a failed try of a page; where it sends the page again, the answers that
+    came back good on that try are kept, so only the other blocks are asked for again (a page
+    of 30 blocks would otherwise need all 30 requests to succeed at once)."""
+    good = {a.key: a for a in result.answers if not _is_to_blame(a)}
+    if not isinstance(action, SendAgain) or not good:
+        return action
+    ledger = (action.ledger or document.ledger).copy()
+    ledger.keep[result.page] = {**ledger.keep.get(result.page, {}), **good}
+    why = action.why and f"{action.why} (the {len(good)} answers that came back kept)"
+    return replace(action, ledger=ledger, why=why)
 
 
 def _decide_cut(ledger: RedoLedger, result: PageResult, cut_at: int,

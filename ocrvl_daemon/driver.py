@@ -303,7 +303,8 @@ class Converter:
             doc.sent[result.page].endpoint, self._now, result.error is None,
             server_down=result.error or "no answer" if server_down else None,
             server_error=result.error or "no reason given" if server_error else None,
-            requests=sum(not a.reused for a in result.answers))
+            # a failed page's answers are those that came back: how many it sent is not known
+            requests=0 if result.error else sum(not a.reused for a in result.answers))
         # A server failing every request fails every page in flight: the first is named, the
         # others are counted and said when it answers again.
         self._apply(doc, decide(result, doc, self.rules), quiet=server_error and not first)

@@ -23,7 +23,7 @@ from ocrvl_daemon.decide import Checkpoint, Rules, SendAgain, decide, release_he
 from ocrvl_daemon.document import Document
 from ocrvl_daemon.page_quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.worker import main as worker_main
-from ocrvl_daemon.worker.messages import BlockAnswer, PageResult, PageTask
+from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult, PageTask
 from ocrvl_daemon.worker.streaming import LOOP
 from testkit.core import URL, document, send_all
 from testkit.documents import make_pdf
@@ -309,6 +309,75 @@ def test_the_worker_answers_kept_blocks_at_once_and_sends_only_the_others() -> N
         ("kept answer", True, 80), ("fresh answer", False, 12)]
     result = PageResult(1, 0, tokens=92, answers=answers)
     assert result.generated == 12
+
+
+# --- a block the server fails: the page's other answers are kept -----------------------------
+
+FAILED = 11  # the block whose request failed (0-based: block 12 of 30)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("kind", [Failure.SERVER_ERROR, Failure.SERVER_DOWN, Failure.PAGE])
+def test_a_page_whose_one_request_failed_is_sent_again_keeping_the_answers_that_came(
+        kind: Failure) -> None:
+    doc = book_with_first_pass_in()
+    answers = [cut(0, b) if b == CUT else good(0, b) for b in range(BLOCKS) if b != FAILED]
+    result = replace(page_result(0, []), error="HTTP 500: engine failed", error_kind=kind,
+                     answers=answers)
+    action = decide(result, doc, RULES)
+    assert isinstance(action, SendAgain) and action.ledger is not None, action
+    kept = action.ledger.keep[0]
+    assert set(kept) == {f"p0b{b}" for b in range(BLOCKS) if b not in (FAILED, CUT)}, (
+        "the next try would ask again for blocks that came back good, or keep a cut-off one")
+    assert doc.ledger.keep.get(0) is None, "decide changed the document's own ledger"
+    if action.why is not None:
+        assert "the 28 answers that came back kept" in action.why, action.why
+    redo_of(action, doc)
+    # The next try's answers: the kept ones reused, the other two fresh and good.
+    again = [replace(kept[a.key], reused=True) if a.key in kept else good(0, n)
+             for n, a in enumerate(good(0, b) for b in range(BLOCKS))]
+    done = decide(page_result(0, again), doc, RULES)
+    assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK, done
+
+
+@pytest.mark.quick
+def test_a_failed_request_reaches_paddlex_as_an_empty_answer_so_the_others_run_on() -> None:
+    """PaddleX cancels a page's other requests when one raises: the failure is kept back
+    (`_recognise` fails the page once all have ended), and a cancel from PaddleX still
+    cancels the request."""
+    failing: list[Future[Any]] = []
+
+    class Failing(_Gate):
+        def send(self, url: str, messages: Any, kwargs: dict[str, Any]) -> Future[Any]:
+            if messages != block_messages("FAIL"):
+                return super().send(url, messages, kwargs)
+            future: Future[Any] = Future()
+            failing.append(future)
+            return future
+
+    client = SimpleNamespace(create_chat_completion=None)
+    pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(
+        vl_rec_model=SimpleNamespace(genai_client=client)))
+    worker_main._track_completions(pipeline, Failing())  # type: ignore[arg-type]
+    calls = worker_main._COMPLETIONS
+    calls.asked, calls.started = [], []
+    try:
+        shown = client.create_chat_completion(block_messages("FAIL"), return_future=True,
+                                              max_completion_tokens=LIMIT)
+        other = client.create_chat_completion(block_messages("GOOD"), return_future=True,
+                                              max_completion_tokens=LIMIT)
+        failing[0].set_exception(RuntimeError("HTTP 500"))
+        assert shown.result(5).choices[0].message.content == "", "PaddleX saw the failure"
+        assert other.result(5).choices[0].message.content == "fresh answer"
+        assert isinstance(calls.asked[0].future.exception(), RuntimeError), (
+            "the failure is lost: the page would be kept with an empty block")
+        assert [a.text for a in worker_main._answers(calls.asked)] == ["fresh answer"]
+        cancelled = client.create_chat_completion(block_messages("FAIL"), return_future=True,
+                                                  max_completion_tokens=LIMIT)
+        assert cancelled.cancel() and calls.asked[-1].future.cancelled(), (
+            "a request PaddleX cancelled still runs at the server")
+    finally:
+        calls.asked, calls.started = None, None
 
 
 # --- each redone block with the setting its own verdict calls for ---------------------------

@@ -153,6 +153,36 @@ def test_each_page_is_laid_out_from_its_own_image(
 
 
 @pytest.mark.slow
+def test_a_block_the_server_fails_is_sent_again_alone_the_pages_other_answers_kept(
+        layout_cache: Path, tmp_path: Path) -> None:
+    """A server failing every 6th request fails a block of each 7-block page; each page's
+    next try asks for that block alone. (Were a page sent again whole, every try of 7
+    requests would hold a 6th, and the book would fail once its retries ran out.)"""
+    book = make_layout_pdf(tmp_path / "book.pdf", PAGES)
+    log = tmp_path / "requests.jsonl"
+    config = write_config(tmp_path / "config.yaml",
+                          pipeline={"use_layout_detection": True, "layout_device": "cpu"})
+    with start_fake_server(free_port(), "--request-log", str(log),
+                           "--error-500-every", "6") as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
+                           PADDLE_PDX_CACHE_HOME=str(layout_cache))
+    assert result.returncode == 0, ("a book whose server failed some of its blocks did not "
+                                    "convert:\n" + result.stderr[-3000:])
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    failed = [r for r in requests if r["status"] == 500]
+    first_pass = PAGES * sum(PROMPTS.values())
+    assert len(failed) == first_pass // 6, failed
+    assert len(requests) == first_pass + len(failed), (
+        f"{len(requests)} requests: a page was sent again whole after one block failed")
+    assert {r["digest"] for r in requests[first_pass:]} == {r["digest"] for r in failed}, (
+        "the blocks sent again are not the ones that failed")
+    assert "answers that came back kept" in result.stderr, result.stderr[-3000:]
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    assert markdown.count("fake-ocr ") == first_pass - PAGES, "an answer is missing"
+    assert "could not be recognised" not in markdown
+
+
+@pytest.mark.slow
 def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_help(
         layout_cache: Path, tmp_path: Path) -> None:
     """One worker lays out pages on the CPU while the fake server answers at once: layout

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -301,9 +301,34 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
         if _COMPLETIONS.asked is not None:
             _COMPLETIONS.asked.append(_Asked(key, request.future, _limit(kwargs),
                                              image=image_url(messages)))
-        return request.future if return_future else request.future.result()
+        shown = _failing_after_the_page(request.future)
+        return shown if return_future else shown.result()
 
     pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = tracked
+
+
+def _failing_after_the_page(sent: Future[_Completion]) -> Future[_Completion]:
+    """What PaddleX gets for the request `sent`: its answer, or an empty one where it failed.
+
+    PaddleX cancels a page's other requests as soon as one fails; answered, it lets them end,
+    and `_recognise` fails the page once they have, with their answers kept for its next try
+    (a page of 30 blocks would otherwise need all 30 to succeed at once). Cancelling what it
+    gets cancels the request.
+    """
+    shown: Future[_Completion] = Future()
+
+    def settle(done: Future[_Completion]) -> None:
+        with contextlib.suppress(InvalidStateError):  # PaddleX cancelled it meanwhile
+            if done.cancelled():
+                shown.cancel()
+            elif done.exception() is not None:
+                shown.set_result(_Completion(StreamedAnswer("", None, 0)))
+            else:
+                shown.set_result(done.result())
+
+    sent.add_done_callback(settle)
+    shown.add_done_callback(lambda f: sent.cancel() if f.cancelled() else None)
+    return shown
 
 
 def _with_setting(kwargs: dict[str, Any], setting: Redo) -> dict[str, Any]:
@@ -554,6 +579,12 @@ def _recognise(
         sampling["repetition_penalty"] = task.repetition_penalty
     (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
     answers = result.answers = _answers(_COMPLETIONS.asked)
+    failed = [a.future.exception() for a in _COMPLETIONS.asked
+              if a.future.done() and not a.future.cancelled()
+              and a.future.exception() is not None]
+    if failed:  # the page fails (`_request_failure` says how); the answers that came are kept
+        raise RuntimeError(f"{len(failed)} of the page's {len(_COMPLETIONS.asked)} requests "
+                           "failed") from failed[0]
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     # An answer stopped because it looped is one that would have run to the limit: judged
