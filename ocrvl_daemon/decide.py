@@ -126,7 +126,8 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     page = result.page
     if result.error is None:
         ledger = document.ledger.copy()
-        ledger.count(page, result.generated, max(1, len(result.answers)))
+        ledger.count(page, result.generated, max(1, len(result.answers)),
+                     result.tokens - result.generated)
         cut_at = result.truncated_at
         choice: Redo | BlockRedos | KeptBecause | Later | None = None
         if cut_at is not None:

@@ -273,14 +273,16 @@ class RedoLedger:
         """The extra tokens this document's redos may generate (about; see `decide`)."""
         return int(REDO_SHARE * self.first_pass)
 
-    def count(self, page: int, tokens: int, answers: int = 1) -> None:
-        """The `answers` of `page` (a block each) generated `tokens` (its first time, or a
-        redo: only what the server generated, not the answers kept)."""
+    def count(self, page: int, tokens: int, answers: int = 1, kept_tokens: int = 0) -> None:
+        """The `answers` of `page` (a block each) generated `tokens`; `kept_tokens`: those of
+        the answers kept from an earlier try. A redo counts only what the server generated;
+        a first pass counts the kept answers too (a try that failed, whose good answers were
+        kept, is part of it)."""
         if page in self._out:
             del self._out[page]
             self.extra += tokens
         elif page not in self.redos and page not in self.block_redos:
-            self.first_pass += tokens
+            self.first_pass += tokens + kept_tokens
             self._answers += answers
 
     def decide(self, page: int, cut_at: int, ceiling: int, looping: bool,

@@ -336,8 +336,11 @@ def test_a_page_whose_one_request_failed_is_sent_again_keeping_the_answers_that_
     # The next try's answers: the kept ones reused, the other two fresh and good.
     again = [replace(kept[a.key], reused=True) if a.key in kept else good(0, n)
              for n, a in enumerate(good(0, b) for b in range(BLOCKS))]
+    before = doc.ledger.first_pass
     done = decide(page_result(0, again), doc, RULES)
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK, done
+    assert done.ledger is not None and done.ledger.first_pass == before + BLOCKS * TOKENS, (
+        "the redo budget left out the first-pass answers kept from the failed try")
 
 
 @pytest.mark.quick
