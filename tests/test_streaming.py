@@ -278,6 +278,15 @@ def test_an_answer_that_is_not_a_chat_completion_is_a_server_error_naming_the_ur
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("event", [b"{not json", b"[1, 2]", b'"text"'])
+def test_a_streamed_event_that_is_not_a_json_object_is_a_server_error(event: bytes) -> None:
+    with pytest.raises(StatusError) as caught:
+        _answer_of(_event_stream(b"data: %s\n\ndata: [DONE]\n\n" % event))
+    assert caught.value.status_code == 502 and "server.url" in caught.value.message
+    assert event.decode() in caught.value.message
+
+
+@pytest.mark.quick
 def test_an_error_event_in_older_vllms_shape_keeps_its_code_and_message() -> None:
     event = {"object": "error", "message": "prompt is too long", "type": "BadRequestError",
              "param": None, "code": 400}

@@ -584,7 +584,8 @@ def _recognise(
               and a.future.exception() is not None]
     if failed:  # the page fails (`_request_failure` says how); the answers that came are kept
         raise RuntimeError(f"{len(failed)} of the page's {len(_COMPLETIONS.asked)} requests "
-                           "failed") from failed[0]
+                           f"failed, the first with {type(failed[0]).__name__}: {failed[0]}"
+                           ) from failed[0]
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     # An answer stopped because it looped is one that would have run to the limit: judged

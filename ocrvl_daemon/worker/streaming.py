@@ -107,7 +107,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                 continue
             if data == "[DONE]":
                 break
-            event = json.loads(data)
+            event = _event(data)
             # The server failed once streaming: vLLM sends {"error": {...}}, older ones the
             # error's fields alone ({"object": "error", ...}).
             error = event.get("error") if isinstance(event.get("error"), dict) else (
@@ -136,6 +136,18 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
 async def _each(lines: list[str]) -> AsyncIterator[str]:
     for line in lines:
         yield line
+
+
+def _event(data: str) -> dict[str, Any]:
+    """One streamed event's JSON object; StatusError (502) for one that is not."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        raise StatusError(502, "the server's answer is not a chat completion stream (is "
+                          f"server.url an OpenAI-compatible API?): {data[:200]!r}")
+    return event
 
 
 def _whole(body: bytes) -> StreamedAnswer:
