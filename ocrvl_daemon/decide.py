@@ -166,7 +166,26 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
         return FailJob(InputVanishedError(result.error or "the file changed"))
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
-    return _keeping_what_came(page_failed(document, page, error, rules), document, result)
+    action = page_failed(document, page, error, rules)
+    if isinstance(action, Placeholder) and result.failed and result.answers:
+        return _without_refused_blocks(document, result, error)
+    return _keeping_what_came(action, document, result)
+
+
+def _without_refused_blocks(document: Document, result: PageResult, error: str) -> SendAgain:
+    """The last try of a page some of whose blocks (`result.failed`) the server refused on
+    every try: its other answers are kept and those blocks answered empty, so the page is put
+    together without them instead of becoming a placeholder; it comes back flagged bad, the
+    blocks and the server's words in its note (`RedoLedger.refuse`)."""
+    page = result.page
+    ledger = document.ledger.copy()
+    good = {a.key: a for a in result.answers if not _is_to_blame(a)}
+    empty = {key: BlockAnswer(key, "", "stop", 0) for key in result.failed}
+    ledger.keep[page] = {**ledger.keep.get(page, {}), **good, **empty}
+    ledger.refuse(page, result.failed, error)
+    return SendAgain(page, why=f"p.{page + 1}: the server refused {len(result.failed)} of its "
+                               f"blocks on every try ({error.rstrip('.')}); keeping the page "
+                               "without them, flagged", ledger=ledger)
 
 
 def _keeping_what_came(action: Action, document: Document, result: PageResult) -> Action:
@@ -324,10 +343,15 @@ def _how_blocks_go(answer: PageResult, choice: BlockRedos) -> str:
 def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
                   why: Redo | KeptBecause | None, rules: Rules) -> str | None:
     """The note of a page kept although it is not ok (None when it is ok)."""
-    return flag_note(answer.page, quality, why, answer.truncated_at,
-                     retry_command(document.job.path, str(answer.page + 1), rules.again),
-                     external_server=rules.external_server,
-                     where=_blocks_named(answer, _is_to_blame))
+    where = _blocks_named(answer, _is_to_blame)
+    retry = retry_command(document.job.path, str(answer.page + 1), rules.again)
+    refused = document.ledger.refused.get(answer.page)
+    if refused is not None and where and quality.reason == "empty":
+        return (f"page {answer.page + 1} is {quality.verdict.value}: the server refused "
+                f"{where} on every try ({refused.rstrip('.')}); the page is kept without "
+                f"{'them' if ',' in where else 'it'}. Redo it with: {retry}")
+    return flag_note(answer.page, quality, why, answer.truncated_at, retry,
+                     external_server=rules.external_server, where=where)
 
 
 def _server_failed(document: Document, page: int, error: str | None, url: str,

@@ -254,6 +254,8 @@ class RedoLedger:
     held: dict[int, Held] = field(default_factory=dict)
     # Pages sent again for some of their blocks: page -> the answers to keep, by key.
     keep: dict[int, Mapping[str, Any]] = field(default_factory=dict)
+    # Pages kept without the blocks the server refused on every try: page -> its words.
+    refused: dict[int, str] = field(default_factory=dict)
     _answers: int = 0  # first-pass answers counted (a block each)
     _grown: set[BlockId] = field(default_factory=set)  # answers redone with more tokens
     _emptied: set[BlockId] = field(default_factory=set)  # answers sent again for being empty
@@ -265,8 +267,8 @@ class RedoLedger:
         return RedoLedger(self.first_pass, self.extra, dict(self.redos),
                           {page: dict(blocks) for page, blocks in self.block_redos.items()},
                           dict(self.loop_tries), dict(self.held), dict(self.keep),
-                          self._answers, set(self._grown), set(self._emptied), dict(self._out),
-                          dict(self._best))
+                          dict(self.refused), self._answers, set(self._grown),
+                          set(self._emptied), dict(self._out), dict(self._best))
 
     @property
     def cap(self) -> int:
@@ -393,6 +395,12 @@ class RedoLedger:
         self.block_redos[page] = {**before, **redos}
         return BlockRedos(redos)
 
+    def refuse(self, page: int, keys: Sequence[str], error: str) -> None:
+        """The server refused the blocks `keys` of `page` on every try (`error`): the page is
+        kept without them, left empty and not sent again for being empty."""
+        self._emptied.update(BlockId(page, key) for key in keys)
+        self.refused[page] = error
+
     def release(self, page: int) -> Redo | BlockRedos | KeptBecause:
         """The decision for a page held by `Later`, once the document's other pages are in."""
         held = self.held.pop(page)
@@ -425,6 +433,7 @@ class RedoLedger:
         self._out.pop(page, None)
         self.held.pop(page, None)
         self.keep.pop(page, None)
+        self.refused.pop(page, None)
 
 
 def flag_note(page: int, quality: PageQuality, why: Redo | KeptBecause | None,

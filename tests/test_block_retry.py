@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.decide import Checkpoint, Rules, SendAgain, decide, release_held
+from ocrvl_daemon.decide import Checkpoint, FailJob, Rules, SendAgain, decide, release_held
 from ocrvl_daemon.document import Document
 from ocrvl_daemon.page_quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.worker import main as worker_main
@@ -341,6 +341,32 @@ def test_a_page_whose_one_request_failed_is_sent_again_keeping_the_answers_that_
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK, done
     assert done.ledger is not None and done.ledger.first_pass == before + BLOCKS * TOKENS, (
         "the redo budget left out the first-pass answers kept from the failed try")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fail_on_page_error", [False, True])
+def test_a_block_refused_on_every_try_leaves_the_page_without_it_unless_pages_must_not_fail(
+        fail_on_page_error: bool) -> None:
+    rules = replace(RULES, fail_on_page_error=fail_on_page_error)
+    doc = book_with_first_pass_in()
+    doc.attempts[0] = rules.page_retries  # this try is its last
+    answers = [good(0, b) for b in range(BLOCKS) if b != FAILED]
+    result = replace(page_result(0, []), error="HTTP 400: refused", error_kind=Failure.PAGE,
+                     answers=answers, failed=[f"p0b{FAILED}"])
+    action = decide(result, doc, rules)
+    if fail_on_page_error:
+        assert isinstance(action, FailJob), "output.fail_on_page_error was not honoured"
+        return
+    assert isinstance(action, SendAgain) and action.ledger is not None, action
+    assert action.ledger.keep[0][f"p0b{FAILED}"].text == "" and len(action.ledger.keep[0]) == \
+        BLOCKS, "the last try would ask the server again"
+    redo_of(action, doc)
+    kept = action.ledger.keep[0]
+    again = [replace(kept[f"p0b{b}"], reused=True) for b in range(BLOCKS)]  # as the page asks
+    done = decide(page_result(0, again), doc, rules)
+    assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.BAD, done
+    assert done.note is not None and "refused block 12 of 30 on every try (HTTP 400: " \
+        "refused)" in done.note, done.note
 
 
 @pytest.mark.quick

@@ -183,6 +183,41 @@ def test_a_block_the_server_fails_is_sent_again_alone_the_pages_other_answers_ke
 
 
 @pytest.mark.slow
+def test_a_block_the_server_refuses_on_every_try_leaves_its_page_without_it_flagged(
+        layout_cache: Path, tmp_path: Path) -> None:
+    """Each page's formula is refused (HTTP 400) on every try: the page keeps its other
+    answers, the formula's place is empty, and the page is flagged bad with the block and the
+    server's words, not replaced by a placeholder."""
+    book = make_layout_pdf(tmp_path / "book.pdf", PAGES)
+    log = tmp_path / "requests.jsonl"
+    config = write_config(tmp_path / "config.yaml",
+                          pipeline={"use_layout_detection": True, "layout_device": "cpu",
+                                    "page_retries": 1},
+                          output={"formats": ["markdown", "json"]})
+    with start_fake_server(free_port(), "--request-log", str(log),
+                           "--refused-prompts", "Formula Recognition:") as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
+                           PADDLE_PDX_CACHE_HOME=str(layout_cache))
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    formulas = [r for r in requests if r["prompt"].startswith("Formula")]
+    assert all(r["status"] == 400 for r in formulas) and len(formulas) == PAGES * 2, (
+        f"{len(formulas)} formula requests: each page's should be tried twice "
+        "(page_retries 1), then left")
+    assert len(requests) - len(formulas) == PAGES * (sum(PROMPTS.values()) - 1), (
+        "the blocks the server answered were asked for again")
+    markdown = (tmp_path / "book.md").read_text(encoding="utf-8")
+    assert "could not be recognised" not in markdown, "a page became a placeholder"
+    assert markdown.count("fake-ocr ") == PAGES * (sum(PROMPTS.values()) - 2), (
+        "an answer the server gave is missing from the Markdown")
+    notes = re.findall(r"page \d is bad: [^\n]*", markdown)
+    assert len(notes) == PAGES, markdown
+    assert all("the server refused block 4 of 7 on every try (HTTP 400: " in n and
+               "--refused-prompts" in n and "kept without it" in n for n in notes), notes
+    assert [p["verdict"] for p in pages_json(tmp_path)] == ["bad"] * PAGES
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_help(
         layout_cache: Path, tmp_path: Path) -> None:
     """One worker lays out pages on the CPU while the fake server answers at once: layout

@@ -579,13 +579,13 @@ def _recognise(
         sampling["repetition_penalty"] = task.repetition_penalty
     (res,) = pipeline.predict(image, max_new_tokens=task.max_new_tokens, **sampling)
     answers = result.answers = _answers(_COMPLETIONS.asked)
-    failed = [a.future.exception() for a in _COMPLETIONS.asked
-              if a.future.done() and not a.future.cancelled()
+    failed = [a for a in _COMPLETIONS.asked if a.future.done() and not a.future.cancelled()
               and a.future.exception() is not None]
     if failed:  # the page fails (`_request_failure` says how); the answers that came are kept
+        result.failed = [a.key for a in failed]
+        first = failed[0].future.exception()
         raise RuntimeError(f"{len(failed)} of the page's {len(_COMPLETIONS.asked)} requests "
-                           f"failed, the first with {type(failed[0]).__name__}: {failed[0]}"
-                           ) from failed[0]
+                           f"failed, the first with {type(first).__name__}: {first}") from first
     result.tokens = sum(a.tokens for a in answers)
     result.repetition = max((repetition(a.text) for a in answers), default=0.0)
     # An answer stopped because it looped is one that would have run to the limit: judged

@@ -178,6 +178,7 @@ class PageResult:
     repetition: float = 0.0  # the worst page_quality.repetition of its answers
     # Each chat request's answer, in the order asked: a block each (one with layout off).
     answers: list[BlockAnswer] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # the keys of the requests that failed
     has_ink: bool = False  # the page image is not blank
     size: tuple[int, int] = (0, 0)  # the page image's width and height in pixels
     blocks: list[Block] = field(default_factory=list)

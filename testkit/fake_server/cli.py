@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("cut", "are cut off at the limit"), ("empty", "get an empty answer")):
         p.add_argument(f"--{kind}-widths", type=_widths, default=frozenset(),
                        help=f"pages whose image is this many pixels wide {what} (W,W,...)")
+    p.add_argument("--refused-prompts", default="",
+                   help="requests whose prompt starts with one of these (P,P,...) are refused "
+                   "with HTTP 400, as vLLM refuses a request it cannot take")
     p.add_argument("--loop-marked", action="store_true",
                    help="images with a red mark on them (a block of a laid-out page) loop "
                    "unless the request breaks loops")
@@ -130,6 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         loop_widths=ns.loop_widths,
         cut_widths=ns.cut_widths,
         empty_widths=ns.empty_widths,
+        refused_prompts=tuple(p for p in ns.refused_prompts.split(",") if p),
         loop_marked=ns.loop_marked,
         access_log=not ns.disable_uvicorn_access_log,
         ignored_args=tuple(unknown),

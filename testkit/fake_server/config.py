@@ -43,6 +43,7 @@ class FakeServerConfig:
     loop_widths: frozenset[int] = frozenset()
     cut_widths: frozenset[int] = frozenset()
     empty_widths: frozenset[int] = frozenset()
+    refused_prompts: tuple[str, ...] = ()  # requests whose prompt starts so get an HTTP 400
     loop_marked: bool = False  # images with a red mark loop, like loop_widths
     access_log: bool = True
     ignored_args: tuple[str, ...] = ()

@@ -372,6 +372,9 @@ class FakeServer:
             raise engine_error()
         if cfg.hang_after is not None and number >= cfg.hang_after:
             await self._hang(record)
+        if cfg.refused_prompts and chat.prompt.startswith(cfg.refused_prompts):
+            raise RequestError(400, f"the fake server refuses {chat.prompt!r} requests "
+                               "(--refused-prompts)", "BadRequestError")
         if (cfg.error_500_every and number % cfg.error_500_every == 0) or (
             cfg.error_500_rate > 0 and self._rng.random() < cfg.error_500_rate
         ):
