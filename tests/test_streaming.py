@@ -286,6 +286,30 @@ def test_a_streamed_event_that_is_not_a_json_object_is_a_server_error(event: byt
     assert event.decode() in caught.value.message
 
 
+def _finishing(reason: str) -> bytes:
+    """A stream of one chunk of text that ends with `reason`, usage last."""
+    return _event_stream(
+        b'data: {"choices":[{"index":0,"delta":{"content":"half a page"},"finish_reason":'
+        b'"%s"}]}\n\ndata: {"choices":[],"usage":{"completion_tokens":4}}\n\ndata: [DONE]\n\n'
+        % reason.encode())
+
+
+@pytest.mark.quick
+def test_an_answer_vllms_own_loop_detection_ended_is_a_loop() -> None:
+    answer = _answer_of(_finishing("repetition"))
+    assert answer == StreamedAnswer("half a page", LOOP, 4), (
+        "an answer vLLM stopped for repeating itself would be kept as a good one")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_an_answer_the_server_ended_unfinished_is_a_server_error(reason: str) -> None:
+    with pytest.raises(StatusError) as caught:
+        _answer_of(_finishing(reason))
+    assert caught.value.status_code == 500, "half an answer would be kept as the block's text"
+    assert f"finish_reason '{reason}'" in caught.value.message
+
+
 @pytest.mark.quick
 def test_an_error_event_in_older_vllms_shape_keeps_its_code_and_message() -> None:
     event = {"object": "error", "message": "prompt is too long", "type": "BadRequestError",

@@ -24,6 +24,10 @@ import httpx
 from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS, looks_like_a_loop
 
 LOOP = "loop"  # the finish reason of an answer cut short because it looped
+# vLLM's finish reasons beyond OpenAI's "stop" and "length": its own loop detection ends an
+# answer with "repetition"; "abort" and "error" end one unfinished.
+REPEATED = "repetition"
+UNFINISHED = ("abort", "error")
 # How often a streamed answer is scored. Scoring costs ~50 us (zlib over the window); a loop
 # runs on for at most this many tokens after it shows.
 CHECK_EVERY_TOKENS = 64
@@ -130,7 +134,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                     return StreamedAnswer(answer, LOOP, tokens)
     finally:
         await response.aclose()  # a stream left early: the server aborts the request
-    return StreamedAnswer("".join(parts), finish, tokens)
+    return _ended("".join(parts), finish, tokens)
 
 
 async def _each(lines: list[str]) -> AsyncIterator[str]:
@@ -162,8 +166,17 @@ def _whole(body: bytes) -> StreamedAnswer:
         shown = body[:200].decode("utf-8", "replace").strip()
         raise StatusError(502, "the server's answer is not a chat completion (is "
                           f"server.url an OpenAI-compatible API?): {shown!r}") from None
-    return StreamedAnswer(text, choice.get("finish_reason"),
-                          int(usage.get("completion_tokens") or 0))
+    return _ended(text, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0))
+
+
+def _ended(text: str, finish_reason: str | None, tokens: int) -> StreamedAnswer:
+    """An answer that ended with `finish_reason`, in ocrvl's terms: vLLM's own loop detection
+    ("repetition") is a loop; an answer the server ended unfinished ("abort", "error") is the
+    server failing the request (StatusError 500), not an answer to keep."""
+    if finish_reason in UNFINISHED:
+        raise StatusError(500, f"the server ended the answer unfinished (finish_reason "
+                          f"{finish_reason!r}) after {tokens} tokens")
+    return StreamedAnswer(text, LOOP if finish_reason == REPEATED else finish_reason, tokens)
 
 
 def _error_message(body: bytes) -> str:
