@@ -178,10 +178,8 @@ def _without_refused_blocks(document: Document, result: PageResult, error: str) 
     together without them instead of becoming a placeholder; it comes back flagged bad, the
     blocks and the server's words in its note (`RedoLedger.refuse`)."""
     page = result.page
-    ledger = document.ledger.copy()
-    good = {a.key: a for a in result.answers if not _is_to_blame(a)}
     empty = {key: BlockAnswer(key, "", "stop", 0) for key in result.failed}
-    ledger.keep[page] = {**ledger.keep.get(page, {}), **good, **empty}
+    ledger = _keeping(document.ledger, page, {**_came_back_good(result), **empty})
     ledger.refuse(page, result.failed, error)
     return SendAgain(page, why=f"p.{page + 1}: the server refused {len(result.failed)} of its "
                                f"blocks on every try ({error.rstrip('.')}); keeping the page "
@@ -192,13 +190,24 @@ def _keeping_what_came(action: Action, document: Document, result: PageResult) -
     """`action` for a failed try of a page; where it sends the page again, the answers that
     came back good on that try are kept, so only the other blocks are asked for again (a page
     of 30 blocks would otherwise need all 30 requests to succeed at once)."""
-    good = {a.key: a for a in result.answers if not _is_to_blame(a)}
+    good = _came_back_good(result)
     if not isinstance(action, SendAgain) or not good:
         return action
-    ledger = (action.ledger or document.ledger).copy()
-    ledger.keep[result.page] = {**ledger.keep.get(result.page, {}), **good}
+    ledger = _keeping(action.ledger or document.ledger, result.page, good)
     why = action.why and f"{action.why} (the {len(good)} answers that came back kept)"
     return replace(action, ledger=ledger, why=why)
+
+
+def _came_back_good(result: PageResult) -> dict[str, BlockAnswer]:
+    """The answers of a failed try `result` worth keeping: neither cut off nor empty."""
+    return {a.key: a for a in result.answers if not _is_to_blame(a)}
+
+
+def _keeping(ledger: RedoLedger, page: int, answers: dict[str, BlockAnswer]) -> RedoLedger:
+    """A copy of `ledger` that keeps `answers` for `page` too."""
+    kept = ledger.copy()
+    kept.keep[page] = {**kept.keep.get(page, {}), **answers}
+    return kept
 
 
 def _decide_cut(ledger: RedoLedger, result: PageResult, cut_at: int,

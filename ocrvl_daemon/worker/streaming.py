@@ -149,8 +149,7 @@ def _event(data: str) -> dict[str, Any]:
     except ValueError:
         event = None
     if not isinstance(event, dict):
-        raise StatusError(502, "the server's answer is not a chat completion stream (is "
-                          f"server.url an OpenAI-compatible API?): {data[:200]!r}")
+        raise _not_a_completion("chat completion stream", data)
     return event
 
 
@@ -163,10 +162,15 @@ def _whole(body: bytes) -> StreamedAnswer:
         text = choice["message"].get("content") or ""
         usage = completion.get("usage") or {}
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        shown = body[:200].decode("utf-8", "replace").strip()
-        raise StatusError(502, "the server's answer is not a chat completion (is "
-                          f"server.url an OpenAI-compatible API?): {shown!r}") from None
+        raise _not_a_completion("chat completion",
+                                body[:200].decode("utf-8", "replace").strip()) from None
     return _ended(text, choice.get("finish_reason"), int(usage.get("completion_tokens") or 0))
+
+
+def _not_a_completion(what: str, answer: str) -> StatusError:
+    """The server failing a request with an `answer` that is not a `what` (HTTP 502)."""
+    return StatusError(502, f"the server's answer is not a {what} (is server.url an "
+                            f"OpenAI-compatible API?): {answer[:200]!r}")
 
 
 def _ended(text: str, finish_reason: str | None, tokens: int) -> StreamedAnswer:
