@@ -5,13 +5,14 @@ loop, converted end to end."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import re
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -29,7 +30,7 @@ from ocrvl_daemon.worker.streaming import (
 from testkit.documents import make_pdf
 from testkit.fake_server import DEFAULT_MODEL, FakeServerConfig, InProcessFakeServer
 from testkit.harness import chat_payload, make_test_jpeg, wait_until
-from testkit.plain_server import plain_openai_server
+from testkit.plain_server import plain_openai_server, serving
 
 CHAT = "/v1/chat/completions"
 LOOPING = 64  # the width of the page images that loop
@@ -343,6 +344,78 @@ def test_a_server_that_drops_every_request_unanswered_is_a_transport_error_after
         server.close()
     assert server.connections == 2, (
         f"{server.connections} tries of a request a server keeps dropping: once more, not more")
+
+
+class _StrictServer(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server stricter than vLLM: it refuses vLLM's stream option
+    `continuous_usage_stats` (HTTP 400), `stream_options` at all (400) and streaming (422, as a
+    validating server would), and answers whole. `bodies`: every request it was sent."""
+
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        options = body.get("stream_options") or {}
+        refusal = (
+            (400, "Unrecognized request argument supplied: stream_options.continuous_usage_stats")
+            if "continuous_usage_stats" in options else
+            (400, "Unrecognized request argument supplied: stream_options")
+            if "stream_options" in body else
+            (422, "stream: streaming is not supported by this server")
+            if body.get("stream") else
+            (400, "prompt is too long") if body.get("max_completion_tokens") == 1 else None)
+        code, answer = refusal or (200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                                     "message": {"content": "answered"}}],
+                                         "usage": {"completion_tokens": 1}})
+        data = json.dumps(answer if code == 200 else {"error": {"message": answer}}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.quick
+def test_a_server_that_refuses_the_stream_options_is_asked_with_fewer_from_then_on() -> None:
+    """A strict server refusing vLLM's stream options, then any, then streaming at all: the
+    page is still answered, and that server's next requests go plain at once."""
+    _StrictServer.bodies = []
+    messages, kwargs = paddlex_call(9)
+
+    async def ask_twice(url: str) -> list[StreamedAnswer]:
+        async with httpx.AsyncClient() as client:
+            return [await stream_completion(client, url + CHAT, request_body(
+                DEFAULT_MODEL, messages, kwargs), {}, 5) for _ in range(2)]
+
+    with serving(_StrictServer) as root:
+        first, second = asyncio.run(ask_twice(root + "/v1"))
+    assert first == second == StreamedAnswer("answered", "stop", 1), (first, second)
+    asked = [(b.get("stream"), b.get("stream_options")) for b in _StrictServer.bodies]
+    assert asked == [(True, {"include_usage": True, "continuous_usage_stats": True}),
+                     (True, {"include_usage": True}), (True, None), (False, None),
+                     (False, None)], f"what the strict server was asked, in turn: {asked}"
+
+
+@pytest.mark.quick
+def test_a_refusal_that_is_not_about_streaming_is_not_sent_again() -> None:
+    _StrictServer.bodies = []
+    messages, kwargs = paddlex_call(9, max_tokens=1)
+    plain = {k: v for k, v in request_body(DEFAULT_MODEL, messages, kwargs).items()
+             if k != "stream_options"}
+
+    async def ask(url: str) -> StreamedAnswer:
+        async with httpx.AsyncClient() as client:
+            return await stream_completion(client, url + CHAT,
+                                           {**plain, "stream": False}, {}, 5)
+
+    with serving(_StrictServer) as root, pytest.raises(StatusError) as caught:
+        asyncio.run(ask(root + "/v1"))
+    assert (caught.value.status_code, caught.value.message) == (400, "prompt is too long")
+    assert len(_StrictServer.bodies) == 1, "a request the server refused for itself went again"
 
 
 async def _stream_to(url: str) -> StreamedAnswer:

@@ -9,12 +9,16 @@ answer ends with the finish reason LOOP.
 
 The request is the one PaddleX's OpenAI client sends (`create_chat_completion`'s keyword
 arguments: sampling, token limit, `extra_body`, `timeout`), with `stream` on. A server that
-answers it whole anyway is read whole (its loops are judged once they end, as before).
+answers it whole anyway is read whole (its loops are judged once they end, as before). A
+strict server that refuses the stream's options with an HTTP 400/422 naming them is asked
+again with less (`_plainer`), and that server is asked that way from then on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +26,8 @@ from typing import Any
 import httpx
 
 from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS, looks_like_a_loop
+
+log = logging.getLogger(__name__)
 
 LOOP = "loop"  # the finish reason of an answer cut short because it looped
 # vLLM's finish reasons beyond OpenAI's "stop" and "length": its own loop detection ends an
@@ -44,6 +50,11 @@ DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 KEEPALIVE_EXPIRY = 2.0
 # How an event stream's body begins: an event's data, a comment (a keep-alive ping), a field.
 SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
+# How many times each server (its chat completions URL) refused a request's stream options,
+# by the client that asked: its requests are made that much plainer at once (`_plainer`), not
+# refused first every time.
+_PLAINER_FOR: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, int]] = (
+    weakref.WeakKeyDictionary())
 
 
 class StatusError(Exception):
@@ -88,15 +99,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     parts: list[str] = []
     chars = tokens = judged = 0
     finish: str | None = None
-    request = client.build_request("POST", url, json=body, headers=headers, timeout=timeout)
+    response = await _answering(client, url, body, headers, timeout)
     try:
-        response = await client.send(request, stream=True)
-    except DROPPED:
-        response = await client.send(request, stream=True)
-    try:
-        if response.status_code >= 400:
-            await response.aread()
-            raise StatusError(response.status_code, _error_message(response.content))
         lines: AsyncIterator[str]
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             lines = response.aiter_lines()
@@ -135,6 +139,57 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     finally:
         await response.aclose()  # a stream left early: the server aborts the request
     return _ended("".join(parts), finish, tokens)
+
+
+async def _answering(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                     headers: dict[str, str], timeout: float) -> httpx.Response:
+    """The server's response to `body` (its status below 400), its body not read yet: the
+    request is sent once more on a new connection where it was dropped unanswered (DROPPED),
+    and made plainer where the server refuses its stream options. StatusError otherwise."""
+    known = _PLAINER_FOR.setdefault(client, {})
+    plainer = 0
+    while plainer < known.get(url, 0) and (simpler := _plainer(body)) is not None:
+        body, plainer = simpler, plainer + 1
+    while True:
+        request = client.build_request("POST", url, json=body, headers=headers, timeout=timeout)
+        try:
+            response = await client.send(request, stream=True)
+        except DROPPED:
+            response = await client.send(request, stream=True)
+        if response.status_code < 400:
+            return response
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        message = _error_message(response.content)
+        simpler = _plainer(body) if (response.status_code in (400, 422)
+                                     and "stream" in message.lower()) else None
+        if simpler is None:
+            raise StatusError(response.status_code, message)
+        plainer += 1
+        if plainer > known.get(url, 0):
+            known[url] = plainer
+            log.info("the server at %s refuses streamed requests as sent (HTTP %d: %s); asking "
+                     "it with fewer stream options from now on", url, response.status_code,
+                     message[:200])
+        body = simpler
+
+
+def _plainer(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` with one stream option fewer, for a server that refused it: vLLM's
+    `continuous_usage_stats` first (the answer's chunks are then counted), then all of
+    `stream_options`, then streaming itself (the answer is read whole, its loops judged once it
+    ends); None when there is nothing left to drop."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and "continuous_usage_stats" in options:
+        return {**body, "stream_options": {k: v for k, v in options.items()
+                                           if k != "continuous_usage_stats"}}
+    if "stream_options" in body:
+        return {k: v for k, v in body.items() if k != "stream_options"}
+    if body.get("stream"):
+        return {**body, "stream": False}
+    return None
 
 
 async def _each(lines: list[str]) -> AsyncIterator[str]:
