@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +183,13 @@ def convert(cache: Path, folder: Path, pages: int, engine: str = "auto",
             "server_busy_s": round(busy, 2), "render_s": round(render_seconds(book), 2)}
 
 
-def gpu_footprint(batches: list[int], calls: int = 5) -> dict[str, Any]:
+def gpu_footprint(batches: list[int], calls: int = 5, callers: int = 0) -> dict[str, Any]:
     """GPU memory and speed of PP-DocLayoutV3 (Hugging Face's class, random fp32 weights, what
     the transformers engine runs) at 800x800 per batch size: the CUDA context, the weights,
-    the allocator's peak per batch, and the whole process as the driver counts it.
+    the allocator's peak per batch, and the whole process as the driver counts it. With
+    `callers`, then the process's memory once that many threads have each made one call at
+    batch 1, one at a time (a worker's page threads taking turns at the model), against as
+    many calls from one thread (the worker's model lane).
 
     Needs only torch and transformers (runs in a plain CUDA environment, no paddle).
     """
@@ -225,7 +229,52 @@ def gpu_footprint(batches: list[int], calls: int = 5) -> dict[str, Any]:
             "pages_per_s": round(batch * calls / seconds, 1)})
         del pixels
         torch.cuda.empty_cache()
+    if callers:
+        figures["callers"] = _callers_footprint(model, callers, used_mib)
     return figures
+
+
+def _callers_footprint(model: Any, callers: int, used_mib: Callable[[], float]
+                       ) -> dict[str, Any]:
+    """The process's GPU memory after `callers` batch-1 calls from one thread, then after as
+    many from as many threads in turn: what per-thread state (cuBLAS/cuDNN handles and their
+    workspaces) adds."""
+    import threading
+
+    import torch
+
+    pixels = torch.rand(1, 3, 800, 800, device="cuda")
+
+    def call() -> None:
+        with torch.inference_mode():
+            model(pixel_values=pixels)
+        torch.cuda.synchronize()
+
+    for _ in range(callers):
+        call()
+    one_thread = used_mib()
+    # The threads stay alive until all have called, as a worker's page threads do: torch
+    # hands a thread's handles back to its pool only when the thread ends.
+    turn, done = threading.Lock(), threading.Event()
+    called = threading.Barrier(callers + 1)
+
+    def page() -> None:
+        with turn:
+            call()
+        called.wait()
+        done.wait()
+
+    threads = [threading.Thread(target=page) for _ in range(callers)]
+    for thread in threads:
+        thread.start()
+    called.wait(timeout=600)
+    many_threads = used_mib()
+    done.set()
+    for thread in threads:
+        thread.join()
+    return {"callers": callers, "one_thread_mib": round(one_thread),
+            "after_threads_mib": round(many_threads),
+            "per_thread_mib": round((many_threads - one_thread) / callers, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,9 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--book-device", default="auto", help="pipeline.layout_device")
     parser.add_argument("--gpu-footprint", action="store_true",
                         help="only the GPU memory and speed per batch (torch + transformers)")
+    parser.add_argument("--callers", type=int, default=48,
+                        help="with --gpu-footprint: then as many calls from as many threads")
     args = parser.parse_args(argv)
     if args.gpu_footprint:
-        print(json.dumps(gpu_footprint(list(map(int, args.batches.split(","))))), flush=True)
+        print(json.dumps(gpu_footprint(list(map(int, args.batches.split(","))),
+                                       callers=args.callers)), flush=True)
         return 0
     try:
         engines = [ENGINES[e] for e in args.engines.split(",")]

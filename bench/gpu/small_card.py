@@ -37,6 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.gpu.layout_on import (
     PAGE_TOKENS,
     block_lengths,
@@ -86,6 +88,7 @@ class CardMemory:
     def __init__(self, interval: float = 0.5) -> None:
         self.interval = interval
         self.samples: list[tuple[int, dict[int, int]]] = []  # (card used, {pid: MiB})
+        self.names: dict[int, str] = {}  # each process seen on the card: what it runs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -101,7 +104,10 @@ class CardMemory:
         while not self._stop.is_set():
             reading = read_gpu()
             if reading is not None:
-                self.samples.append((reading.used_mib, compute_apps()))
+                apps = compute_apps()
+                self.samples.append((reading.used_mib, apps))
+                for pid in apps.keys() - self.names.keys():
+                    self.names[pid] = process_name(pid)
             self._stop.wait(self.interval)
 
     def peaks(self, baseline_mib: int, server_pids: set[int]) -> dict[str, Any]:
@@ -119,7 +125,19 @@ class CardMemory:
             "peak_layout_mib": max(sum(m for p, m in a.items() if p not in server_pids)
                                    for a in apps),
             "samples": len(self.samples),
+            # which process holds what: vLLM's API process beside its engine core, say
+            "peak_by_process_mib": {f"{pid} {self.names.get(pid, '?')}": max(
+                a.get(pid, 0) for a in apps) for pid in sorted({p for a in apps for p in a})},
         }  # fmt: skip
+
+
+def process_name(pid: int) -> str:
+    """What process `pid` runs, shortly: its title (vLLM names its engine core) or command."""
+    with contextlib.suppress(Exception):
+        proc = psutil.Process(pid)
+        line = " ".join(proc.cmdline()[:6])
+        return f"{proc.name()}: {line}"[:120]
+    return "?"
 
 
 def compute_apps() -> dict[int, int]:
@@ -306,6 +324,8 @@ def layout_report(res: dict[str, Any]) -> str:
         f"vLLM, of a budget of {res['card_budget_mib']} MiB (per process: all "
         f"{m.get('peak_processes_mib')}, vLLM {m.get('peak_server_mib')}, layout workers "
         f"{m.get('peak_layout_mib')})",
+        *(f"- {mib} MiB at its peak: {name}"
+          for name, mib in m.get("peak_by_process_mib", {}).items()),
         f"out of memory: vLLM {res['server_out_of_memory']}, ocrvl {res['ocrvl_out_of_memory']}"
         f"; failed runs: {list(res['failed'])}; fits: {res['fits']}", "",
         "| run | pages/s | preemptions |", "|---|---:|---:|",

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -120,36 +120,49 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
     return kwargs
 
 
-class _LockedSpans(threading.local):
-    """Where the calls into the locked models made on this thread are timed: the list of the
+class _LaneSpans(threading.local):
+    """Where the calls into the lane's models made on this thread are timed: the list of the
     page being recognised (`PageResult.layout_spans`), None outside a page."""
 
     spans: list[tuple[float, float]] | None = None
 
 
-_LOCKED_SPANS = _LockedSpans()
+_LANE_SPANS = _LaneSpans()
+# Between two calls on the lane, long enough for the threads a call held off to take the GIL
+# and send what they have (a page's requests): a few ms per call of ~0.1-3 s.
+LANE_PAUSE = 0.005
 
 
-class _Locked:
-    """Serialises calls into a model that is not thread-safe (the layout detector): `lock`
-    guards the target's state, held for each whole call.
+class _OnTheLane:
+    """Runs every call into a model that is not thread-safe (the layout detector) on `lane`,
+    one thread that takes them in turn, whichever page's thread asked.
 
-    Each call is timed, lock held, for the page on this thread: the layout stage's load. The
-    document preprocessor shares the lock, so its calls count there too: the lock is the
-    lane both take turns in.
+    One thread, not a lock among the page threads: torch and Paddle keep per-thread state
+    (cuBLAS/cuDNN handles and their workspaces on a GPU, an OpenMP thread team on the CPU),
+    which a call from each of 50 page threads would multiply: GPU memory beyond the room
+    planned beside the server, and idle teams spinning on the cores the model needs.
+
+    Each call is timed, on the lane, for the page on the asking thread: the layout stage's
+    load. The document preprocessor shares the lane, so its calls count there too.
     """
 
-    def __init__(self, target: Any, lock: threading.Lock) -> None:
+    def __init__(self, target: Any, lane: ThreadPoolExecutor) -> None:
         self._target = target
-        self._lock = lock
+        self._lane = lane
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        def call() -> tuple[list[Any], tuple[float, float]]:
             start = time.monotonic()
             found = list(self._target(*args, **kwargs))
             span = (start, time.monotonic())
-        if _LOCKED_SPANS.spans is not None:
-            _LOCKED_SPANS.spans.append(span)
+            # Paddle holds the GIL for a whole call (seconds on the CPU): the page threads and
+            # the request loop it held off get a turn before the next call starts.
+            time.sleep(LANE_PAUSE)
+            return found, span
+
+        found, span = self._lane.submit(call).result()
+        if _LANE_SPANS.spans is not None:
+            _LANE_SPANS.spans.append(span)
         return found
 
     def __getattr__(self, name: str) -> Any:
@@ -463,13 +476,14 @@ def serve() -> None:
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
-    # reads to it: a model set on the wrapper is never called, so lock the inner one's.
+    # reads to it: a model set on the wrapper is never called, so the inner one's go on the
+    # lane.
     inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
-    # Guards both models below (neither is thread-safe): one call into either at a time.
-    lock = threading.Lock()
+    # Both models below run on one thread (neither is thread-safe): one call at a time.
+    lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="models")
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
-            setattr(inner, name, _Locked(getattr(inner, name), lock))
+            setattr(inner, name, _OnTheLane(getattr(inner, name), lane))
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
@@ -522,7 +536,7 @@ def _run_page(
     _COMPLETIONS.document = task.job_id
     _COMPLETIONS.keep = task.keep
     _COMPLETIONS.blocks = task.blocks
-    _LOCKED_SPANS.spans = result.layout_spans
+    _LANE_SPANS.spans = result.layout_spans
     try:
         check_unchanged(path, task.size, task.mtime)
         # Timed with PDFium's lock held (render_page takes it again): rendering is one lane
@@ -562,7 +576,7 @@ def _run_page(
         _COMPLETIONS.blocks = {}
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
-        _LOCKED_SPANS.spans = None
+        _LANE_SPANS.spans = None
     result.seconds = time.monotonic() - started
     channel.send(result)
 
