@@ -25,6 +25,9 @@ Steps, in the order `--plan` gives them (its order is their priority):
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
   small-card  bench.gpu.small_card --layout (transformers, the same stand-in)
+  layout-threads
+              bench.layout_speed --gpu-footprint --callers 48: the layout model's GPU memory
+              from one thread against from 48 threads in turn (torch's per-thread handles)
 
 Each step gets a share: its estimate, or what is left less the grace if that is less; a step
 whose minimum does not fit what is left is skipped. It runs as a subprocess in a process
@@ -64,7 +67,7 @@ MARKER_ENV = "OCRVL_BENCH_LEASE"
 GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
 SWEEP_GRACE_S = 10.0
 BENCH_MARGIN_S = 30.0  # a bench with --budget-s gets its share less this (its own wind-down)
-DEFAULT_PLAN = "layout-mps,small-card,layout-cpu,loops,mps"
+DEFAULT_PLAN = "layout-threads,small-card,layout-cpu,loops,mps,layout-mps"
 STUB_ENV = "OCRVL_LEASE_STUB_COMMAND"  # tests: the `stub` step's command (shlex)
 
 
@@ -92,6 +95,7 @@ STEPS = {
     "rerun": Step("rerun", 700, 400),  # 2 rounds; more rounds: rerun_estimate_s
     "loops": Step("loops", 330, 240),
     "small-card": Step("small-card", 360, 240),
+    "layout-threads": Step("layout-threads", 60, 30),  # torch's start and 100 calls
     "stub": Step("stub", 30, 1),  # tests only: STUB_ENV's command
 }
 
@@ -316,6 +320,9 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
         main = [py, "-m", "bench.gpu.loop_savings", *vllm, *files]
     elif name == "small-card":
         main = [py, "-m", "bench.gpu.small_card", *vllm, "--layout", *layout, *files]
+    elif name == "layout-threads":
+        main = [py, "-m", "bench.layout_speed", "--gpu-footprint", "--batches", "1",
+                "--callers", "48"]
     elif name == "stub":
         main = shlex.split(os.environ[STUB_ENV])
     else:

@@ -651,8 +651,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lay.add_argument("--layout-cores", default="4,8,all",
                      help="`cpu`: the layout model on the CPU with ocrvl held to this many "
                      "cores each (default 4,8,all; counts above the machine's are skipped)")
-    lay.add_argument("--cpu-pages", type=int, default=12,
-                     help="pages of the book `cpu` converts at each core count (default 12)")
+    lay.add_argument("--cpu-pages", type=int, default=48,
+                     help="pages of the book `cpu` converts at each core count (default 48: "
+                     "8 a worker on 16 cores, so that filling and draining the pipeline do "
+                     "not make most of the time, as they did at 12)")
     lay.add_argument("--page-tokens", type=int, default=500,
                      help="random weights: a page's answer tokens (median) that its blocks "
                      "share: each block's median is this / blocks per page (default 500)")
