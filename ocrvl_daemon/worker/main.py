@@ -129,8 +129,9 @@ class _LaneSpans(threading.local):
 
 _LANE_SPANS = _LaneSpans()
 # Between two calls on the lane, long enough for the threads a call held off to take the GIL
-# and send what they have (a page's requests): a few ms per call of ~0.1-3 s.
-LANE_PAUSE = 0.005
+# and send what they have (a page's requests): 5 ms after a call of seconds (Paddle on the
+# CPU), at most 2% of the lane's time after a short one (on a GPU, ~25 ms).
+LANE_PAUSE, LANE_PAUSE_SHARE = 0.005, 0.02
 
 
 class _OnTheLane:
@@ -157,7 +158,7 @@ class _OnTheLane:
             span = (start, time.monotonic())
             # Paddle holds the GIL for a whole call (seconds on the CPU): the page threads and
             # the request loop it held off get a turn before the next call starts.
-            time.sleep(LANE_PAUSE)
+            time.sleep(min(LANE_PAUSE, LANE_PAUSE_SHARE * (span[1] - span[0])))
             return found, span
 
         found, span = self._lane.submit(call).result()
