@@ -32,26 +32,15 @@ def fake_server() -> Iterator[FakeServerProcess]:
         yield server
 
 
-def _stand_in(tmp_path_factory: pytest.TempPathFactory, *options: str) -> Path:
-    cache = tmp_path_factory.mktemp("paddlex-cache")
-    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), *options],
-                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
-    assert done.returncode == 0, (
-        f"the stand-in layout model was not written:\n{done.stderr[-3000:]}")
-    return cache
-
-
 @pytest.fixture(scope="session")
 def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PaddleX cache home (PADDLE_PDX_CACHE_HOME) holding the small stand-in PP-DocLayoutV3
     for the paddle engine on the CPU (`python -m testkit.layout_model CACHE --small`), written
     once for the whole run."""
-    return _stand_in(tmp_path_factory, "--small")
-
-
-@pytest.fixture(scope="session")
-def real_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same with the stand-in at the real shapes: seconds a page on 2 cores, for the test
-    whose subject is the layout model's cost (~15 s to write)."""
-    return _stand_in(tmp_path_factory)
+    cache = tmp_path_factory.mktemp("paddlex-cache")
+    done = subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                          env=ocrvl_env(), capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, (
+        f"the stand-in layout model was not written:\n{done.stderr[-3000:]}")
+    return cache

@@ -26,7 +26,7 @@ from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_
 
 PAGES = 2
 # Pages of the book whose layout keeps one worker busy for long enough to be measured.
-LIMIT_PAGES = 12
+LIMIT_PAGES = 40
 # Each page's blocks in reading order (page 1 opens with the book's title).
 FIRST_PAGE = ["doc_title", "text", "table", "display_formula", "image", "paragraph_title",
               "text", "number"]
@@ -219,10 +219,9 @@ def test_a_block_the_server_refuses_on_every_try_leaves_its_page_without_it_flag
 
 @pytest.mark.slow
 def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_help(
-        real_layout_cache: Path, tmp_path: Path) -> None:
-    """One worker lays out pages on the CPU, the model at its real shapes, while the fake
-    server answers at once: layout sets the pace, and `ocrvl status` says so and points at
-    the GPU engine."""
+        layout_cache: Path, tmp_path: Path) -> None:
+    """One worker lays out pages on the CPU while the fake server answers at once: layout
+    sets the pace, and `ocrvl status` says so and points at the GPU engine."""
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     config = write_config(
@@ -230,7 +229,7 @@ def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_he
         inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
         pipeline={"use_layout_detection": True, "layout_device": "cpu", "workers": 1},
         server=managed_fake_server(free_port()))
-    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(real_layout_cache)) as daemon:
+    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(layout_cache)) as daemon:
         daemon.wait_ready()
         make_layout_pdf(inbox / "book.pdf", LIMIT_PAGES)
         # Polled: on a 2-core machine rendering takes cores from the layout model at times,

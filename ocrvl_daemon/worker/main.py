@@ -25,7 +25,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 import numpy as np
@@ -120,50 +120,61 @@ def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
     return kwargs
 
 
-class _LaneSpans(threading.local):
-    """Where the calls into the lane's models made on this thread are timed: the list of the
-    page being recognised (`PageResult.layout_spans`), None outside a page."""
+class _TurnSpans(threading.local):
+    """Where the calls into the models that take turns, made on this thread, are timed: the
+    list of the page being recognised (`PageResult.layout_spans`), None outside a page."""
 
     spans: list[tuple[float, float]] | None = None
 
 
-_LANE_SPANS = _LaneSpans()
-# Between two calls on the lane, long enough for the threads a call held off to take the GIL
-# and send what they have (a page's requests): 5 ms after a call of seconds (Paddle on the
-# CPU), at most 2% of the lane's time after a short one (on a GPU, ~25 ms).
-LANE_PAUSE, LANE_PAUSE_SHARE = 0.005, 0.02
+_TURN_SPANS = _TurnSpans()
+# How the local models (neither is thread-safe) take turns (`model_turns`).
+Turns: TypeAlias = "ThreadPoolExecutor | threading.Lock"
 
 
-class _OnTheLane:
-    """Runs every call into a model that is not thread-safe (the layout detector) on `lane`,
-    one thread that takes them in turn, whichever page's thread asked.
+def model_turns(engine: str | None) -> Turns:
+    """How the local models' calls take turns in a worker run by PaddleX `engine`.
 
-    One thread, not a lock among the page threads: torch and Paddle keep per-thread state
-    (cuBLAS/cuDNN handles and their workspaces on a GPU, an OpenMP thread team on the CPU),
-    which a call from each of 50 page threads would multiply: GPU memory beyond the room
-    planned beside the server, and idle teams spinning on the cores the model needs.
+    torch (the transformers engine): on one thread, the model lane. torch keeps per-thread
+    state (cuBLAS/cuDNN handles and their workspaces on a GPU, an OpenMP team on the CPU),
+    which a call from each of ~50 page threads would multiply: GPU memory far beyond the
+    room planned beside the server. It lets go of the GIL while it computes.
 
-    Each call is timed, on the lane, for the page on the asking thread: the layout stage's
-    load. The document preprocessor shares the lane, so its calls count there too.
+    Paddle (and the others): on each page's own thread, under a lock. Paddle holds the GIL
+    for a whole call (seconds on the CPU); on the page's own thread, the page whose call
+    ended carries on at once, where a lane would go straight into the next call and hold
+    that page's requests off until it ends.
+    """
+    if engine == "transformers":
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="models")
+    return threading.Lock()
+
+
+class _TakingTurns:
+    """A model that is not thread-safe (the layout detector), called one call at a time as
+    `turns` says (`model_turns`); the models of one worker share their `turns`.
+
+    Each call is timed for the page on the asking thread: the layout stage's load (the
+    document preprocessor's calls count there too).
     """
 
-    def __init__(self, target: Any, lane: ThreadPoolExecutor) -> None:
+    def __init__(self, target: Any, turns: Turns) -> None:
         self._target = target
-        self._lane = lane
+        self._turns = turns
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         def call() -> tuple[list[Any], tuple[float, float]]:
             start = time.monotonic()
             found = list(self._target(*args, **kwargs))
-            span = (start, time.monotonic())
-            # Paddle holds the GIL for a whole call (seconds on the CPU): the page threads and
-            # the request loop it held off get a turn before the next call starts.
-            time.sleep(min(LANE_PAUSE, LANE_PAUSE_SHARE * (span[1] - span[0])))
-            return found, span
+            return found, (start, time.monotonic())
 
-        found, span = self._lane.submit(call).result()
-        if _LANE_SPANS.spans is not None:
-            _LANE_SPANS.spans.append(span)
+        if isinstance(self._turns, ThreadPoolExecutor):
+            found, span = self._turns.submit(call).result()
+        else:
+            with self._turns:
+                found, span = call()
+        if _TURN_SPANS.spans is not None:
+            _TURN_SPANS.spans.append(span)
         return found
 
     def __getattr__(self, name: str) -> Any:
@@ -469,7 +480,8 @@ def serve() -> None:
     try:
         PaddleOCRVL = import_paddleocr_vl()
         _library_logs_to_daemon()
-        pipeline = PaddleOCRVL(**pipeline_kwargs(config, server_url))
+        kwargs = pipeline_kwargs(config, server_url)
+        pipeline = PaddleOCRVL(**kwargs)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
         return
@@ -477,14 +489,12 @@ def serve() -> None:
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
-    # reads to it: a model set on the wrapper is never called, so the inner one's go on the
-    # lane.
+    # reads to it: a model set on the wrapper is never called, so the inner one's take turns.
     inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
-    # Both models below run on one thread (neither is thread-safe): one call at a time.
-    lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="models")
+    turns = model_turns(kwargs.get("engine"))
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
-            setattr(inner, name, _OnTheLane(getattr(inner, name), lane))
+            setattr(inner, name, _TakingTurns(getattr(inner, name), turns))
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
@@ -537,7 +547,7 @@ def _run_page(
     _COMPLETIONS.document = task.job_id
     _COMPLETIONS.keep = task.keep
     _COMPLETIONS.blocks = task.blocks
-    _LANE_SPANS.spans = result.layout_spans
+    _TURN_SPANS.spans = result.layout_spans
     try:
         check_unchanged(path, task.size, task.mtime)
         # Timed with PDFium's lock held (render_page takes it again): rendering is one lane
@@ -577,7 +587,7 @@ def _run_page(
         _COMPLETIONS.blocks = {}
         _COMPLETIONS.priority = 0
         _COMPLETIONS.document = None
-        _LANE_SPANS.spans = None
+        _TURN_SPANS.spans = None
     result.seconds = time.monotonic() - started
     channel.send(result)
 
