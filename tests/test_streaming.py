@@ -5,7 +5,6 @@ loop, converted end to end."""
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import re
 import socket
@@ -30,7 +29,7 @@ from ocrvl_daemon.worker.streaming import (
 from testkit.documents import make_pdf
 from testkit.fake_server import DEFAULT_MODEL, FakeServerConfig, InProcessFakeServer
 from testkit.harness import chat_payload, make_test_jpeg, wait_until
-from testkit.plain_server import plain_openai_server, serving
+from testkit.plain_server import _Handler, plain_openai_server, serving
 
 CHAT = "/v1/chat/completions"
 LOOPING = 64  # the width of the page images that loop
@@ -346,15 +345,12 @@ def test_a_server_that_drops_every_request_unanswered_is_a_transport_error_after
         f"{server.connections} tries of a request a server keeps dropping: once more, not more")
 
 
-class _StrictServer(http.server.BaseHTTPRequestHandler):
+class _StrictServer(_Handler):
     """An OpenAI-compatible server stricter than vLLM: it refuses vLLM's stream option
     `continuous_usage_stats` (HTTP 400), `stream_options` at all (400) and streaming (422, as a
     validating server would), and answers whole. `bodies`: every request it was sent."""
 
     bodies: ClassVar[list[dict[str, Any]]] = []
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -368,15 +364,12 @@ class _StrictServer(http.server.BaseHTTPRequestHandler):
             (422, "stream: streaming is not supported by this server")
             if body.get("stream") else
             (400, "prompt is too long") if body.get("max_completion_tokens") == 1 else None)
-        code, answer = refusal or (200, {"choices": [{"index": 0, "finish_reason": "stop",
-                                                     "message": {"content": "answered"}}],
-                                         "usage": {"completion_tokens": 1}})
-        data = json.dumps(answer if code == 200 else {"error": {"message": answer}}).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        if refusal is not None:
+            self._send(refusal[0], {"error": {"message": refusal[1]}})
+        else:
+            self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"content": "answered"}}],
+                             "usage": {"completion_tokens": 1}})
 
 
 @pytest.mark.quick

@@ -56,7 +56,7 @@ from bench.gpu.run import (
     warm_up,
     write_json,
 )
-from bench.gpu.teardown import stops_children
+from bench.gpu.teardown import process_name, stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.server import autotune
@@ -107,7 +107,8 @@ class CardMemory:
                 apps = compute_apps()
                 self.samples.append((reading.used_mib, apps))
                 for pid in apps.keys() - self.names.keys():
-                    self.names[pid] = process_name(pid)
+                    with contextlib.suppress(psutil.Error):
+                        self.names[pid] = process_name(psutil.Process(pid))
             self._stop.wait(self.interval)
 
     def peaks(self, baseline_mib: int, server_pids: set[int]) -> dict[str, Any]:
@@ -129,15 +130,6 @@ class CardMemory:
             "peak_by_process_mib": {f"{pid} {self.names.get(pid, '?')}": max(
                 a.get(pid, 0) for a in apps) for pid in sorted({p for a in apps for p in a})},
         }  # fmt: skip
-
-
-def process_name(pid: int) -> str:
-    """What process `pid` runs, shortly: its title (vLLM names its engine core) or command."""
-    with contextlib.suppress(Exception):
-        proc = psutil.Process(pid)
-        line = " ".join(proc.cmdline()[:6])
-        return f"{proc.name()}: {line}"[:120]
-    return "?"
 
 
 def compute_apps() -> dict[int, int]:

@@ -64,7 +64,7 @@ def end_processes(procs: list[psutil.Process], grace: float = KILL_GRACE_S,
     if not alive:
         return []
     _log(f"stopping {len(alive)} process(es) {what}: "
-         + ", ".join(f"{p.pid} {_name(p)}" for p in alive[:12]))  # fmt: skip
+         + ", ".join(f"{p.pid} {process_name(p)}" for p in alive[:12]))  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGKILL):
         groups: set[int] = set()
         for p in alive:
@@ -92,7 +92,9 @@ def _members(pgid: int) -> set[int]:
     return members
 
 
-def _name(p: psutil.Process) -> str:
+def process_name(p: psutil.Process) -> str:
+    """What `p` runs, shortly: its command line (a title such as vLLM's engine core's), or
+    "?" once it is gone."""
     with contextlib.suppress(psutil.Error):
         return " ".join(p.cmdline()[:4])[:120] or p.name()
     return "?"
