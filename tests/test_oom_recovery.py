@@ -33,6 +33,7 @@ from testkit.harness import free_port, wait_until
 from testkit.runner import managed_fake_server
 
 GPU_UUID = "GPU-5a1c4060-0000-4000-8000-000000004060"
+BUDGET = 4096 + 1280 + 64  # what a page request can need: max_new_tokens + image + prompt
 # Another program took 3.5 GiB after nvidia-smi was read; the model's weights and KV cache
 # are larger than the real ones so that more than utilization has to give.
 TIGHT_CARD = ("--fake-vram-gib", "8", "--fake-vram-used-gib", "3.5", "--fake-weights-gib", "3.2",
@@ -90,20 +91,21 @@ def test_lowers_step_by_step_then_remembers(tmp_path: Path,
         settled = sup.vllm_args
         steps = messages(caplog, logging.WARNING, "ran out of GPU memory")
         assert launches(changes) == len(steps) + 1
-    # The plan for the reading: 8188 MiB, 1024 used, 512 kept free.
-    plan = messages(caplog, logging.INFO, "gpu-memory-utilization 0.81: NVIDIA GeForce RTX 4060")
+    # The plan for the reading: 8188 MiB, 1024 used, 512 kept free, 1360 for vLLM beyond it.
+    plan = messages(caplog, logging.INFO, "gpu-memory-utilization 0.64: NVIDIA GeForce RTX 4060")
     assert plan
     # vLLM's free-memory check names the share that is free: utilization goes there first...
-    assert "gpu-memory-utilization 0.81 -> 0.54" in steps[0]
-    # ...then the KV cache is too small for a request: the batch is halved until it fits.
-    assert all("max-num-seqs" in step for step in steps[1:])
+    assert "gpu-memory-utilization 0.64 -> 0.54" in steps[0]
+    # ...then the KV cache is too small for a request: the batch is halved, then max-model-len
+    # comes down to what a page request can need (model_budget), never below.
     assert len(steps) == 4
-    assert {k: settled[k] for k in (UTILIZATION, MAX_MODEL_LEN, MAX_NUM_SEQS, BATCHED_TOKENS)} == {
-        UTILIZATION: 0.54, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 11, BATCHED_TOKENS: 5632}
+    assert all("max-num-seqs" in step for step in steps[1:3])
+    assert f"max-model-len 5632 -> {BUDGET}" in steps[3]
+    expected = {UTILIZATION: 0.54, MAX_MODEL_LEN: BUDGET, MAX_NUM_SEQS: 16, BATCHED_TOKENS: 5632}
+    assert {k: settled[k] for k in expected} == expected
     # Only a start that succeeded is remembered, for this GPU and model.
     saved = json.loads((tmp_path / "state" / TUNING_FILE).read_text())
-    assert saved[f"{GPU_UUID}|{config.model.name}"]["values"] == {
-        UTILIZATION: 0.54, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 11, BATCHED_TOKENS: 5632}
+    assert saved[f"{GPU_UUID}|{config.model.name}"]["values"] == expected
     assert messages(caplog, logging.INFO, "remembered")
 
     caplog.clear()

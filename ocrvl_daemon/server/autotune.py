@@ -4,10 +4,12 @@ Pure functions apart from the small JSON file that remembers what an out-of-memo
 settled on. Memory model for the 0.9B PaddleOCR-VL models (sizes in MiB):
 
     budget (utilization × total) = weights + start-up spike + KV cache
+    each server's process = budget + VLLM_BEYOND_BUDGET_MIB
 
 vLLM refuses to start when free memory < utilization × total, so utilization is planned from
-what other programs leave free, minus a safety margin, minus the layout model's room when it
-runs on the same GPU (`layout_choice`). vLLM's failure text is read by `vllm_diagnosis`.
+what other programs leave free, minus a safety margin, minus what each server holds beyond
+its budget, minus the layout model's room when it runs on the same GPU (`layout_choice`).
+vLLM's failure text is read by `vllm_diagnosis`.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ BATCHED_TOKENS = "max-num-batched-tokens"
 # ocrvl's to set whenever the config does not mention it.
 TUNED_KEYS = (UTILIZATION, MAX_MODEL_LEN, MAX_NUM_SEQS, BATCHED_TOKENS)
 
-# bf16 weights of the 0.9B model (NaViT vision encoder + ERNIE-4.5-0.3B language model).
-WEIGHTS_MIB = 1.9 * 1024
-# vLLM profiles activations at max-num-batched-tokens (16384 here) and the worker's CUDA
-# context takes ~0.5 GiB: together about 1 GiB on top of the weights while starting.
-STARTUP_SPIKE_MIB = 1.0 * 1024
+# vLLM's own account of its budget for the 0.9B model (vLLM 0.26, the 8 GB emulation of
+# 2026-12-06): bf16 weights (NaViT vision encoder + ERNIE-4.5-0.3B) 1.63 GiB; the activations
+# profiled at max-num-batched-tokens (16384 here) 0.56 GiB, non-torch memory 0.23 and CUDA
+# graphs 0.10 (the start-up spike). The rest of the budget is the KV cache.
+WEIGHTS_MIB = 1.63 * 1024
+STARTUP_SPIKE_MIB = 0.89 * 1024
 PLANNED_BATCHED_TOKENS = 16384
 # KV cache per token of ERNIE-4.5-0.3B: 2 (K and V) x 18 layers x 2 KV heads x 128 head dim
 # x 2 bytes (bf16) = 18 KiB.
@@ -53,8 +56,15 @@ KV_BYTES_PER_TOKEN = 2 * 18 * 2 * 128 * 2
 TYPICAL_OUTPUT_TOKENS = 1000
 TYPICAL_SEQUENCE_TOKENS = IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET + TYPICAL_OUTPUT_TOKENS
 MIN_UTILIZATION, MAX_UTILIZATION = 0.5, 0.95
-# Kept free besides other programs' memory: covers their growth and the CUDA context vLLM's
-# worker creates before it compares free memory with utilization x total.
+# The floor where the layout model shares the card: 0.4 of an 8 GB card still holds a KV
+# cache of ~0.7 GiB, ~16 pages at once (a second layout worker there would leave too little).
+MIN_UTILIZATION_BESIDE_LAYOUT = 0.4
+# What vLLM's engine process holds beyond utilization x total: its CUDA context (~0.5 GiB;
+# vLLM measures free memory after creating it) and what its allocator adds while serving
+# (~0.85 GiB). Measured: 6,514 MiB at its peak against 0.63 x 8,188 = 5,158 on the 8 GB card
+# emulated on an H100 (bench/gpu/small_card_layout_h100_2026-12-06b.json).
+VLLM_BEYOND_BUDGET_MIB = 1360
+# Kept free besides other programs' memory and the servers' own: covers their growth.
 MIN_MARGIN_MIB, MARGIN_FRACTION = 512, 0.05
 MIN_NUM_SEQS, MAX_NUM_SEQS_CAP, NUM_SEQS_STEP = 8, 256, 8
 LENGTH_STEP = 256
@@ -64,7 +74,7 @@ FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next 
 # by `layout_fits`, which cannot tell other programs' memory from ocrvl's own.
 DESKTOP_MIB = 1024
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
-FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.80, 32
+FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.64, 32
 TUNING_FILE = "server-tuning.json"
 
 
@@ -215,6 +225,12 @@ def _margin_mib(gpu: GpuReading) -> float:
     return max(MIN_MARGIN_MIB, MARGIN_FRACTION * gpu.total_mib)
 
 
+def _kept_mib(gpu: GpuReading, replicas: int) -> float:
+    """Memory of `gpu` outside the servers' budgets: the margin and what `replicas` servers
+    hold beyond theirs."""
+    return _margin_mib(gpu) + replicas * VLLM_BEYOND_BUDGET_MIB
+
+
 def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
     """Whether `gpu` has LAYOUT_GPU_MIB for each of `workers` layout models beside what the
     server takes.
@@ -225,21 +241,24 @@ def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
     answer; what other programs really hold is taken off when the server plans (with a
     warning where the room then squeezes the server). With `auto`, the utilization left once
     the room is taken off must still reach
-    MIN_UTILIZATION and a KV cache for one request of max-model-len; with an explicit one,
+    MIN_UTILIZATION_BESIDE_LAYOUT and a KV cache for one request of max-model-len; with an
+    explicit one,
     what it leaves must hold the room and the margin. No server of ocrvl's here: the room
-    and the margin must be free now.
+    and the margin must be free now. Either way each server's memory beyond its budget
+    (VLLM_BEYOND_BUDGET_MIB) counts too.
     """
-    room, margin = workers * LAYOUT_GPU_MIB, _margin_mib(gpu)
+    room, replicas = workers * LAYOUT_GPU_MIB, replicas_of(config)
     if not _server_plans(config, gpu):
-        return _available_mib(gpu) - room >= margin
+        return _available_mib(gpu) - room >= _margin_mib(gpu)
+    kept = _kept_mib(gpu, replicas)
     utilization = config.server.vllm_args[UTILIZATION]
     if utilization != AUTO:
-        return gpu.total_mib * (1 - float(utilization)) - DESKTOP_MIB - margin >= room
-    card_share = _floor2((gpu.total_mib - DESKTOP_MIB - margin - room) / gpu.total_mib)
-    kv_mib = card_share / replicas_of(config) * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
+        return gpu.total_mib * (1 - float(utilization)) - DESKTOP_MIB - kept >= room
+    card_share = _floor2((gpu.total_mib - DESKTOP_MIB - kept - room) / gpu.total_mib)
+    kv_mib = card_share / replicas * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
     length = config.server.vllm_args[MAX_MODEL_LEN]
     tokens = _round_up(model_budget(config), LENGTH_STEP) if length == AUTO else int(length)
-    return (card_share >= MIN_UTILIZATION
+    return (card_share >= MIN_UTILIZATION_BESIDE_LAYOUT
             and kv_mib * 1024 * 1024 >= tokens * KV_BYTES_PER_TOKEN)
 
 
@@ -318,9 +337,10 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
     if UTILIZATION in tunable:
         margin = _margin_mib(gpu)
         available = _available_mib(gpu)
-        share = _floor2((available - margin - layout_mib) / total)
-        values[UTILIZATION] = min(MAX_UTILIZATION, max(MIN_UTILIZATION, share))
-        if layout_mib and share < MIN_UTILIZATION:
+        share = _floor2((available - _kept_mib(gpu, replicas) - layout_mib) / total)
+        floor = MIN_UTILIZATION_BESIDE_LAYOUT if layout_mib else MIN_UTILIZATION
+        values[UTILIZATION] = min(MAX_UTILIZATION, max(floor, share))
+        if layout_mib and share < floor:
             warnings.append(
                 f"other programs leave too little of {gpu.name} for the server and the "
                 f"layout model ({_gib(layout_mib)}) together: the layout model may run out of "
@@ -330,7 +350,8 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
         reasons.append(
             f"{UTILIZATION} {values[UTILIZATION]:.2f}: {gpu.name} has {_gib(total)}, "
             f"{_gib(total - available)} in use by other programs, {_gib(margin)} kept "
-            f"free{layout}")
+            f"free, {_gib(replicas * VLLM_BEYOND_BUDGET_MIB)} for vLLM's own memory "
+            f"beyond it{layout}")
     utilization = float(values[UTILIZATION])
     if utilization > free_share:
         warnings.append(

@@ -67,6 +67,12 @@ log = logging.getLogger(__name__)
 # about 0.1%; scanner noise on a blank page stays well below.
 INK_SHARE = 0.0005
 INK_LEVEL = 128
+# How long a thread holding the GIL keeps it while another waits (CPython's default: 5 ms).
+# torch lets go of the GIL for each operation of the layout model and must wait that long to
+# take it back whenever the page threads run Python (rendering, cropping, reading streamed
+# answers): its forward pass of ~2,000 operations took 4.3x as long beside one busy thread
+# at 5 ms, 1.4x at 0.5 ms (bench/gpu/RESULTS.md).
+SWITCH_INTERVAL_S = 0.0005
 
 
 def has_ink(image: np.ndarray) -> bool:
@@ -463,6 +469,7 @@ def serve() -> None:
     if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # fd 1 carries the protocol; anything a library prints goes to stderr instead.
     channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
     os.dup2(2, 1)
