@@ -588,7 +588,10 @@ def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path
     rerun = lease.commands("rerun", args, 600)[-1]
     assert rerun[2] == "bench.gpu" and "--layout" not in rerun
     assert rerun[rerun.index("--concurrency") + 1] == "128" and "--rounds" in rerun
-    assert lease.commands("loops", args, 300)[-1][2] == "bench.gpu.loop_savings"
+    loops = lease.commands("loops", args, 300)[-1]
+    assert loops[2] == "bench.gpu.loop_savings"
+    assert Path(loops[loops.index("--log-dir") + 1]).is_dir(), \
+        "the loops bench opens its log in --log-dir without making it (it failed so on a GPU)"
     small = lease.commands("small-card", args, 300)[-1]
     assert small[2] == "bench.gpu.small_card" and "--layout" in small
 

@@ -284,7 +284,9 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
     py, out = args.python, args.out
     vllm = ["--model-dir", str(args.model_dir), "--vllm-python", args.vllm_python,
             "--vllm-pythonpath", args.vllm_pythonpath]  # fmt: skip
-    files = ["--results", str(out / f"{name}.json"), "--log-dir", str(out / f"{name}-logs")]
+    logs = out / f"{name}-logs"
+    logs.mkdir(parents=True, exist_ok=True)  # not every bench makes its --log-dir itself
+    files = ["--results", str(out / f"{name}.json"), "--log-dir", str(logs)]
     budget = ["--budget-s", f"{max(60.0, share - BENCH_MARGIN_S):.0f}"]
     prepare: list[list[str]] = []
     if not (args.model_dir / "config.json").exists() and name != "stub":

@@ -70,8 +70,8 @@ INK_LEVEL = 128
 # How long a thread holding the GIL keeps it while another waits (CPython's default: 5 ms).
 # torch lets go of the GIL for each operation of the layout model and must wait that long to
 # take it back whenever the page threads run Python (rendering, cropping, reading streamed
-# answers): its forward pass of ~2,000 operations took 4.3x as long beside one busy thread
-# at 5 ms, 1.4x at 0.5 ms (bench/gpu/RESULTS.md).
+# answers): its forward pass took 4.3x as long beside one busy thread at 5 ms, 1.4x at
+# 0.5 ms (bench/gpu/RESULTS.md).
 SWITCH_INTERVAL_S = 0.0005
 
 
