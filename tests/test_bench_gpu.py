@@ -584,7 +584,10 @@ def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path
     assert main[main.index("--results") + 1] == str(tmp_path / "out" / "layout.json")
     assert main[main.index("--vllm-pythonpath") + 1] == "/tmp/site"
     mps = lease.commands("mps", args, 540)[-1]
-    assert mps[2] == "bench.gpu.big_gpu" and "mps-x2,mps-x3,mps-x4,x2" in mps and "256" in mps
+    assert mps[2] == "bench.gpu.big_gpu" and "x2,x2-sync,x2-api2,x2-batched-8k" in mps
+    assert "256" in mps
+    args.mps_settings = "mps-x2,mps-x4"
+    assert "mps-x2,mps-x4" in lease.commands("mps", args, 540)[-1], "--mps-settings is used"
     rerun = lease.commands("rerun", args, 600)[-1]
     assert rerun[2] == "bench.gpu" and "--layout" not in rerun
     assert rerun[rerun.index("--concurrency") + 1] == "128" and "--rounds" in rerun

@@ -21,7 +21,9 @@ Steps, in the order `--plan` gives them (its order is their priority):
               server with layout on is bound by its engine loop's per-request CPU: ~21-23
               block requests/s on an H200, the GPU 22-37% busy); results bench.gpu.big_gpu's
               rows, `layout: true`
-  mps         bench.gpu.big_gpu --settings mps-x2,mps-x3,mps-x4,x2 --pages 256, --budget-s likewise
+  mps         bench.gpu.big_gpu --settings x2,x2-sync,x2-api2,x2-batched-8k (--mps-settings:
+              vLLM's options beside plain x2; replica counts: mps-x2,mps-x3,mps-x4,x2)
+              --pages 256, --budget-s likewise
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
   small-card  bench.gpu.small_card --layout (transformers, the same stand-in)
@@ -67,7 +69,7 @@ MARKER_ENV = "OCRVL_BENCH_LEASE"
 GRACE_S = 45.0  # SIGTERM to SIGKILL: a bench stops its vLLM servers and daemons meanwhile
 SWEEP_GRACE_S = 10.0
 BENCH_MARGIN_S = 30.0  # a bench with --budget-s gets its share less this (its own wind-down)
-DEFAULT_PLAN = "layout-threads,small-card,layout-cpu,loops,mps,layout-mps"
+DEFAULT_PLAN = "small-card,layout-cpu,mps"
 STUB_ENV = "OCRVL_LEASE_STUB_COMMAND"  # tests: the `stub` step's command (shlex)
 
 
@@ -313,7 +315,7 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
                 "gpu:0", "--settings", args.layout_mps_settings, "--pages", "64", *budget,
                 *files]  # fmt: skip
     elif name == "mps":
-        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", "mps-x2,mps-x3,mps-x4,x2",
+        main = [py, "-m", "bench.gpu.big_gpu", *vllm, "--settings", args.mps_settings,
                 "--pages", "256", *budget, *files]  # fmt: skip
     elif name == "rerun":
         main = [py, "-m", "bench.gpu", *vllm, "--rounds", str(args.rerun_rounds),
@@ -357,6 +359,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layout-mps-settings", default="mps-x4,mps-x2",
                     help="big_gpu settings of the layout-mps step, in order (an 80 GiB card's "
                          "`replicas: auto` is mps-x2: put it first there)")
+    ap.add_argument("--mps-settings", default="x2,x2-sync,x2-api2,x2-batched-8k",
+                    help="big_gpu settings of the mps step, in order (vLLM's options: x2-sync, "
+                         "x2-api2, x2-batched-8k, x2-graphs-256; bench.gpu.big_gpu lists all)")
     ap.add_argument("--share", action="append", default=[], metavar="STEP=SECONDS",
                     help="a step's estimate (its share at most) instead of the built-in one")
     ap.add_argument("--grace-s", type=float, default=GRACE_S,
