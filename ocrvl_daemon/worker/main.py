@@ -36,6 +36,7 @@ from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
 from ocrvl_daemon.server.process_group import die_with_parent
 from ocrvl_daemon.worker.client import _Channel
+from ocrvl_daemon.worker.layout_process import LayoutProcess
 from ocrvl_daemon.worker.messages import (
     Block,
     BlockAnswer,
@@ -484,13 +485,22 @@ def serve() -> None:
     setup: WorkerSetup = channel.receive()
     server_url = setup.server_url
     config = Config.model_validate_json(setup.config_json)
+    layout: LayoutProcess | None = None
     try:
         PaddleOCRVL = import_paddleocr_vl()
         _library_logs_to_daemon()
         kwargs = pipeline_kwargs(config, server_url)
+        if config.pipeline.use_layout_detection and kwargs.get("device") == "cpu":
+            # It loads while this process builds its pipeline (whose model it stands in for).
+            layout = LayoutProcess.started(setup.config_json, server_url)
         pipeline = PaddleOCRVL(**kwargs)
+        failure = layout.wait_ready() if layout is not None else None
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
-        channel.send(WorkerFailed(f"{type(exc).__name__}: {exc}"))
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is not None:
+        if layout is not None:
+            layout.close()
+        channel.send(WorkerFailed(failure))
         return
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
@@ -501,7 +511,12 @@ def serve() -> None:
     turns = model_turns(kwargs.get("engine"))
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
-            setattr(inner, name, _TakingTurns(getattr(inner, name), turns))
+            target = getattr(inner, name)
+            if name == "layout_det_model" and layout is not None:
+                layout.batch_sampler = target.batch_sampler
+                layout.on_ended = _end_worker
+                target = layout  # this process's copy of the model is freed
+            setattr(inner, name, _TakingTurns(target, turns))
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
@@ -520,10 +535,20 @@ def serve() -> None:
             endpoints.gate(message.url).resize(message.limit, message.cap)
     for page in pages:
         page.join()
+    if layout is not None:
+        layout.close()
     # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
     os._exit(0)
+
+
+def _end_worker(what: str) -> None:
+    """The layout model's process is gone: end this worker as a crash of the model in it
+    would, so that the converter tries its pages again (a page that kills it, alone)."""
+    log.error("%s: this engine worker ends", what)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _start_request_loop() -> None:
