@@ -84,7 +84,7 @@ def test_vllm_argv_from_server_python_with_recipe_defaults(tmp_path: Path) -> No
     assert flag_value(argv, "--mm-processor-cache-gb") == "0"
     assert flag_value(argv, "--max-num-batched-tokens") == "16384"
     # No GPU reading: `auto` is the safe fallback (4096 new tokens + image + prompt -> 5632).
-    assert flag_value(argv, "--gpu-memory-utilization") == "0.8"
+    assert flag_value(argv, "--gpu-memory-utilization") == "0.64"
     assert flag_value(argv, "--max-model-len") == "5632"
     assert flag_value(argv, "--max-num-seqs") == "32"
     assert not any("flash" in a for a in argv)
@@ -174,7 +174,7 @@ def test_genai_server_argv_and_backend_config(tmp_path: Path) -> None:
     assert "enable-prefix-caching" not in written
     assert json.loads(written["limit-mm-per-prompt"]) == {"image": 1}
     assert written["max-num-seqs"] == 16
-    assert written["gpu-memory-utilization"] == 0.8
+    assert written["gpu-memory-utilization"] == 0.64
 
 
 def test_genai_server_without_flash_attn_names_the_fix(tmp_path: Path) -> None:

@@ -190,8 +190,8 @@ def test_replicas_that_cannot_fit_are_refused_with_the_numbers(tmp_path: Path) -
         ServerSet(config)
     message = str(caught.value)
     assert "server.replicas = 4 does not fit NVIDIA GeForce RTX 4060 (8.0 GiB)" in message
-    assert "each replica would get 1.8 GiB, one needs at least 3.0 GiB" in message, message
-    assert "1.9 weights + 1.0 start-up + 0.1 KV for 5632 tokens" in message, message
+    assert "each replica would get 1.0 GiB, one needs at least 2.6 GiB" in message, message
+    assert "1.6 weights + 0.9 start-up + 0.1 KV for 5632 tokens" in message, message
     assert "server.replicas: 1 or auto" in message, message
     assert not list((tmp_path / "state").glob("server*.pid")), "nothing may have started"
 
