@@ -69,10 +69,10 @@ log = logging.getLogger(__name__)
 INK_SHARE = 0.0005
 INK_LEVEL = 128
 # How long a thread holding the GIL keeps it while another waits (CPython's default: 5 ms).
-# torch lets go of the GIL for each operation of the layout model and must wait that long to
-# take it back whenever the page threads run Python (rendering, cropping, reading streamed
-# answers): its forward pass took 4.3x as long beside one busy thread at 5 ms, 1.4x at
-# 0.5 ms (bench/gpu/RESULTS.md).
+# torch (the layout model on the GPU runs in this process) lets go of the GIL for each
+# operation and must wait that long to take it back whenever the page threads run Python
+# (rendering, cropping, reading streamed answers): on the CPU its forward pass took 4.3x as
+# long beside one busy thread at 5 ms, 1.4x at 0.5 ms (bench/gpu/RESULTS.md).
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -515,7 +515,7 @@ def serve() -> None:
             if name == "layout_det_model" and layout is not None:
                 layout.batch_sampler = target.batch_sampler
                 layout.on_ended = _end_worker
-                target = layout  # this process's copy of the model is freed
+                target = layout  # this process's own copy is no longer called
             setattr(inner, name, _TakingTurns(target, turns))
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
