@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from testkit.harness import FakeServerProcess, free_port, start_fake_server
-from testkit.runner import checkout_first, ocrvl_env
+from testkit.runner import (
+    DaemonProcess,
+    checkout_first,
+    managed_fake_server,
+    ocrvl_env,
+    write_config,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,3 +50,19 @@ def layout_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert done.returncode == 0, (
         f"the stand-in layout model was not written:\n{done.stderr[-3000:]}")
     return cache
+
+
+@pytest.fixture
+def layout_daemon(layout_cache: Path, tmp_path: Path) -> Iterator[tuple[Path, Path, DaemonProcess]]:
+    """A ready daemon with one engine worker laying out pages on the CPU (the stand-in) and a
+    managed fake server, watching `tmp_path/inbox`: (inbox, config, daemon)."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    config = write_config(
+        tmp_path / "config.yaml",
+        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
+        pipeline={"use_layout_detection": True, "layout_device": "cpu", "workers": 1},
+        server=managed_fake_server(free_port()))
+    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(layout_cache)) as daemon:
+        daemon.wait_ready()
+        yield inbox, config, daemon

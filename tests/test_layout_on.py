@@ -22,7 +22,7 @@ import pytest
 from ocrvl_daemon.daemon_state import read_runtime_file
 from testkit.documents import BLOCKS_PAGE_LINES, LAYOUT_PAGE, make_blocks_pdf, make_layout_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
-from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config
+from testkit.runner import DaemonProcess, run_ocrvl, write_config
 
 PAGES = 2
 # Pages of the book whose layout keeps one worker busy for long enough to be measured.
@@ -219,28 +219,20 @@ def test_a_block_the_server_refuses_on_every_try_leaves_its_page_without_it_flag
 
 @pytest.mark.slow
 def test_status_names_the_layout_model_on_the_cpu_as_the_limit_and_what_would_help(
-        layout_cache: Path, tmp_path: Path) -> None:
+        layout_daemon: tuple[Path, Path, DaemonProcess], tmp_path: Path) -> None:
     """One worker lays out pages on the CPU while the fake server answers at once: layout
     sets the pace, and `ocrvl status` says so and points at the GPU engine."""
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    config = write_config(
-        tmp_path / "config.yaml",
-        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
-        pipeline={"use_layout_detection": True, "layout_device": "cpu", "workers": 1},
-        server=managed_fake_server(free_port()))
-    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(layout_cache)) as daemon:
-        daemon.wait_ready()
-        make_layout_pdf(inbox / "book.pdf", LIMIT_PAGES)
-        # Polled: on a 2-core machine rendering takes cores from the layout model at times,
-        # and a layout call under way counts once its page is back.
-        stages = wait_until(lambda: (s := status_stages(config))["limit"] == "layout" and s,
-                            180, interval=0.5, what="`status --json` to name layout the limit")
-        text = wait_until(
-            lambda: "(limit)" in (t := run_ocrvl("status", "--config", config).stdout) and t,
-            60, interval=0.5, what="`ocrvl status` to name the limit")
-        assert read_runtime_file(tmp_path / "state")["current_doc"] == "book.pdf", (
-            "the book was done before status was read: make it longer")
+    inbox, config, _ = layout_daemon
+    make_layout_pdf(inbox / "book.pdf", LIMIT_PAGES)
+    # Polled: on a 2-core machine rendering takes cores from the layout model at times,
+    # and a layout call under way counts once its page is back.
+    stages = wait_until(lambda: (s := status_stages(config))["limit"] == "layout" and s,
+                        180, interval=0.5, what="`status --json` to name layout the limit")
+    text = wait_until(
+        lambda: "(limit)" in (t := run_ocrvl("status", "--config", config).stdout) and t,
+        60, interval=0.5, what="`ocrvl status` to name the limit")
+    assert read_runtime_file(tmp_path / "state")["current_doc"] == "book.pdf", (
+        "the book was done before status was read: make it longer")
     assert stages["layout_device"] == "cpu", stages
     assert stages["layout"] > stages["server"] and stages["rendering"] < stages["layout"]
     assert "pipeline.layout_device: gpu" in stages["advice"], stages

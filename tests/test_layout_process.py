@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from testkit.documents import make_layout_pdf
-from testkit.harness import free_port, wait_until
-from testkit.runner import DaemonProcess, managed_fake_server, write_config
+from testkit.harness import wait_until
+from testkit.runner import DaemonProcess
 
 LAYOUT_PROCESS = "ocrvl_daemon.worker.layout_process"
 WORKER = "ocrvl_daemon.worker.main"
@@ -36,39 +36,32 @@ def processes(part: str, under: int) -> list[psutil.Process]:
 
 @pytest.mark.slow
 def test_a_crash_of_the_layout_process_ends_its_worker_and_costs_no_page(
-        layout_cache: Path, tmp_path: Path) -> None:
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    config = write_config(
-        tmp_path / "config.yaml",
-        inbox={"paths": [str(inbox)], "stable_seconds": 0.3, "poll_interval": 0.2},
-        pipeline={"use_layout_detection": True, "layout_device": "cpu", "workers": 1},
-        server=managed_fake_server(free_port()))
-    with DaemonProcess(config, PADDLE_PDX_CACHE_HOME=str(layout_cache)) as daemon:
-        daemon.wait_ready()
-        assert daemon.proc is not None
-        pid = daemon.proc.pid
-        first = wait_until(lambda: processes(LAYOUT_PROCESS, pid), 120, interval=0.2,
-                           what="the layout model's process beside the engine worker")[0]
-        worker = first.parent()
-        assert worker is not None and any(WORKER in arg for arg in worker.cmdline()), (
-            "the layout model's process is not the engine worker's child")
-        wait_until(lambda: " ready in " in daemon.log(), 120, interval=0.2,
-                   what="the engine worker ready")
-        make_layout_pdf(inbox / "book.pdf", PAGES)
-        wait_until(lambda: f"{PAGES} pages queued" in daemon.log(), 60, interval=0.1,
-                   what="the book queued")
-        first.send_signal(signal.SIGKILL)
-        wait_until(lambda: (inbox / "book.md").exists(), 240, interval=0.5,
-                   what=f"book.md after the layout process was killed:\n{daemon.log()[-3000:]}")
-        log = daemon.log()
-        assert "this engine worker ends" in log, log[-3000:]
-        assert not worker.is_running() or worker.status() == "zombie", (
-            "the worker went on without its layout model")
-        again = processes(LAYOUT_PROCESS, pid)
-        assert again and again[0].pid != first.pid, "no new layout process with the new worker"
-        markdown = (inbox / "book.md").read_text(encoding="utf-8")
-        assert all(f"<!-- page {n} -->" in markdown for n in range(1, PAGES + 1)), markdown[:2000]
-        assert "<!-- ocrvl: page" not in markdown, f"a page was lost or flagged:\n{markdown}"
+        layout_daemon: tuple[Path, Path, DaemonProcess]) -> None:
+    inbox, _, daemon = layout_daemon
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    first = wait_until(lambda: processes(LAYOUT_PROCESS, pid), 120, interval=0.2,
+                       what="the layout model's process beside the engine worker")[0]
+    worker = first.parent()
+    assert worker is not None and any(WORKER in arg for arg in worker.cmdline()), (
+        "the layout model's process is not the engine worker's child")
+    wait_until(lambda: " ready in " in daemon.log(), 120, interval=0.2,
+               what="the engine worker ready")
+    make_layout_pdf(inbox / "book.pdf", PAGES)
+    wait_until(lambda: f"{PAGES} pages queued" in daemon.log(), 60, interval=0.1,
+               what="the book queued")
+    first.send_signal(signal.SIGKILL)
+    wait_until(lambda: (inbox / "book.md").exists(), 240, interval=0.5,
+               what=f"book.md after the layout process was killed:\n{daemon.log()[-3000:]}")
+    log = daemon.log()
+    assert "this engine worker ends" in log, log[-3000:]
+    assert not worker.is_running() or worker.status() == "zombie", (
+        "the worker went on without its layout model")
+    again = processes(LAYOUT_PROCESS, pid)
+    assert again and again[0].pid != first.pid, "no new layout process with the new worker"
+    markdown = (inbox / "book.md").read_text(encoding="utf-8")
+    assert all(f"<!-- page {n} -->" in markdown for n in range(1, PAGES + 1)), markdown[:2000]
+    assert "<!-- ocrvl: page" not in markdown, f"a page was lost or flagged:\n{markdown}"
+    daemon.terminate()
     left = [p for p in again if p.is_running() and p.status() != "zombie"]
     assert not left, f"layout processes outlived the daemon: {left}"

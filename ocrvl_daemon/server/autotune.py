@@ -240,12 +240,10 @@ def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
     server (planning at its start) and each worker (at its own start) must reach the same
     answer; what other programs really hold is taken off when the server plans (with a
     warning where the room then squeezes the server). With `auto`, the utilization left once
-    the room is taken off must still reach
-    MIN_UTILIZATION_BESIDE_LAYOUT and a KV cache for one request of max-model-len; with an
-    explicit one,
-    what it leaves must hold the room and the margin. No server of ocrvl's here: the room
-    and the margin must be free now. Either way each server's memory beyond its budget
-    (VLLM_BEYOND_BUDGET_MIB) counts too.
+    the room is taken off must still reach MIN_UTILIZATION_BESIDE_LAYOUT and a KV cache for
+    one request of max-model-len; with an explicit one, what it leaves must hold the room,
+    the margin and each server's memory beyond its budget (VLLM_BEYOND_BUDGET_MIB). No
+    server of ocrvl's here: the room and the margin must be free now.
     """
     room, replicas = workers * LAYOUT_GPU_MIB, replicas_of(config)
     if not _server_plans(config, gpu):

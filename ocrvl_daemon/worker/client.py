@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import psutil
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.sd_notify import child_env
-from ocrvl_daemon.server.process_group import stop_process_group
+from ocrvl_daemon.server.process_group import die_with_parent, stop_process_group
 from ocrvl_daemon.worker.messages import (
     GateLimit,
     LogRecord,
@@ -69,6 +70,28 @@ class _Channel:
         return pickle.loads(data)
 
 
+def start_child(module: str, **popen: Any) -> tuple[subprocess.Popen[bytes], _Channel]:
+    """Start `module`'s `serve()` in a Python child process that answers over its stdin and
+    stdout (`child_channel` is its end); `popen`: more `subprocess.Popen` arguments."""
+    argv = [sys.executable, "-c", f"from {module} import serve; serve()", str(os.getpid())]
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen)
+    assert process.stdin is not None and process.stdout is not None
+    return process, _Channel(process.stdout, process.stdin)
+
+
+def child_channel() -> _Channel:
+    """The child's end of `start_child`, set up first thing in its `serve()`: it dies with
+    its parent however that ends (SIGKILL), leaves Ctrl-C to the daemon, and keeps fd 1 for
+    the messages (anything a library prints goes to stderr instead)."""
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != int(sys.argv[1]):  # the parent died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
+    os.dup2(2, 1)
+    return channel
+
+
 def _log_for_worker(record: LogRecord) -> None:
     """Log a record the worker sent, at its level and under its logger's name, so the
     daemon's handler (journald's priority among its fields) treats it like its own."""
@@ -101,14 +124,10 @@ class EngineWorker:
 
     def start(self) -> None:
         """Start the process; it reports readiness through `collect`."""
-        argv = [sys.executable, "-c", "from ocrvl_daemon.worker.main import serve; serve()",
-                str(os.getpid())]
         # Its own process group, like the server's, so that a stop ends whatever it started;
         # it dies with the daemon all the same (serve asks for a parent-death SIGKILL).
-        self._process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=child_env(os.environ), start_new_session=True)
-        assert self._process.stdin is not None and self._process.stdout is not None
-        self._channel = _Channel(self._process.stdout, self._process.stdin)
+        self._process, self._channel = start_child(
+            "ocrvl_daemon.worker.main", env=child_env(os.environ), start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="engine-results", daemon=True)
         self._reader.start()
         self._channel.send(WorkerSetup(self._config_json, self._server_url))

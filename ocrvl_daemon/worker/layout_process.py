@@ -17,18 +17,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ocrvl_daemon.server.process_group import die_with_parent
-from ocrvl_daemon.worker.client import _Channel
+from ocrvl_daemon.worker.client import _Channel, child_channel, start_child
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +57,8 @@ class LayoutProcess:
     @classmethod
     def started(cls, config_json: str, server_url: str) -> LayoutProcess:
         """Start the process for the worker's configuration (its pipeline's arguments)."""
-        argv = [sys.executable, "-c",
-                "from ocrvl_daemon.worker.layout_process import serve; serve()",
-                str(os.getpid())]  # fmt: skip
         # No session of its own: whatever stops the worker's process group stops it too.
-        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert process.stdin is not None and process.stdout is not None
-        channel = _Channel(process.stdout, process.stdin)
+        process, channel = start_child(__name__)
         channel.send((config_json, server_url))
         return cls(process, channel)
 
@@ -128,12 +120,7 @@ def _answer(results: list[Any]) -> list[tuple[tuple[str, str], dict[str, Any]]]:
 
 def serve() -> None:
     """The process's main: build the worker's pipeline, then answer calls until end of input."""
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != int(sys.argv[1]):  # the worker died before the line above
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
-    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
-    os.dup2(2, 1)  # fd 1 carries the answers; anything a library prints goes to stderr
+    channel = child_channel()
     setup = channel.receive()
     if setup is None:
         return

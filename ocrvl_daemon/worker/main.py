@@ -34,8 +34,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.page_quality import Redo, repetition
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
-from ocrvl_daemon.server.process_group import die_with_parent
-from ocrvl_daemon.worker.client import _Channel
+from ocrvl_daemon.worker.client import _Channel, child_channel
 from ocrvl_daemon.worker.layout_process import LayoutProcess
 from ocrvl_daemon.worker.messages import (
     Block,
@@ -466,14 +465,8 @@ def serve() -> None:
     `WorkerReady` or `WorkerFailed`, then `RequestSent` and `PageResult` for each page, and
     `LogRecord`s.
     """
-    die_with_parent(signal.SIGKILL)  # a worker must not outlive a SIGKILLed daemon
-    if os.getppid() != int(sys.argv[1]):  # the daemon died before the line above
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    channel = child_channel()  # a worker must not outlive a SIGKILLed daemon
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    # fd 1 carries the protocol; anything a library prints goes to stderr instead.
-    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
-    os.dup2(2, 1)
     logging.getLogger().addHandler(_DaemonLog(channel))
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("ocrvl_daemon").setLevel(logging.INFO)  # e.g. the layout engine chosen
