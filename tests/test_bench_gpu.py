@@ -490,7 +490,10 @@ def test_the_layout_on_budget_runs_parts_by_importance_and_skips_what_does_not_f
     # the H100 run of 2026-12-05: capacity 22 s, B2 40 s, convert 46 s, run 44 s (64 pages)
     assert 20 < cost["capacity"] < cost["b2"] < cost["run"] < cost["convert"] < 60
     assert cost["alone"] < 60, "layout alone is bounded (pages and seconds)"
-    assert cost["cpu 4"] > cost["cpu 16"], "fewer cores, slower"
+    assert layout_on.cpu_s(4, 48) > layout_on.cpu_s(16, 48), "fewer cores, slower"
+    assert cost["cpu 16"] == layout_on.cpu_s(16, 96), "16 cores: 6 workers, a 96-page book"
+    assert layout_on.cpu_book_pages(48, 6) == 96 and layout_on.cpu_book_pages(48, 1) == 48, (
+        "the CPU sweep's book must give every worker 16 pages (8 each never filled the pipeline)")
     # the run that overran: alone first (before vLLM), then vLLM and the contenders
     total = cost["alone"] + layout_on.server_s(64) + sum(cost[c] for c in
                                                          ("capacity", "b2", "convert", "run"))

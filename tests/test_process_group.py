@@ -24,6 +24,7 @@ from ocrvl_daemon.server.process_group import (
     kill_leftover,
 )
 from ocrvl_daemon.worker.client import EngineWorker
+from ocrvl_daemon.worker.pool import EnginePool
 from testkit.harness import wait_until
 
 # A leader that starts a grandchild in its own group, prints both PIDs, then waits.
@@ -182,3 +183,36 @@ def test_the_engine_worker_leads_its_own_group_and_a_stuck_one_is_killed(
                for m in messages), f"the escalation to SIGKILL was not logged: {messages}"
     assert any(m.startswith(f"reaped engine worker pid {worker.pid}") for m in messages), (
         f"the reaping was not logged: {messages}")
+
+
+def test_a_pool_tells_every_worker_to_end_before_it_waits_for_any(
+        tmp_path: Path, groups: list[int]) -> None:
+    """Each worker takes most of a second to exit (its layout process, torch's teardown): a
+    pool that waited for one before telling the next made a stop of 6 workers take 5 s."""
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"use_layout_detection": False, "workers": 3}})
+    made: list[EngineWorker] = []
+    inputs_open_at_first_wait: list[int] = []
+
+    class Observed(EngineWorker):
+        def stop(self, timeout: float = 10.0) -> None:
+            if not inputs_open_at_first_wait:
+                inputs_open_at_first_wait.append(sum(
+                    1 for w in made if w._process is not None and w._process.stdin is not None
+                    and not w._process.stdin.closed))
+            super().stop(timeout)
+
+    def new_worker(config: Config, url: str) -> EngineWorker:
+        made.append(Observed(config, url))
+        return made[-1]
+
+    pool = EnginePool(config, new_worker=new_worker)
+    pool.maintain(0.0, set())
+    groups.extend(w.pid for w in made if w.pid is not None)
+    assert len(made) == 3, f"the pool started {len(made)} workers, not the 3 configured"
+    pool.stop()
+    assert inputs_open_at_first_wait == [0], (
+        f"{inputs_open_at_first_wait[0]} worker(s) had not been told to end when the pool "
+        "began waiting for the first: the workers end one after another")
+    assert not any(group_alive(w.pid) for w in made if w.pid is not None), (
+        "a worker's process group outlived the pool's stop")

@@ -62,6 +62,7 @@ from bench.gpu.run import (
 )
 from bench.loadgen import send_all
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.worker.layout_engine import cpu_layout_plan
 from testkit.documents import make_layout_pdf
 from testkit.runner import ocrvl_env
 
@@ -80,6 +81,7 @@ LAYOUT_SPEED = Path(__file__).resolve().parents[1] / "layout_speed.py"
 # the processes) and, in each process, this many seconds of detection (its set-up apart).
 ALONE_MAX_PAGES = 64
 ALONE_MAX_S = 20.0
+CPU_PAGES_PER_WORKER = 16
 # --budget-s estimates, from the H100 run of 2026-12-05 (64-page book, transformers on
 # gpu:0): vLLM start 133 s, blocks capture 29 s, capacity 22 s, B2 40 s, run 44 s, convert
 # 46 s, 10 small documents 2 min; the layout model alone, one process, measured by hand:
@@ -526,6 +528,13 @@ def contender_s(name: str, pages: int) -> float:
     return CONTENDER_OVERHEAD_S + pages * CONTENDER_S_PER_PAGE[name]
 
 
+def cpu_book_pages(pages: int, workers: int) -> int:
+    """The CPU sweep's book: `pages` (--cpu-pages), and CPU_PAGES_PER_WORKER for each worker
+    at least: a book of 8 pages a worker was over before the pipeline was full (48 pages on
+    16 cores: convert 40% of alone, 2026-12-06)."""
+    return max(pages, CPU_PAGES_PER_WORKER * workers)
+
+
 def cpu_s(cores: int, pages: int) -> float:
     """One core count of the CPU sweep: the layout model alone, then ocrvl convert."""
     return (alone_s("cpu", pages, cores) + CONVERT_SETUP_S
@@ -552,7 +561,8 @@ def estimates(parts: set[str], device: str, pages: int, rounds: int, small: int,
         elif part == "small":
             out.append((part, SMALL_S_PER_DOC * small))
         else:
-            out += [(f"cpu {n}", cpu_s(n, cpu_pages)) for n in cpu_cores]
+            out += [(f"cpu {n}", cpu_s(n, cpu_book_pages(cpu_pages, cpu_layout_plan(n, None)[0])))
+                    for n in cpu_cores]  # fmt: skip
     return out
 
 
@@ -721,19 +731,20 @@ def cpu_sweep(run: LayoutRun, bench: Bench, book: Path, work: Path,
     from ocrvl_daemon.server.autotune import layout_choice
 
     args, res = run.args, run.res
-    short = make_layout_pdf(work / "cpu-book.pdf", args.cpu_pages, seed=1)
     settings = {"layout_engine": args.layout_engine, "layout_device": "cpu"}
     res["cpu"] = {}
     for label, cores in sweep:
         cpus = set(cores)
-        if not run.fits(f"cpu {len(cpus)}", cpu_s(len(cpus), args.cpu_pages)):
-            continue
         choice = layout_choice(layout_config(settings), cores=len(cpus))
+        pages = cpu_book_pages(args.cpu_pages, choice.workers)
+        if not run.fits(f"cpu {len(cpus)}", cpu_s(len(cpus), pages)):
+            continue
+        short = make_layout_pdf(work / f"cpu-book-{pages}.pdf", pages, seed=1)
         log(f"cpu {label}: {choice.describe()}, {choice.workers} worker(s)")
         entry: dict[str, Any] = {"cores": len(cpus), "layout": choice.describe(),
-                                 "workers": choice.workers}  # fmt: skip
+                                 "workers": choice.workers, "pages": pages}  # fmt: skip
         res["cpu"][label] = entry
-        entry["alone"] = layout_alone(settings, choice.workers, short, args.cpu_pages, work,
+        entry["alone"] = layout_alone(settings, choice.workers, short, pages, work,
                                       args.log_dir, f"cpu{label}", cpus)  # fmt: skip
         log(f"cpu {label}: layout alone {entry['alone']}")
         run.write()

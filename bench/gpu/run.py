@@ -9,8 +9,8 @@ Contenders, one after another on an idle server, each on the same `--pages`-page
             exactly `--concurrency` requests always in flight (default: ocrvl's default
             bound, 64; every ocrvl contender gets it as `pipeline.max_concurrency`)
   B2        one warm `PaddleOCRVL(...).predict([book])` (bench/run.py's; predict timed)
-  convert   `ocrvl convert BOOK --server-url URL` (timed from the worker's ready line,
-            like B2, and from the command's start)
+  convert   `ocrvl convert BOOK --server-url URL` (timed from the worker's ready line to
+            the book's "done" line, like B2, and from the command's start to its exit)
   run       `ocrvl run` with an inbox: a daemon whose engine worker is ready, then the book
             dropped; first drop -> last `.md` (and worker ready -> last `.md` if later)
   small     `--small` two-page documents, each alone in an idle daemon, then dropped
@@ -245,13 +245,17 @@ class Bench:
             if code != 0:
                 raise RuntimeError("ocrvl convert failed:\n" + "\n".join(proc.grep("")[-30:]))
             ready = proc.first("ready in")
+            # The book is done when its .md is written; the workers' exit after it is not
+            # conversion (B2's predict() is timed without its teardown too).
+            done = proc.first(": done, ") or t1
             info["from_start_s"] = t1 - t0
+            info["exit_after_done_s"] = round(t1 - done, 2)
             info["worker_ready_s"] = worker_ready_s(proc)
             info["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
             info["layout"] = [line.split("layout: ", 1)[-1] for line in proc.grep("layout: ")]
-            return (ready or t0), t1, pages
+            return (ready or t0), done, pages
 
-        r = self.measure(name, "from the worker's ready line", run)
+        r = self.measure(name, "from the worker's ready line to the book's done line", run)
         r.extra.update(info)
         r.extra["pages_per_s_from_start"] = pages / info["from_start_s"]
         if cpus:

@@ -222,15 +222,21 @@ class EngineWorker:
         if process is not None:
             stop_process_group(process, 0, "engine worker", now=True)
 
+    def close_input(self) -> None:
+        """Tell the worker no more pages come: it finishes what it has and exits. (`stop`
+        does this too; a pool closes every input first so that its workers end together.)"""
+        process = self._process
+        if process is not None and process.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                process.stdin.close()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Close the worker's input (it finishes what it has), then stop its process group
         (TERM, bounded wait, KILL, reap)."""
         process = self._process
         if process is None:
             return
-        with contextlib.suppress(OSError, ValueError):
-            assert process.stdin is not None
-            process.stdin.close()
+        self.close_input()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(min(timeout, 2.0))
         stop_process_group(process, timeout, "engine worker")

@@ -231,8 +231,15 @@ class EnginePool:
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
     def stop(self) -> None:
-        """Stop every worker (pages still in flight are dropped: the converter redoes them)."""
-        for worker in self._workers():
+        """Stop every worker (pages still in flight are dropped: the converter redoes them).
+
+        Every input is closed before any worker is waited for: each takes most of a second
+        to exit (its layout process, torch's teardown), and they do that at the same time.
+        """
+        workers = self._workers()
+        for worker in workers:
+            worker.close_input()
+        for worker in workers:
             worker.stop()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
