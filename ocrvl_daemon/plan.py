@@ -6,10 +6,10 @@ the plan out.
 
 How many: `limit` pages at the server (the sum of the endpoints' adaptive bounds) and a small
 `ready_margin` more being prepared in the engine (rendered, laid out, encoded), so a finished
-request is replaced at once; no more, since a letter's page dropped now is prepared after
-them. Pages of a document short of pages in flight (fewer than SHORT_OF_PAGES) go at once, up
-to SHORT_EXTRA beyond that; the worker's request gate lets them bump a young request of a
-document with many.
+request is replaced at once and every engine worker has its next page; no more, since a
+letter's page dropped now is prepared after them. Pages of a document short of pages in
+flight (fewer than SHORT_OF_PAGES) go at once, up to SHORT_EXTRA beyond that; the worker's
+request gate lets them bump a young request of a document with many.
 
 Which: pages of all documents interleave; the next free slot goes to the document with the
 fewest pages in flight, then the fewest pages left, then the oldest. A 2-page letter dropped
@@ -29,7 +29,8 @@ documents' `suspects`) are sent, at most `isolation_bound` at a time, until the 
 crashes the worker is found.
 
 Where: each page goes to the endpoint with the fewest pages in flight relative to its bound,
-through the engine worker with the fewest pages in flight for that endpoint.
+through an engine worker with room to prepare it (fewer than PREPARED_PER_WORKER pages not yet
+at the server), the one with the fewest pages in flight for that endpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from ocrvl_daemon.document import Document
 from ocrvl_daemon.worker.messages import GateLimit
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 
+# Pages an engine worker has in preparation (rendering, layout, encoding) at most, and what
+# the plan keeps each one given: the page being prepared and the next.
+PREPARED_PER_WORKER = 2
 # Pages of documents short of pages go this many beyond `limit` plus the ready margin.
 SHORT_EXTRA = 4
 YIELD_SHARE = 4
@@ -81,13 +85,18 @@ class Plan:
     sends: tuple[Send, ...]
 
 
-def ready_margin(limit: int) -> int:
+def ready_margin(limit: int, workers: int = 1) -> int:
     """Pages in flight beyond `limit`: being prepared while `limit` pages are at the server.
 
-    Small on purpose: a page of a letter dropped now is prepared after these (the renderer
-    and the request gate serve first come, first served), so each one delays it.
+    Enough for each of the engine `workers` to have PREPARED_PER_WORKER pages: one being
+    prepared and the next waiting. With layout detection on the CPU, preparing is the layout
+    model's pass (about a second), and a worker without its next page idles until the next
+    tick: six workers sharing a margin of 4 laid out half the pages their model could
+    (16 cores, bench/gpu/RESULTS.md 2026-12-06). Otherwise small on purpose: a page of a
+    letter dropped now is prepared after these (the renderer and the request gate serve
+    first come, first served), so each one delays it.
     """
-    return max(2, limit // 16)
+    return max(2, limit // 16, PREPARED_PER_WORKER * workers)
 
 
 def isolation_bound(suspects: int) -> int:
@@ -183,7 +192,7 @@ def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
     limit = sum(e.limit for e in endpoints)
     in_flight = sum(len(d.sent) for d in documents)
     at_server = sum(s.at_server for d in documents for s in d.sent.values())
-    margin = ready_margin(limit)
+    margin = ready_margin(limit, len(workers))
     preparing = max(0, in_flight - at_server)
     slots = min(limit + margin - in_flight, margin - preparing)
     short_room = limit + margin + SHORT_EXTRA - in_flight
@@ -196,11 +205,15 @@ def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
     ahead = {id(q): len(q.document.sent) for q in queues}
     per_worker = Counter(s.worker for d in documents for s in d.sent.values())
     per_worker_url = Counter((s.worker, s.endpoint) for d in documents for s in d.sent.values())
+    preparing_in = Counter(s.worker for d in documents for s in d.sent.values()
+                           if not s.at_server)
     sends = []
     for queue, page in chosen:
         url = min(endpoints, key=lambda e: loads[e.url] / max(1, e.limit)).url
-        worker = min(workers, key=lambda w: (per_worker_url[w, url], per_worker[w]))
+        worker = min(workers, key=lambda w: (preparing_in[w] >= PREPARED_PER_WORKER,
+                                             per_worker_url[w, url], per_worker[w]))
         loads[url] += 1
+        preparing_in[worker] += 1
         per_worker[worker] += 1
         per_worker_url[worker, url] += 1
         sends.append(Send(queue.document, page, url, worker, ahead[id(queue)]))

@@ -191,14 +191,34 @@ def test_each_page_goes_to_the_endpoint_with_the_most_room_for_its_bound() -> No
 
 
 @pytest.mark.quick
-def test_each_page_goes_to_the_worker_with_the_fewest_pages_for_its_endpoint() -> None:
+def test_each_worker_gets_its_next_page_to_prepare_the_one_with_fewest_at_the_server_first(
+        ) -> None:  # fmt: skip
     book = document(1, 600)
     for page in range(8):
         book.send(page, URL, worker=1 if page < 6 else 2)
         book.reached_server(page)
     planned = plan([book], [EndpointRoom(URL, 64, 8)], [1, 2])
-    workers = Counter(s.worker for s in planned.sends)
-    assert workers == {2: 4}, f"{workers}: the busier worker got pages"
+    order = [s.worker for s in planned.sends]
+    assert order == [2, 2, 1, 1], (
+        f"{order}: each worker must get a page being prepared and the next, the worker with "
+        "fewer pages at the server first")
+
+
+@pytest.mark.quick
+def test_six_engine_workers_each_have_their_next_page_while_the_book_ramps_up() -> None:
+    """Six workers laying out pages on the CPU shared 4 pages in preparation: two always
+    idle, the book at half the layout model's speed."""
+    book = document(1, 600)
+    workers = [1, 2, 3, 4, 5, 6]
+    planned = plan([book], [EndpointRoom(URL, 64, 0)], workers)
+    for s in planned.sends:
+        book.send(s.page, s.url, s.worker)
+    assert Counter(s.worker for s in planned.sends) == {w: 2 for w in workers}, (
+        "some engine workers were left without pages to prepare")
+    book.reached_server(0)  # worker 1's first page is laid out and its blocks went out
+    again = plan([book], [EndpointRoom(URL, 64, 12)], workers)
+    assert [(s.worker, s.page) for s in again.sends] == [(1, 12)], (
+        "the worker that finished preparing a page did not get the next one")
 
 
 @pytest.mark.quick
