@@ -191,9 +191,10 @@ def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
                   for e in endpoints)
     limit = sum(e.limit for e in endpoints)
     in_flight = sum(len(d.sent) for d in documents)
-    at_server = sum(s.at_server for d in documents for s in d.sent.values())
+    preparing_in = Counter(s.worker for d in documents for s in d.sent.values()
+                           if not s.at_server)
     margin = ready_margin(limit, len(workers))
-    preparing = max(0, in_flight - at_server)
+    preparing = preparing_in.total()
     slots = min(limit + margin - in_flight, margin - preparing)
     short_room = limit + margin + SHORT_EXTRA - in_flight
     queues = [_Queue(d, n) for n, d in enumerate(documents)]
@@ -205,8 +206,6 @@ def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
     ahead = {id(q): len(q.document.sent) for q in queues}
     per_worker = Counter(s.worker for d in documents for s in d.sent.values())
     per_worker_url = Counter((s.worker, s.endpoint) for d in documents for s in d.sent.values())
-    preparing_in = Counter(s.worker for d in documents for s in d.sent.values()
-                           if not s.at_server)
     sends = []
     for queue, page in chosen:
         url = min(endpoints, key=lambda e: loads[e.url] / max(1, e.limit)).url
