@@ -1,5 +1,6 @@
 """The layout model on the CPU runs in a process of its own beside each engine worker (the
-GIL stays with the pages' own work), goes with its worker, and a crash of it costs no page.
+GIL stays with the pages' own work), is warmed before its worker takes pages, goes with its
+worker, and a crash of it costs no page.
 
 Real daemon, real engine workers, the stand-in PP-DocLayoutV3 of `testkit.layout_model` on
 PaddleX's static-graph engine, a managed fake server.
@@ -32,6 +33,17 @@ def processes(part: str, under: int) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+@pytest.mark.slow
+def test_the_layout_model_has_made_its_first_call_before_its_worker_takes_pages(
+        layout_daemon: tuple[Path, Path, DaemonProcess]) -> None:
+    _, _, daemon = layout_daemon
+    ready = wait_until(lambda: [line for line in daemon.log().splitlines() if " ready in " in line],
+                       120, interval=0.2, what="the engine worker ready")
+    assert "its layout model warmed on a blank page in" in ready[0], (
+        f"the engine worker took pages before its layout model's first (slowest) call: "
+        f"{ready[0]}")
 
 
 @pytest.mark.slow

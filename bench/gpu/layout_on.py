@@ -184,9 +184,9 @@ def layout_alone_process(config: Config, pdf: Path, pages: list[int], ready: Pat
     """One process of the layout model alone: built as the pipeline builds it, warmed on one
     page, then (once `go` exists) called on each page as the pipeline calls it, for at most
     `seconds`."""
-    pipeline = build_pipeline(config, NO_SERVER)
-    inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
-    model = inner.layout_det_model
+    from ocrvl_daemon.worker.main import inner_pipeline
+
+    model = inner_pipeline(build_pipeline(config, NO_SERVER)).layout_det_model
     images = render(config, pdf, pages)
 
     def detect(image: Any) -> int:

@@ -205,8 +205,11 @@ class EngineWorker:
             block = False
             if isinstance(message, WorkerReady):
                 self.ready = True
-                log.info("engine worker %s ready in %.1f s", message.pid,
-                         time.monotonic() - self.started_at)
+                warmed = ("" if message.layout_warm_s is None else
+                          f" (its layout model warmed on a blank page in "
+                          f"{message.layout_warm_s:.1f} s)")
+                log.info("engine worker %s ready in %.1f s%s", message.pid,
+                         time.monotonic() - self.started_at, warmed)
             elif isinstance(message, WorkerFailed):
                 self.failure = message.reason
             elif isinstance(message, RequestSent):

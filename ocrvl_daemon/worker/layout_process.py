@@ -50,6 +50,7 @@ class LayoutProcess:
         self._channel = channel
         self._lock = threading.Lock()
         self.batch_sampler: Any = None
+        self.warm_s: float | None = None
         # Called with what happened when the process is found gone, before the call raises
         # LayoutProcessEnded (the worker ends there, as if the model had crashed in it).
         self.on_ended: Callable[[str], None] | None = None
@@ -67,11 +68,15 @@ class LayoutProcess:
         return self._process.pid
 
     def wait_ready(self) -> str | None:
-        """None once the model has loaded; else what went wrong."""
+        """None once the model has loaded and made its first call (`warm_s` says how long
+        that call took); else what went wrong."""
         answer = self._channel.receive()
         if answer is None:
             return f"the layout model's process ended (exit status {self._process.wait()})"
-        return None if answer == "ready" else str(answer)
+        if isinstance(answer, tuple) and answer[0] == "ready":
+            self.warm_s = float(answer[1])
+            return None
+        return str(answer)
 
     def __call__(self, images: list[np.ndarray], **options: Any) -> list[Any]:
         with self._lock:
@@ -127,18 +132,17 @@ def serve() -> None:
     config_json, server_url = setup
     try:
         from ocrvl_daemon.config import Config
-        from ocrvl_daemon.worker.main import pipeline_kwargs
+        from ocrvl_daemon.worker.main import inner_pipeline, pipeline_kwargs, warm_layout_model
         from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 
         kwargs = pipeline_kwargs(Config.model_validate_json(config_json), server_url)
-        pipeline = import_paddleocr_vl()(**kwargs)
-        inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
-        model = inner.layout_det_model
+        model = inner_pipeline(import_paddleocr_vl()(**kwargs)).layout_det_model
+        warm_s = warm_layout_model(model)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(f"{type(exc).__name__}: {exc}")
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Paddle's handler would print a crash report
-    channel.send("ready")
+    channel.send(("ready", warm_s))
     while (call := channel.receive()) is not None:
         images, options = call
         try:

@@ -73,6 +73,8 @@ INK_LEVEL = 128
 # (rendering, cropping, reading streamed answers): on the CPU its forward pass took 4.3x as
 # long beside one busy thread at 5 ms, 1.4x at 0.5 ms (bench/gpu/RESULTS.md).
 SWITCH_INTERVAL_S = 0.0005
+# An A4 page rendered at scale 2 (height, width, BGR).
+BLANK_PAGE_SHAPE = (1684, 1190, 3)
 
 
 def has_ink(image: np.ndarray) -> bool:
@@ -488,6 +490,10 @@ def serve() -> None:
             layout = LayoutProcess.started(setup.config_json, server_url)
         pipeline = PaddleOCRVL(**kwargs)
         failure = layout.wait_ready() if layout is not None else None
+        warm_s = None
+        if failure is None and config.pipeline.use_layout_detection:
+            warm_s = (layout.warm_s if layout is not None
+                      else warm_layout_model(inner_pipeline(pipeline).layout_det_model))
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         failure = f"{type(exc).__name__}: {exc}"
     if failure is not None:
@@ -498,9 +504,8 @@ def serve() -> None:
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
-    # reads to it: a model set on the wrapper is never called, so the inner one's take turns.
-    inner = getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
+    # The inner pipeline's models take turns (a model set on paddlex's wrapper is never called).
+    inner = inner_pipeline(pipeline)
     turns = model_turns(kwargs.get("engine"))
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
@@ -513,7 +518,7 @@ def serve() -> None:
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
-    channel.send(WorkerReady(os.getpid()))
+    channel.send(WorkerReady(os.getpid(), warm_s))
     # A thread for every page the converter sends (it bounds them: each endpoint's limit, the
     # ready margin and the pages of documents short of pages): a fixed pool would queue pages
     # unseen, behind the gates' back.
@@ -534,6 +539,24 @@ def serve() -> None:
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
     os._exit(0)
+
+
+def inner_pipeline(pipeline: Any) -> Any:
+    """PaddleX's pipeline inside `PaddleOCRVL`, whose models the pipeline calls.
+
+    paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
+    reads to it: a model set on the wrapper is never called.
+    """
+    return getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
+
+
+def warm_layout_model(model: Any) -> float:
+    """Call the layout model once on a blank page, so that the first page of the first book
+    does not pay for the engine's set-up (its first call is the slowest); the seconds it
+    took. Any page size will do: the model resizes every page to its own input size."""
+    started = time.monotonic()
+    list(model([np.full(BLANK_PAGE_SHAPE, 255, dtype=np.uint8)]))
+    return time.monotonic() - started
 
 
 def _end_worker(what: str) -> None:

@@ -100,9 +100,11 @@ class GateLimit:
 
 @dataclass(frozen=True)
 class WorkerReady:
-    """The pipeline is built: pages may come."""
+    """The pipeline is built: pages may come. `layout_warm_s`: how long the layout model's
+    first call took (None with layout detection off)."""
 
     pid: int
+    layout_warm_s: float | None = None
 
 
 @dataclass(frozen=True)
