@@ -514,6 +514,19 @@ def test_the_layout_on_budget_runs_parts_by_importance_and_skips_what_does_not_f
 
 
 @pytest.mark.quick
+def test_a_books_steady_pace_leaves_out_its_first_and_last_pages() -> None:
+    from bench.gpu.run import steady_pages_per_s
+
+    # 5 s before the first page (a page's layout, then its slowest block), 2 s for the last
+    readings = [(0.0, 0), (5.0, 0), (6.0, 10), (7.0, 30), (8.0, 50), (9.0, 70), (10.0, 90),
+                (12.0, 100)]  # fmt: skip
+    assert steady_pages_per_s(readings, 100) == 20.0, (
+        "the pace between a tenth and nine tenths of the book should be 80 pages in 4 s")
+    assert steady_pages_per_s([(0.0, 0), (9.0, 100)], 100) is None, (
+        "a book done between two progress lines has no steady pace")
+
+
+@pytest.mark.quick
 def test_a_layout_alone_measurement_is_bounded_in_time() -> None:
     from bench.gpu.layout_on import ALONE_MAX_PAGES, detect_within
 

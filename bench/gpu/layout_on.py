@@ -472,7 +472,9 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"- layout on the CPU, {label} cores ({c.get('layout')}): alone "
                      f"{c['alone']['pages_per_s']:.2f} pages/s ({c['alone']['workers']} "
                      f"processes); ocrvl convert {c.get('ocrvl_convert_pages_per_s', 0):.2f} "
-                     f"pages/s ({c.get('convert_vs_alone', 0):.0%} of alone)")  # fmt: skip
+                     f"pages/s ({c.get('convert_vs_alone', 0):.0%} of alone)"
+                     + (f", steady {c['steady_pages_per_s']:.2f} ({c['steady_vs_alone']:.0%})"
+                        if "steady_pages_per_s" in c else ""))  # fmt: skip
     if res.get("small"):
         sm = res["small"]
         lines.append(f"- {sm['count']} two-page documents under the book: median "
@@ -752,6 +754,10 @@ def cpu_sweep(run: LayoutRun, bench: Bench, book: Path, work: Path,
                           pipeline={"use_layout_detection": True, **settings})  # fmt: skip
         entry["ocrvl_convert_pages_per_s"] = round(r.pages_per_s, 3)
         entry["convert_vs_alone"] = round(r.pages_per_s / entry["alone"]["pages_per_s"], 3)
+        steady = r.extra.get("steady_pages_per_s")
+        if steady is not None:
+            entry["steady_pages_per_s"] = round(steady, 3)
+            entry["steady_vs_alone"] = round(steady / entry["alone"]["pages_per_s"], 3)
         entry["convert_layout_line"] = r.extra.get("layout")
         run.write()
 

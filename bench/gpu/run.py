@@ -96,6 +96,11 @@ PADDLEX_REQUEST_EXTRA: dict[str, Any] = {
     "mm_processor_kwargs": {"min_pixels": 112_896, "max_pixels": MAX_IMAGE_PIXELS},
 }
 WORKER_READY = re.compile(r"engine worker \S+ ready in ([0-9.]+) s")
+# ocrvl convert logs the book's progress every second: its pace between STEADY_FROM and
+# STEADY_TO of its pages, once its first pages are through and before its last are in flight.
+PROGRESS_SECONDS = 1.0
+PROGRESS = re.compile(r": p\. (\d+)/\d+ ")
+STEADY_FROM, STEADY_TO = 0.1, 0.9
 
 
 def log(msg: str) -> None:
@@ -232,7 +237,8 @@ class Bench:
         pages = page_count(source)
         book = Path(shutil.copy(source, where / source.name))
         settings["pipeline"] = {**self.pipeline(), **settings.get("pipeline", {})}
-        cfg = write_config(where / "convert.yaml", state_dir=str(where / "state"), **settings)
+        cfg = write_config(where / "convert.yaml", state_dir=str(where / "state"),
+                           progress_seconds=PROGRESS_SECONDS, **settings)  # fmt: skip
         info: dict[str, Any] = {}
 
         def run() -> tuple[float, float, int]:
@@ -251,6 +257,7 @@ class Bench:
             info["from_start_s"] = t1 - t0
             info["exit_after_done_s"] = round(t1 - done, 2)
             info["worker_ready_s"] = worker_ready_s(proc)
+            info["steady_pages_per_s"] = steady_pages_per_s(progress(proc, book.name), pages)
             info["concurrency"] = [line.split("] ")[-1] for line in proc.grep("concurrency")]
             info["layout"] = [line.split("layout: ", 1)[-1] for line in proc.grep("layout: ")]
             return (ready or t0), done, pages
@@ -360,6 +367,24 @@ def machine_cpu(before: Any, after: Any, seconds: float) -> dict[str, float]:
     steal = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
     return {"machine_cpus": psutil.cpu_count() or 1, "machine_busy_cores": busy / seconds,
             "machine_steal_cores": steal / seconds}  # fmt: skip
+
+
+def progress(proc: Ocrvl, name: str) -> list[tuple[float, int]]:
+    """(time, pages done) of each progress line `proc` logged for the document `name`."""
+    return [(t, int(m.group(1))) for t, line in list(proc.lines)
+            if f"{name}: p. " in line and (m := PROGRESS.search(line))]  # fmt: skip
+
+
+def steady_pages_per_s(readings: list[tuple[float, int]], pages: int) -> float | None:
+    """Pages a second between the first progress reading at STEADY_FROM of the book and the
+    last at STEADY_TO or below: the book's pace without its first page's latency (laid
+    out, then answered, before any page is done) and its last one's. None without two such
+    readings apart in time."""
+    inside = [(t, n) for t, n in readings if STEADY_FROM * pages <= n <= STEADY_TO * pages]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    (t0, n0), (t1, n1) = inside[0], inside[-1]
+    return (n1 - n0) / (t1 - t0)
 
 
 def worker_ready_s(proc: Ocrvl) -> float | None:
