@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,6 +73,23 @@ def test_with_torch_every_page_threads_model_call_runs_on_the_one_lane_thread() 
     assert len(model.threads) == 1 and not model.threads & askers, (
         f"the model was called on {len(model.threads)} threads: each holds its own GPU "
         "handles and CPU thread team")
+
+
+@pytest.mark.quick
+def test_with_torch_the_warm_up_call_runs_on_the_lane_too() -> None:
+    model = _Model()
+    pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(layout_det_model=model))
+    turns = worker.model_turns("transformers")
+    warm_s = worker._models_take_turns(pipeline, turns, None)
+    assert warm_s is not None and warm_s > 0 and len(model.threads) == 1, (
+        "the layout model was not warmed before the worker's first page")
+    page = threading.Thread(target=pipeline.paddlex_pipeline.layout_det_model, args=(1,))
+    page.start()
+    page.join(10)
+    turns.shutdown()
+    assert len(model.threads) == 1 and threading.get_ident() not in model.threads, (
+        "the warm-up call ran off the lane: that thread keeps GPU handles of its own, beyond "
+        "the room planned for the layout model")
 
 
 @pytest.mark.quick

@@ -490,10 +490,8 @@ def serve() -> None:
             layout = LayoutProcess.started(setup.config_json, server_url)
         pipeline = PaddleOCRVL(**kwargs)
         failure = layout.wait_ready() if layout is not None else None
-        warm_s = None
-        if failure is None and config.pipeline.use_layout_detection:
-            warm_s = (layout.warm_s if layout is not None
-                      else warm_layout_model(inner_pipeline(pipeline).layout_det_model))
+        if failure is None:
+            warm_s = _models_take_turns(pipeline, model_turns(kwargs.get("engine")), layout)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         failure = f"{type(exc).__name__}: {exc}"
     if failure is not None:
@@ -504,17 +502,6 @@ def serve() -> None:
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # The inner pipeline's models take turns (a model set on paddlex's wrapper is never called).
-    inner = inner_pipeline(pipeline)
-    turns = model_turns(kwargs.get("engine"))
-    for name in ("layout_det_model", "doc_preprocessor_pipeline"):
-        if hasattr(inner, name):
-            target = getattr(inner, name)
-            if name == "layout_det_model" and layout is not None:
-                layout.batch_sampler = target.batch_sampler
-                layout.on_ended = _end_worker
-                target = layout  # this process's own copy is no longer called
-            setattr(inner, name, _TakingTurns(target, turns))
     endpoints = _Endpoints(config, server_url)
     _track_completions(pipeline, endpoints)
     _start_request_loop()
@@ -539,6 +526,28 @@ def serve() -> None:
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
     os._exit(0)
+
+
+def _models_take_turns(pipeline: Any, turns: Turns, layout: LayoutProcess | None
+                       ) -> float | None:
+    """The pipeline's local models called as `turns` says from now on, the layout model
+    (`layout`'s process where there is one) warmed; the seconds its first call took (None
+    with layout detection off)."""
+    inner = inner_pipeline(pipeline)
+    for name in ("layout_det_model", "doc_preprocessor_pipeline"):
+        if hasattr(inner, name):
+            target = getattr(inner, name)
+            if name == "layout_det_model" and layout is not None:
+                layout.batch_sampler = target.batch_sampler
+                layout.on_ended = _end_worker
+                target = layout  # this process's own copy is no longer called
+            setattr(inner, name, _TakingTurns(target, turns))
+    if layout is not None:
+        return layout.warm_s  # its process warmed the model on the thread that serves it
+    if hasattr(inner, "layout_det_model"):
+        # through the turns: torch's per-thread state belongs to the lane's thread alone
+        return warm_layout_model(inner.layout_det_model)
+    return None
 
 
 def inner_pipeline(pipeline: Any) -> Any:
