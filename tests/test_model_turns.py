@@ -80,7 +80,8 @@ def test_with_torch_the_warm_up_call_runs_on_the_lane_too() -> None:
     model = _Model()
     pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(layout_det_model=model))
     turns = worker.model_turns("transformers")
-    warm_s = worker._models_take_turns(pipeline, turns, None)
+    worker._models_take_turns(pipeline, turns, None)
+    warm_s = worker._warmed(pipeline, None)
     assert warm_s is not None and warm_s > 0 and len(model.threads) == 1, (
         "the layout model was not warmed before the worker's first page")
     page = threading.Thread(target=pipeline.paddlex_pipeline.layout_det_model, args=(1,))

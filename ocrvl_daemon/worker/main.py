@@ -491,7 +491,8 @@ def serve() -> None:
         pipeline = PaddleOCRVL(**kwargs)
         failure = layout.wait_ready() if layout is not None else None
         if failure is None:
-            warm_s = _models_take_turns(pipeline, model_turns(kwargs.get("engine")), layout)
+            _models_take_turns(pipeline, model_turns(kwargs.get("engine")), layout)
+            warm_s = _warmed(pipeline, layout)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         failure = f"{type(exc).__name__}: {exc}"
     if failure is not None:
@@ -528,11 +529,9 @@ def serve() -> None:
     os._exit(0)
 
 
-def _models_take_turns(pipeline: Any, turns: Turns, layout: LayoutProcess | None
-                       ) -> float | None:
-    """The pipeline's local models called as `turns` says from now on, the layout model
-    (`layout`'s process where there is one) warmed; the seconds its first call took (None
-    with layout detection off)."""
+def _models_take_turns(pipeline: Any, turns: Turns, layout: LayoutProcess | None) -> None:
+    """The pipeline's local models called as `turns` says from now on; the layout model
+    `layout`'s process, where there is one."""
     inner = inner_pipeline(pipeline)
     for name in ("layout_det_model", "doc_preprocessor_pipeline"):
         if hasattr(inner, name):
@@ -542,12 +541,18 @@ def _models_take_turns(pipeline: Any, turns: Turns, layout: LayoutProcess | None
                 layout.on_ended = _end_worker
                 target = layout  # this process's own copy is no longer called
             setattr(inner, name, _TakingTurns(target, turns))
+
+
+def _warmed(pipeline: Any, layout: LayoutProcess | None) -> float | None:
+    """Seconds the layout model's first call took (None with layout detection off)."""
     if layout is not None:
         return layout.warm_s  # its process warmed the model on the thread that serves it
-    if hasattr(inner, "layout_det_model"):
-        # through the turns: torch's per-thread state belongs to the lane's thread alone
-        return warm_layout_model(inner.layout_det_model)
-    return None
+    inner = inner_pipeline(pipeline)
+    if not hasattr(inner, "layout_det_model"):
+        return None
+    # through its turns (`_models_take_turns` first): torch's per-thread state belongs to the
+    # lane's thread alone
+    return warm_layout_model(inner.layout_det_model)
 
 
 def inner_pipeline(pipeline: Any) -> Any:
