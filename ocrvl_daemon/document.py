@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ocrvl_daemon.page_quality import RedoLedger
+from ocrvl_daemon.pdf import FileStamp
 from ocrvl_daemon.store import Job
 
 # Documents converted at once, sharing the server; the queue behind them waits for a slot.
@@ -55,6 +56,9 @@ class Document:
     # Pages in flight at an engine worker crash, one of which may have caused it: while there
     # are any, only they are sent, a few at a time (`plan`), until a crash names the page.
     suspects: set[int] = field(default_factory=set)
+    # The file's version when the document started: every page and the Markdown must come
+    # from it (`driver.Converter` compares it before a page counts and before writing).
+    source: FileStamp | None = None
 
     @property
     def job_id(self) -> int:

@@ -38,7 +38,7 @@ from ocrvl_daemon.document import (
     pages_of_worker,
     pages_per_endpoint,
 )
-from ocrvl_daemon.errors import OcrvlError, StateFullError
+from ocrvl_daemon.errors import InputVanishedError, OcrvlError, StateFullError
 from ocrvl_daemon.hooks import DocumentHooks
 from ocrvl_daemon.jobs import DAEMON_RETRY, RetryPolicy
 from ocrvl_daemon.logs import doc_fields
@@ -50,6 +50,7 @@ from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
+from ocrvl_daemon.units import counted
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool, StoppedWorker
 
@@ -59,6 +60,9 @@ ACTIVATIONS_PER_TICK = 16
 # Queued jobs are looked up this often (and at once after `wake()`): other processes
 # (`ocrvl retry`) and backoff timers add work without telling us.
 ACTIVATION_INTERVAL = 1.0
+# Each active document's file is looked at this often (and before each of its pages counts):
+# one replaced or deleted while it converts must not cost the rest of its pages.
+SOURCE_CHECK_INTERVAL = 1.0
 
 
 class Converter:
@@ -115,6 +119,7 @@ class Converter:
         self._suspects_together = 1
         self._wake = True
         self._next_activation = 0.0
+        self._next_source_check = 0.0
         self._now = time.monotonic()
 
     # --- the tick -----------------------------------------------------------------------
@@ -128,6 +133,10 @@ class Converter:
         busy = {sent.worker for doc in self.active.values() for sent in doc.sent.values()}
         for stopped in self.engines.maintain(now, busy):
             self._worker_stopped(stopped)
+        if now >= self._next_source_check:
+            self._next_source_check = now + SOURCE_CHECK_INTERVAL
+            for doc in self._documents():
+                self._source_moved(doc)
         if self._wake or now >= self._next_activation:
             self._wake = False
             self._next_activation = now + ACTIVATION_INTERVAL
@@ -231,6 +240,31 @@ class Converter:
         """Forget an active job's pages, answers in flight included."""
         self.active.pop(job_id, None)
 
+    def _source_moved(self, doc: Document, changed: bool = False) -> bool:
+        """Whether `doc`'s file is no longer the version it started from (`changed`: its
+        content is known to differ); if so the document is dropped: converted again from its
+        new content, or, deleted, given up on."""
+        now = pdf.FileStamp.of(doc.job.path)
+        if now == doc.source and not changed:
+            return False
+        job = doc.job
+        self._drop(job.id)
+        left = doc.pages_left
+        if now is None:
+            why = (f"{job.path.name} was deleted while it was being converted; its "
+                   f"{counted(left, 'page')} not yet converted were dropped and nothing was "
+                   "written")
+            log.warning("%s", why, extra=_fields(job))
+            self.failures[job.id] = InputVanishedError(why + ".", "put the PDF back to "
+                                                       "convert it (pages done are kept)")
+            self.store.set_gone(job.id, why)
+        else:
+            log.warning("%s changed while it was being converted (%d of %d pages done): "
+                        "converting it again from its new content", job.path.name, doc.done,
+                        doc.page_count, extra=_fields(job))
+            self.store.set_changed(job.id, self.config.inbox.stable_seconds)
+        return True
+
     # --- pages --------------------------------------------------------------------------
 
     def _dispatch(self, now: float) -> None:
@@ -297,6 +331,8 @@ class Converter:
         doc = self.active.get(result.job_id)
         if doc is None or not is_awaited(result, doc):
             return  # the job failed or was dropped meanwhile, or the page went elsewhere
+        if self._source_moved(doc):
+            return  # a page counts only while its file is the version it was read from
         server_down = result.error_kind is Failure.SERVER_DOWN
         server_error = result.error_kind is Failure.SERVER_ERROR
         first = self.dispatcher.answered(
@@ -368,6 +404,8 @@ class Converter:
     def _finish(self, job_id: int) -> None:
         doc = self.active[job_id]
         job = doc.job
+        if self._source_moved(doc) or not self._same_content(doc):
+            return
         try:
             output.write_document(
                 job.path,
@@ -390,7 +428,10 @@ class Converter:
             return
         self.active.pop(job_id)
         ledger = doc.ledger
-        self.store.set_done(job_id, redo_tokens=ledger.extra)
+        if not self.store.set_done(job_id, redo_tokens=ledger.extra, sha256=job.sha256):
+            log.warning("%s changed as it was written; converting its new content",
+                        job.path.name, extra=_fields(job))
+            return
         output.remove_error_note(job.path, self.place)
         md, images, _ = output.outputs_for(job.path, self.place)
         redone = ""
@@ -421,6 +462,18 @@ class Converter:
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+
+    def _same_content(self, doc: Document) -> bool:
+        """Whether `doc`'s file still holds the bytes its job was identified by (hashed once
+        more before its Markdown is written: a stamp cannot see every rewrite); if not, it is
+        dropped and converted again."""
+        try:
+            same = pdf.file_identity(doc.job.path).sha256 == doc.job.sha256
+        except OcrvlError:
+            same = False
+        if not same:
+            self._source_moved(doc, changed=True)
+        return same
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):

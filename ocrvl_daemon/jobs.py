@@ -76,13 +76,14 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
     this version is not queued. An unusable file or output place raises, as OcrvlError or
     OSError."""
     path = job.path
-    if not path.exists():
+    source = pdf.FileStamp.of(path)
+    if source is None:
         log.info("%s is gone; dropping it from the queue", path)
         store.forget(job.id)
         return None
     stat = path.stat()
-    # No hash yet (unreadable when found), another version or another recipe (a reload
-    # changed it): identify it again.
+    # No hash yet (unreadable when found, or changed while it converted), another version or
+    # another recipe (a reload changed it): identify it again.
     if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
             or job.model != key):
         ident = pdf.file_identity(path)
@@ -100,7 +101,9 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
     else:
         log.info("%s: %s queued", path.name, counted(count, "page"),
                  extra=doc_fields(path, None, job.id))
-    return Document(job, count, pending, done=count - len(pending))
+    if pdf.FileStamp.of(path) != source:  # replaced while it was hashed or counted
+        raise InputVanishedError(f"{path} changed while it was being opened.")
+    return Document(job, count, pending, done=count - len(pending), source=source)
 
 
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,

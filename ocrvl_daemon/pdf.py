@@ -49,6 +49,26 @@ def file_identity(path: Path) -> FileIdentity:
     return FileIdentity(digest.hexdigest(), after.st_size, after.st_mtime)
 
 
+@dataclass(frozen=True)
+class FileStamp:
+    """What a file's metadata says of its version: `cp` over it changes its mtime, `mv`
+    over it its inode, so any field that differs means other bytes."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileStamp | None:
+        """The stamp of the file at `path` now; None when there is none."""
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def check_unchanged(path: Path, size: int, mtime: float) -> None:
     """Raise InputVanishedError unless `path` is still the version (size, mtime) queued."""
     try:

@@ -39,6 +39,7 @@ class JobState(str, Enum):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    GONE = "gone"  # its file was deleted while it was being converted; nothing was written
 
 
 class PageFailure(IntEnum):
@@ -179,7 +180,8 @@ class Store:
         """Queue the document at `path` unless this exact content is already queued or handled.
 
         A changed file (new hash) or another model starts over; the same content stays as it is
-        (done stays done, a permanent failure waits for `ocrvl retry`).
+        (done stays done, a permanent failure waits for `ocrvl retry`), except a document whose
+        file was deleted while it converted (GONE): its file is back, so it is queued again.
         """
         now = time.time()
         with self._tx() as db:
@@ -190,7 +192,8 @@ class Store:
                     " VALUES (?, ?, ?, ?, ?, 'queued', ?, ?)",
                     (os.fsencode(path), sha256, size, mtime, model, now, now),
                 )
-            elif row["sha256"] != sha256 or row["model"] != model:
+            elif (row["sha256"] != sha256 or row["model"] != model
+                  or row["state"] == JobState.GONE.value):
                 db.execute(
                     "UPDATE jobs SET sha256=?, size=?, mtime=?, model=?, state='queued', "
                     "attempts=0, last_error=NULL, page_count=NULL, updated=?, started=NULL, "
@@ -211,6 +214,25 @@ class Store:
                 (time.time(), job_id),
             )
 
+    def set_changed(self, job_id: int, wait: float) -> None:
+        """The job's file changed while it was converted: it is queued again in `wait`
+        seconds, with its identity forgotten, so that its new content is hashed before any
+        page of it counts (the old version's checkpoints stay under the old hash)."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET state='queued', sha256='', attempts=0, last_error=NULL, "
+                "page_count=NULL, finished=NULL, updated=?, not_before=? WHERE id=?",
+                (now, now + wait, job_id),
+            )
+
+    def set_gone(self, job_id: int, reason: str) -> None:
+        """The job's file was deleted while it was converted: nothing is written; `reason`
+        says so in status until the file is back (`enqueue` queues it again)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET state='gone', last_error=?, updated=? WHERE id=?",
+                       (shown(reason), time.time(), job_id))
+
     def set_running(self, job_id: int, page_count: int) -> None:
         """Mark a job as being converted."""
         now = time.time()
@@ -221,15 +243,18 @@ class Store:
                 (page_count, now, now, job_id),
             )
 
-    def set_done(self, job_id: int, redo_tokens: int = 0) -> None:
-        """Mark a job as converted; `redo_tokens` it took redoing cut-off pages."""
+    def set_done(self, job_id: int, redo_tokens: int = 0, sha256: str | None = None) -> bool:
+        """Mark a job as converted; `redo_tokens` it took redoing cut-off pages. With `sha256`,
+        only while the job is still that version of its file (False: another version was
+        queued meanwhile, and it stays queued)."""
         now = time.time()
+        version = "" if sha256 is None else " AND sha256=?"
         with self._tx() as db:
-            db.execute(
+            return db.execute(
                 "UPDATE jobs SET state='done', last_error=NULL, finished=?, updated=?, "
-                "redo_tokens=? WHERE id=?",
-                (now, now, redo_tokens, job_id),
-            )
+                f"redo_tokens=? WHERE id=?{version}",
+                (now, now, redo_tokens, job_id, *(() if sha256 is None else (sha256,))),
+            ).rowcount > 0
 
     def set_failed(
         self, job_id: int, error: str, *, permanent: bool, retry_in: float = 0.0

@@ -266,9 +266,10 @@ class _Gate:
 
     def gate(self, url: str) -> Any:
         return SimpleNamespace(acquire=lambda priority, document: SimpleNamespace(bump=None),
-                               release=lambda place: None)
+                               release=lambda place: None, started=lambda place: None)
 
-    def send(self, url: str, messages: Any, kwargs: dict[str, Any]) -> Future[Any]:
+    def send(self, url: str, messages: Any, kwargs: dict[str, Any],
+             started: Any = None) -> Future[Any]:
         self.sent.append(messages)
         future: Future[Any] = Future()
         future.set_result(worker_main._Completion(
@@ -377,7 +378,8 @@ def test_a_failed_request_reaches_paddlex_as_an_empty_answer_so_the_others_run_o
     failing: list[Future[Any]] = []
 
     class Failing(_Gate):
-        def send(self, url: str, messages: Any, kwargs: dict[str, Any]) -> Future[Any]:
+        def send(self, url: str, messages: Any, kwargs: dict[str, Any],
+                 started: Any = None) -> Future[Any]:
             if messages != block_messages("FAIL"):
                 return super().send(url, messages, kwargs)
             future: Future[Any] = Future()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,10 +84,14 @@ class Server:
         self.sent: list[tuple[str, Future[str]]] = []
 
     def request(self, gate: RequestGate, name: str, priority: int,
-                document: int | None = None) -> GatedRequest:
-        def start() -> Future[str]:
+                document: int | None = None, queued: bool = False) -> GatedRequest:
+        """Send request `name` through `gate`; the server runs it at once, or with `queued`
+        it waits in the server's own queue (no answer begins)."""
+        def start(started: Callable[[], None]) -> Future[str]:
             future: Future[str] = Future()
             self.sent.append((name, future))
+            if not queued:
+                started()
             return future
 
         request = GatedRequest(gate, start, priority, document)
@@ -192,6 +197,52 @@ def test_beside_a_letter_a_books_young_requests_above_the_cap_wait_until_the_cap
     assert letter.future.result(5) == "answer to letter p.1"
     assert other.future.result(5) == "answer to other book p.1"
     assert gate.open == 0 and gate.waiting == 0
+
+
+@pytest.mark.quick
+def test_beside_a_letter_a_books_requests_still_queued_at_the_server_are_taken_back_at_any_age(
+) -> None:
+    """A server that runs few requests at once holds the rest of a book's batch in its own
+    queue long after they were sent. Capped beside a letter, the book keeps what the server
+    runs and QUEUED_WHILE_CAPPED queued ones, however old the others are: the letter's
+    request then has at most those ahead of it at the server."""
+    gate, server = RequestGate(16), Server()
+    for n in range(8):  # two run at the server, six wait in its queue; all sent long ago
+        server.request(gate, f"book p.{n + 1}", 64, document=1, queued=n >= 2)
+        wait_until(lambda n=n: gate.open == n + 1, 5, what=f"book p.{n + 1} to be sent")
+    for place in gate._open:
+        place.since -= RequestGate.BUMP_MAX_AGE + 10
+
+    gate.resize(16, YieldCap(8, frozenset({1})))
+    taken_back = [name for name, future in server.sent if future.cancelled()]
+    assert taken_back == [f"book p.{n}" for n in range(5, 9)], (
+        f"taken back: {taken_back}; expected the four youngest of the six still queued at the "
+        "server, old as they were, and none that the server runs")
+    server.request(gate, "letter p.1", 0, document=2, queued=True)
+    wait_until(lambda: "letter p.1" in server.names(), 5, what="the letter's request to be sent")
+    assert server.names().index("letter p.1") == 8, "a taken-back book request went first"
+    wait_until(lambda: gate.waiting == 4, 5, what="the taken-back requests to wait")
+    assert server.names().count("book p.5") == 1, (
+        "a taken-back request went to the server's queue again while two of its book waited")
+    server.answer_all()
+
+
+@pytest.mark.quick
+def test_a_letter_bumps_a_books_request_still_queued_at_the_server_however_old() -> None:
+    gate, server = RequestGate(2, bump_after=0.0), Server()
+    server.request(gate, "book p.1", 64, document=1)
+    server.request(gate, "book p.2", 64, document=1, queued=True)
+    wait_until(lambda: gate.open == 2, 5, what="the book's two requests to be sent")
+    for place in gate._open:
+        place.since -= RequestGate.BUMP_MAX_AGE + 10
+    server.request(gate, "letter p.1", 0, document=2)
+    wait_until(lambda: "letter p.1" in server.names(), 5,
+               what="the letter's request to pass the old book request queued at the server")
+    bumped = [name for name, future in server.sent if future.cancelled()]
+    assert bumped == ["book p.2"], f"bumped {bumped}: not the one the server had not started"
+    server.answer_all()
+    wait_until(lambda: server.names().count("book p.2") == 2, 5, what="book p.2 sent again")
+    server.answer_all()
 
 
 @pytest.mark.quick
@@ -373,4 +424,44 @@ def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_a
         f"the letter's image waited for {len(ahead)} of the book's to be prepared: the book's "
         "queued requests were not taken back")
     assert [r["status"] for r in records].count(499) >= 6, "the book's requests were not taken back"
+    assert_each_page_has_its_own_text(results)
+
+
+def test_a_letter_on_a_server_that_runs_four_at_once_does_not_wait_behind_the_books_queue(
+    tmp_path: Path,
+) -> None:
+    """A user's trial: on a server that runs 4 requests at once, a book's batch waits in the
+    server's own queue for many seconds, too old to be taken back as young. A letter dropped
+    then must not wait behind that queue: capped beside it, the book keeps what the server
+    runs and two queued requests, and the rest are taken back, old as they are."""
+    log, book, letter, config = book_and_letter(tmp_path, 28, max_concurrency=28)
+    results: list[PageResult] = []
+    with (
+        start_fake_server(free_port(), "--max-num-seqs", "4", "--step-t0-ms", "25",
+                          "--output-tokens", "fixed:80", "--request-log", str(log)) as srv,
+        running_worker(config, srv.api_url) as worker,
+    ):
+        worker.set_limit(GateLimit(srv.api_url, 28))
+        submit_pages(worker, 1, book, 28, priority=64)
+        # Three rounds of four answered: the book's queued requests are older than young.
+        wait_until(lambda: log.exists() and len(request_records(log)) >= 12, 60,
+                   what="three rounds of the book's requests answered")
+        assert srv.stats()["requests_received"] == 28, "the book's batch is not all at the server"
+        worker.set_limit(GateLimit(srv.api_url, 28, YieldCap(8, frozenset({1}))))
+        arrived = time.time()
+        submit_pages(worker, 2, letter, 1)
+        wait_until(lambda: results.extend(worker.collect()) or any(r.job_id == 2 for r in results),
+                   60, what="the letter's page back")
+        worker.set_limit(GateLimit(srv.api_url, 28))  # the letter is done: the book goes on
+        wait_until(lambda: results.extend(worker.collect()) or len(results) == 29, 90,
+                   what="the book's pages back once the cap was lifted")
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    records = request_records(log)
+    mine = letter_request(results, records)
+    ahead = [r for r in records if r is not mine and r["status"] == 200
+             and arrived < r["done"] <= mine["done"]]
+    # The four the server ran when the letter came, and the book's two kept in its queue.
+    assert len(ahead) <= 6, (
+        f"the letter waited for {len(ahead)} of the book's requests to be answered: the book's "
+        "requests queued at the server were not taken back")
     assert_each_page_has_its_own_text(results)

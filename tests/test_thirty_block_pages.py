@@ -5,6 +5,7 @@ page that crashes the engine worker all hold at that size."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -29,8 +30,10 @@ class Server:
         self.sent: list[tuple[str, Future[str]]] = []
         self.most_open = 0
 
-    def start(self, name: str) -> Future[str]:
+    def start(self, name: str, started: Callable[[], None]) -> Future[str]:
+        """Send request `name`; the server runs it at once (its answer begins)."""
         future: Future[str] = Future()
+        started()
         with self.lock:
             self.sent.append((name, future))
             self.most_open = max(self.most_open, self.open())
@@ -58,7 +61,7 @@ def send_page(gate: RequestGate, server: Server, name: str, priority: int, docum
     once it has its place at the server (`GatedRequest.send` waits for it)."""
     def run() -> None:
         for block in range(BLOCKS):
-            request = GatedRequest(gate, lambda b=block: server.start(f"{name} b.{b + 1}"),
+            request = GatedRequest(gate, lambda started, b=block: server.start(f"{name} b.{b + 1}", started),
                                    priority, document)
             requests.append(request)
             request.send()

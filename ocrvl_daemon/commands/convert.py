@@ -217,7 +217,7 @@ def _succeeded(store: Store, job_id: int) -> bool:
 
 def _settled(store: Store, job_id: int) -> bool:
     job = store.job(job_id)
-    if job is None or job.state in (JobState.DONE, JobState.FAILED):
+    if job is None or job.state in (JobState.DONE, JobState.FAILED, JobState.GONE):
         return True
     return job.state is JobState.QUEUED and job.attempts >= MAX_ATTEMPTS
 

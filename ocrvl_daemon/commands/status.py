@@ -139,11 +139,12 @@ def _add_etas(jobs: list[Job], views: dict[int, dict[str, Any]], rate: float) ->
 
 
 def _recent(jobs: list[Job]) -> list[Job]:
-    """Every document not done yet, and the last RECENT_DONE finished ones."""
-    finished = sorted((j for j in jobs if j.state is JobState.DONE),
-                      key=lambda j: j.finished or j.updated)
+    """Every document not done yet, and the last RECENT_DONE finished ones (converted, or
+    deleted while they converted)."""
+    ended = (JobState.DONE, JobState.GONE)
+    finished = sorted((j for j in jobs if j.state in ended), key=lambda j: j.finished or j.updated)
     keep = {j.id for j in finished[-RECENT_DONE:]}
-    return [j for j in jobs if j.state is not JobState.DONE or j.id in keep]
+    return [j for j in jobs if j.state not in ended or j.id in keep]
 
 
 def _server_view(daemon: dict[str, Any], alive: bool) -> dict[str, Any]:

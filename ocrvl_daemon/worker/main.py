@@ -265,19 +265,23 @@ class _Endpoints:
                 self._gates[url] = RequestGate(self._config.pipeline.max_concurrency)
             return self._gates[url]
 
-    def send(self, url: str, messages: Any, kwargs: dict[str, Any]) -> Future[_Completion]:
+    def send(self, url: str, messages: Any, kwargs: dict[str, Any],
+             started: Callable[[], None] | None = None) -> Future[_Completion]:
         """Send a chat completion (PaddleX's `create_chat_completion` arguments) to `url`
-        ("": the first endpoint) on PaddleX's event loop; cancelling the future aborts it."""
+        ("": the first endpoint) on PaddleX's event loop; cancelling the future aborts it.
+        `started` is called once its answer begins."""
         from paddlex.inference.models.common.genai import run_async
 
         body = request_body(self._config.model.served, messages, kwargs)
-        return run_async(self._complete(url or self._first, body, kwargs.get("timeout", 600)),
+        return run_async(self._complete(url or self._first, body, kwargs.get("timeout", 600),
+                                        started),
                          return_future=True)
 
-    async def _complete(self, url: str, body: dict[str, Any], timeout: float) -> _Completion:
+    async def _complete(self, url: str, body: dict[str, Any], timeout: float,
+                        started: Callable[[], None] | None) -> _Completion:
         answer = await stream_completion(
             self._client, f"{url.rstrip('/')}/chat/completions", body, self._headers, timeout,
-            stop_loops=self._config.pipeline.stop_loops_early)
+            stop_loops=self._config.pipeline.stop_loops_early, started=started)
         return _Completion(answer)
 
 
@@ -321,7 +325,7 @@ def _track_completions(pipeline: Any, endpoints: _Endpoints) -> None:
         sent = within_aspect(messages)
         request = GatedRequest(
             endpoints.gate(url),
-            lambda: endpoints.send(url, sent, kwargs),
+            lambda started: endpoints.send(url, sent, kwargs, started),
             _COMPLETIONS.priority,
             _COMPLETIONS.document,
         )

@@ -29,6 +29,11 @@ SHORT_OF_PAGES = 4
 # How long a request short of pages waits for a place before it bumps one (RequestGate).
 BUMP_AFTER = 1.0
 
+# While capped (`YieldCap`), a big document keeps at most this many requests waiting in the
+# server's own queue (sent, no answer begun): the server still has its next request at hand,
+# and a letter's request sent now has at most these ahead of it there, on a server of any size.
+QUEUED_WHILE_CAPPED = 2
+
 
 @dataclass(frozen=True)
 class YieldCap:
@@ -50,6 +55,9 @@ class GatePlace:
     # and for requests that must not be bumped.
     bump: Callable[[], object] | None = None
     bumped: bool = False
+    # Its answer has begun (the server runs it); until then it waits in the server's queue,
+    # and taking it back costs nothing decoded, however long it has waited.
+    started: bool = False
 
 
 class RequestGate:
@@ -110,26 +118,40 @@ class RequestGate:
             self._cond.notify_all()
 
     def _take_back_above(self, cap: YieldCap) -> None:
-        """Bump the youngest young requests of `cap.documents` until `cap.places` of theirs
-        stay (the lock is held)."""
+        """Bump the requests of `cap.documents` still waiting in the server's queue beyond
+        QUEUED_WHILE_CAPPED, however old (a server that runs few at once may hold a whole
+        batch of them), then the youngest young ones until `cap.places` of theirs stay (the
+        lock is held)."""
         yielding = [p for p in self._open if p.document in cap.documents and not p.bumped]
+        bumpable = [p for p in yielding if p.bump is not None]
+        queued = sorted((p for p in bumpable if not p.started), key=lambda p: p.since,
+                        reverse=True)
+        back = queued[:max(0, len(queued) - QUEUED_WHILE_CAPPED)]
         oldest = time.monotonic() - self.BUMP_MAX_AGE
-        young = sorted((p for p in yielding if p.bump is not None and p.since >= oldest),
-                       key=lambda p: p.since, reverse=True)
-        for place in young[:max(0, len(yielding) - cap.places)]:
+        young = sorted((p for p in bumpable if p.since >= oldest and p not in back),
+                       key=lambda p: (not p.started, p.since), reverse=True)
+        back += young[:max(0, len(yielding) - len(back) - cap.places)]
+        for place in back:
             place.bumped = True
             self.taken_back += 1
             assert place.bump is not None
             place.bump()
 
+    def started(self, place: GatePlace) -> None:
+        """The answer to `place`'s request has begun: it no longer waits at the server."""
+        with self._cond:
+            place.started = True
+            self._cond.notify_all()  # a capped document may send its next one
+
     def _next(self) -> tuple[int, int, int | None] | None:
         """The waiting request that goes first: the lowest (priority, arrival), leaving out
         those of capped documents while their cap is full (the lock is held)."""
         held: frozenset[int] = frozenset()
-        if self._cap is not None and sum(
-            p.document in self._cap.documents for p in self._open
-        ) >= self._cap.places:
-            held = self._cap.documents
+        if self._cap is not None:
+            capped = [p for p in self._open if p.document in self._cap.documents]
+            if (len(capped) >= self._cap.places
+                    or sum(not p.started for p in capped) >= QUEUED_WHILE_CAPPED):
+                held = self._cap.documents
         return min((t for t in self._waiting if t[2] not in held), default=None)
 
     def acquire(self, priority: int = 0, document: int | None = None) -> GatePlace:
@@ -169,9 +191,11 @@ class RequestGate:
         oldest = time.monotonic() - self.BUMP_MAX_AGE
         candidates = [
             p for p in self._open
-            if p.bump is not None and p.priority >= priority + self.BUMP_GAP and p.since >= oldest
+            if p.bump is not None and p.priority >= priority + self.BUMP_GAP
+            and (p.since >= oldest or not p.started)
         ]  # fmt: skip
-        return max(candidates, key=lambda p: p.since, default=None)
+        # One still queued at the server costs nothing to take back; else the youngest.
+        return max(candidates, key=lambda p: (not p.started, p.since), default=None)
 
     def release(self, place: GatePlace) -> None:
         """Give a place back."""
@@ -198,8 +222,8 @@ class GatedRequest:
     bumped. Cancelling it cancels the request at the server.
     """
 
-    def __init__(self, gate: RequestGate, start: Callable[[], Future[Any]], priority: int,
-                 document: int | None = None):
+    def __init__(self, gate: RequestGate, start: Callable[[Callable[[], None]], Future[Any]],
+                 priority: int, document: int | None = None):
         self.future: Future[Any] = Future()
         self._gate = gate
         self._start = start
@@ -216,7 +240,7 @@ class GatedRequest:
             self._gate.release(place)
             return
         try:
-            sent = self._start()
+            sent = self._start(lambda: self._gate.started(place))
         except BaseException:
             self._gate.release(place)
             raise

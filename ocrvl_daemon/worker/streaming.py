@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,9 +87,12 @@ def request_body(model: str, messages: Any, kwargs: dict[str, Any]) -> dict[str,
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                             headers: dict[str, str], timeout: float,
-                            stop_loops: bool = True) -> StreamedAnswer:
+                            stop_loops: bool = True,
+                            started: Callable[[], None] | None = None) -> StreamedAnswer:
     """Send the chat completion `body` (see `request_body`) to `url` and read its answer as it
-    streams; with `stop_loops`, stop it as soon as it loops (finish reason LOOP).
+    streams; with `stop_loops`, stop it as soon as it loops (finish reason LOOP). `started` is
+    called once the answer begins (its first text, token or end): until then the request
+    waits in the server's queue (vLLM sends nothing, not even the role, before that).
 
     `timeout` bounds each wait for the server (a queued request may wait that long for its
     first token). A request whose connection is lost before any answer is sent once more
@@ -130,6 +133,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             chars += len(text)
             generated = (event.get("usage") or {}).get("completion_tokens")
             tokens = int(generated) if generated is not None else tokens + bool(text)
+            if started is not None and (text or finish or tokens):
+                started()
+                started = None
             if (stop_loops and finish is None and chars >= LOOP_WINDOW_CHARS
                     and tokens - judged >= CHECK_EVERY_TOKENS):
                 judged = tokens
