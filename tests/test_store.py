@@ -6,12 +6,13 @@ import ast
 import os
 import sqlite3
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.store import JobState, PageFailure, Store
+from ocrvl_daemon.store import Job, JobState, PageFailure, Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ocrvl_daemon"
 MODEL = "PaddleOCR-VL-1.6-0.9B"
@@ -61,7 +62,8 @@ def test_states_counts_and_page_flags(tmp_path: Path) -> None:
         store.set_running(a.id, 3)
         store.set_failed(b.id, "broken", permanent=True)
         assert store.count_by_state() == {JobState.QUEUED: 0, JobState.RUNNING: 1,
-                                          JobState.DONE: 0, JobState.FAILED: 1}
+                                          JobState.DONE: 0, JobState.FAILED: 1,
+                                          JobState.GONE: 0}
         # The same content is not retried until it changes (or `ocrvl retry`).
         assert store.enqueue(tmp_path / "b.pdf", "sha-b", 1, 2.0, MODEL).state is JobState.FAILED
         assert store.enqueue(tmp_path / "b.pdf", "sha-b2", 1, 3.0, MODEL).state is JobState.QUEUED
@@ -138,3 +140,39 @@ def test_a_store_from_before_hooks_opens_and_records_hook_outcomes(tmp_path: Pat
     store.set_hook_error(job.id, "on_done hook 'x' exited with status 1")
     assert store.jobs()[0].hook_error == "on_done hook 'x' exited with status 1"
     store.close()
+
+
+@pytest.fixture
+def converting(tmp_path: Path) -> Iterator[tuple[Store, Job]]:
+    """A store with book.pdf's job running (60 pages)."""
+    store = Store(tmp_path / "jobs.sqlite")
+    job = store.enqueue(tmp_path / "book.pdf", "sha-old", 1, 1.0, MODEL)
+    store.set_running(job.id, 60)
+    try:
+        yield store, job
+    finally:
+        store.close()
+
+
+@pytest.mark.quick
+def test_a_job_is_marked_done_only_while_it_is_still_the_version_that_was_written(
+        tmp_path: Path, converting: tuple[Store, Job]) -> None:
+    store, job = converting
+    # The rescan arrives while the old version converts: the watcher queues it.
+    store.enqueue(tmp_path / "book.pdf", "sha-new", 2, 2.0, MODEL)
+    assert not store.set_done(job.id, sha256="sha-old"), (
+        "the old version's Markdown marked the new version done")
+    assert store.job(job.id).state is JobState.QUEUED  # type: ignore[union-attr]
+    assert store.set_done(job.id, sha256="sha-new")
+
+
+@pytest.mark.quick
+def test_a_document_deleted_while_it_converted_is_gone_until_its_file_is_back(
+        tmp_path: Path, converting: tuple[Store, Job]) -> None:
+    store, job = converting
+    store.set_gone(job.id, "book.pdf was deleted while it was being converted")
+    gone = store.job(job.id)
+    assert gone is not None and gone.state is JobState.GONE
+    assert gone.last_error == "book.pdf was deleted while it was being converted"
+    assert store.enqueue(tmp_path / "book.pdf", "sha-old", 1, 1.0, MODEL).state is \
+        JobState.QUEUED, "the same PDF put back was not queued again"
