@@ -103,8 +103,10 @@ def test_the_daemon_survives_the_whole_corpus_and_still_converts(tmp_path: Path)
         swapped_md = setup.inbox / "swapped.md"
         assert read_header(swapped_md)["sha256"] == sha256(replacement)  # type: ignore[index]
         assert page_count(swapped_md) == 2
-        paths = {d["path"] for d in setup.status()["documents"]}
-        assert str(setup.inbox / "doomed.pdf") not in paths
+        documents = {d["path"]: d for d in setup.status()["documents"]}
+        paths = set(documents)
+        # Deleted while it converted: shown as gone, with why, and nothing written.
+        assert documents[str(setup.inbox / "doomed.pdf")]["state"] == "gone"
         assert not (setup.inbox / "doomed.md").exists()
         # A link leading out of the inbox is not ours to read.
         assert str(setup.inbox / "link.pdf") not in paths
