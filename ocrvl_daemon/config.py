@@ -13,7 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import (
     BaseModel,
@@ -86,6 +86,24 @@ def folder_problem(folder: Path) -> str | None:
 class _Section(BaseModel):
     # Unknown keys are typos until proven otherwise.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_mapping_is_default(cls, data: Any) -> Any:
+        """A section or mapping key left empty (`pipeline:` followed only by comments, as
+        when config.example.yaml is edited) reads as its defaults, not as a type error."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or not _holds_a_mapping(cls, key)}
+
+
+def _holds_a_mapping(model: type[BaseModel], key: str) -> bool:
+    field = model.model_fields.get(key)
+    annotation = field.annotation if field else None
+    return get_origin(annotation) is dict or (
+        isinstance(annotation, type) and issubclass(annotation, BaseModel))
+
 
 
 class InboxConfig(_Section):

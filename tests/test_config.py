@@ -179,6 +179,19 @@ def test_model_name_decides_the_pipeline_version():
 
 
 @pytest.mark.quick
+def test_a_section_whose_keys_are_all_commented_out_holds_its_defaults(tmp_path):
+    """Editing config.example.yaml by commenting keys out leaves `pipeline:` with nothing
+    under it: that reads as the section's defaults, not as an error."""
+    path = tmp_path / "config.yaml"
+    path.write_text("pipeline:\n  # use_layout_detection: true\nserver:\n  vllm_args:\n"
+                    "    # max-num-seqs: auto\n  env:\nhooks:\n", encoding="utf-8")
+    config, _ = load_config(path, {"hooks.timeout": 30})  # as `convert --server-url` does
+    assert config.pipeline == validate_config({}).pipeline
+    assert config.server.vllm_args == validate_config({}).server.vllm_args
+    assert config.server.env == {} and config.hooks.timeout == 30
+
+
+@pytest.mark.quick
 def test_home_and_env_vars_are_expanded_in_paths(monkeypatch, tmp_path):
     monkeypatch.setenv("BOOKS", str(tmp_path))
     config = validate_config({"inbox": {"paths": ["$BOOKS/in", "~/x"]}, "state_dir": "$BOOKS/s"})
