@@ -56,6 +56,25 @@ class ConfigError(OcrvlError):
     exit_code = ExitCode.CONFIG
     permanent = True
 
+    @property
+    def problems(self) -> tuple[ConfigError, ...]:
+        """Each problem on its own (this one alone, unless it gathers several)."""
+        return (self,)
+
+
+class ConfigProblemsError(ConfigError):
+    """Several config problems, reported at once so that one edit can fix them all."""
+
+    def __init__(self, problems: list[ConfigError], where: str) -> None:
+        lines = "".join(f"\n  - {problem}" for problem in problems)
+        super().__init__(f"{len(problems)} problems in the config{where}:{lines}")
+        self._problems = tuple(problems)
+
+    @property
+    def problems(self) -> tuple[ConfigError, ...]:
+        """Each problem on its own."""
+        return self._problems
+
 
 class UnsetVariableError(ConfigError, ValueError):
     """A config value names an environment variable that is not set.

@@ -103,6 +103,23 @@ def test_config_error_names_key_value_and_fix(data, expected):
 
 
 @pytest.mark.quick
+def test_every_problem_of_a_config_is_reported_at_once():
+    data = {"inbox": {"stabel_seconds": 1}, "server": {"port": 70000}}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data)
+    messages = [p.message for p in caught.value.problems]
+    assert len(messages) == 2, messages
+    assert "inbox.stabel_seconds" in messages[0] and "server.port" in messages[1], messages
+    assert "inbox.stable_seconds" in str(caught.value) and "65535" in str(caught.value)
+    # Problems between keys are found once each key is valid: all of them too.
+    with pytest.raises(ConfigError) as caught:
+        validate_config({"server": {"mode": "external", "mps": "on", "replicas": 2}})
+    keys = " ".join(p.message for p in caught.value.problems)
+    for key in ("server.url", "server.mps", "server.replicas"):
+        assert key in keys, f"{key} not reported: {caught.value}"
+
+
+@pytest.mark.quick
 def test_defaults_are_the_documented_contract():
     config = validate_config({})
     assert config.inbox.paths == [Path("~/ocr-inbox").expanduser()]

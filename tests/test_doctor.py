@@ -264,6 +264,21 @@ def test_invalid_config_fails_but_the_rest_still_runs(tmp_path: Path, gpu_env: A
     assert by_name(report, "GPU").status == "ok"
 
 
+def test_an_invalid_config_is_named_and_every_problem_in_it_reported_at_once(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    gpu_env("nogpu")
+    path = tmp_path / "config.yaml"
+    path.write_text("inbox:\n  stabel_seconds: 1\nserver:\n  port: 70000\n  hots: x\n"
+                    "pipeline:\n  max_concurrency: 0\n")
+    report = run_doctor(str(path), osrelease=NOT_WSL)
+    details = [c.detail for c in report.checks if c.name == "config"]
+    for key in ("inbox.stabel_seconds", "server.port", "server.hots", "pipeline.max_concurrency"):
+        assert sum(key in d for d in details) == 1, f"{key} not reported once in {details}"
+    assert render_text(report).startswith(f"ocrvl doctor (config: {path})"), (
+        "doctor said it used the built-in defaults though it read the file")
+
+
 def test_an_invalid_config_skips_the_checks_that_depend_on_it_and_says_so(
     tmp_path: Path, gpu_env: Any
 ) -> None:

@@ -24,7 +24,7 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.config_file import load_config, resolve_config_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
 from ocrvl_daemon.server import autotune, gpu, launchers, mps
 from ocrvl_daemon.server.launchers import server_env
@@ -104,9 +104,9 @@ class DoctorReport:
 def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> DoctorReport:
     """Run every check; `osrelease` stands in for /proc/sys/kernel/osrelease (tests)."""
     report = DoctorReport()
-    config, path, config_check = _config(config_path)
+    config, path, config_checks = _config(config_path)
     report.config_path = str(path) if path else None
-    report.checks.append(config_check)
+    report.checks += config_checks
     sections: list[tuple[str, Callable[[], list[Check]]]]
     if config is None:
         # Built-in defaults would report problems of a configuration nobody asked for:
@@ -162,13 +162,17 @@ def render_json(report: DoctorReport) -> str:
     )
 
 
-def _config(config_path: str | None) -> tuple[Config | None, Path | None, Check]:
+def _config(config_path: str | None) -> tuple[Config | None, Path | None, list[Check]]:
+    """The config, the file it came from, and a check per problem (all of them at once)."""
+    # The file read (or named) heads the report even when it is invalid.
+    path = Path(config_path).expanduser() if config_path else None
     try:
-        config, path = load_config(config_path)
+        path = resolve_config_path(config_path)
+        config, _ = load_config(path)
     except ConfigError as exc:
-        return None, None, Check("config", "fail", exc.message, exc.fix)
+        return None, path, [Check("config", "fail", p.message, p.fix) for p in exc.problems]
     where = str(path) if path else "no config file, built-in defaults"
-    return config, path, Check("config", "ok", f"valid ({where})")
+    return config, path, [Check("config", "ok", f"valid ({where})")]
 
 
 def _managed_model_server(config: Config) -> bool:
