@@ -311,6 +311,26 @@ def test_a_state_dir_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any)
     assert check.fix and "set state_dir" in check.fix
 
 
+def test_a_state_dir_is_tried_by_writing_a_file_as_run_will_not_by_access(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    """access() says yes to root anywhere, even under /proc, where nothing can be created."""
+    gpu_env("rtx4060")
+    config = managed(tmp_path)
+    data = yaml.safe_load(Path(config).read_text())
+    data["state_dir"] = "/proc/nope"
+    Path(config).write_text(yaml.safe_dump(data))
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "state_dir")
+    assert check.status == "fail", f"doctor calls a state_dir that run cannot use {check}"
+    assert "/proc/nope cannot be used" in check.detail and "cannot be created" in check.detail
+
+    data["state_dir"] = str(tmp_path / "new" / "state")
+    Path(config).write_text(yaml.safe_dump(data))
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "state_dir")
+    assert check.status == "ok", check
+    assert not (tmp_path / "new").exists(), "doctor left the folders it tried behind"
+
+
 def test_an_inbox_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any) -> None:
     gpu_env("rtx4060")
     blocker = tmp_path / "a-file"

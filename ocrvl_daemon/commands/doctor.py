@@ -8,12 +8,14 @@ Nothing here raises for a problem in the environment: every finding becomes a `C
 from __future__ import annotations
 
 import configparser
+import contextlib
 import getpass
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -514,12 +516,33 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
 
 def _state_dir_check(config: Config) -> Check:
     state = config.state_dir
-    problem = folder_problem(state)
+    problem = folder_problem(state) or _write_problem(state)
     if problem is not None:
         return Check("state_dir", "fail", f"state_dir = {state} cannot be used: {problem}",
                      "set state_dir in the config file to a folder this user can create and "
                      "write (the default is ~/.local/state/ocrvl)")
     return Check("state_dir", "ok", f"{state} is usable")
+
+
+def _write_problem(folder: Path) -> str | None:
+    """Why `folder` cannot be created and written, found by doing so as `ocrvl run` will
+    (`access()` says yes to root anywhere, even under /proc); what this made is removed."""
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        return f"it cannot be created: {exc.strerror or exc}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ocrvl-doctor-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"a file cannot be written in it: {exc.strerror or exc}"
+    finally:
+        for created in made:
+            with contextlib.suppress(OSError):
+                created.rmdir()
+    return None
 
 
 def _inbox_checks(config: Config) -> list[Check]:
