@@ -50,6 +50,7 @@ from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.store import Job, JobState, PageFailure, Store
+from ocrvl_daemon.units import counted
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
 from ocrvl_daemon.worker.pool import EnginePool, StoppedWorker
 
@@ -406,9 +407,9 @@ class Converter:
             redone += f"; flagged pages: {flagged} (redo: {redo})"
             fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
-            "%s: done, %d pages -> %s%s",
+            "%s: done, %s -> %s%s",
             job.path.name,
-            doc.page_count,
+            counted(doc.page_count, "page"),
             md.name if self.config.output.dir is None else md,
             redone,
             extra=fields,
@@ -506,7 +507,8 @@ class Converter:
             for result in self.engines.collect(timeout=0.2):
                 self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
-            log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
+            log.info("stopping with %s in flight; redone next time",
+                     counted(self.in_flight, "page"))
         self.engines.stop()
         self.hooks.stop(None if wait_for_hooks else 0.0)
 

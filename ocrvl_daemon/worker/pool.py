@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.server.autotune import engine_workers
+from ocrvl_daemon.units import counted
 from ocrvl_daemon.worker.client import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
@@ -187,9 +188,9 @@ class EnginePool:
                 self._start(slot)
         elif worker.ready and self._worn(worker):
             log.info(
-                "replacing engine worker %s after %d pages (%.0f MiB)",
+                "replacing engine worker %s after %s (%.0f MiB)",
                 worker.pid,
-                worker.pages_done,
+                counted(worker.pages_done, "page"),
                 worker.rss_mb(),
             )
             self._retire(slot)
