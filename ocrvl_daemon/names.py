@@ -21,6 +21,11 @@ DEFAULT_NAME_MAX = 255
 HASH_CHARS = 8
 
 
+def is_pdf_name(name: str) -> bool:
+    """True for `*.pdf`, in any case."""
+    return name.lower().endswith(".pdf")
+
+
 def shown(text: str | os.PathLike[str]) -> str:
     """`text` (a path, or a message naming one) for people: bytes that are not UTF-8 as `\\xff`."""
     try:

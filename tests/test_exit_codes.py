@@ -147,7 +147,7 @@ def test_4_bad_input_file(tmp_path: Path):
     assert "missing.pdf does not exist" in result.stderr
 
 
-def test_4_a_file_not_named_pdf_is_refused_and_nothing_is_written_beside_it(
+def test_4_a_file_neither_named_nor_made_pdf_is_refused_and_nothing_is_written_beside_it(
     tmp_path: Path, fake_server: FakeServerProcess
 ):
     folder = tmp_path / "code"
@@ -158,7 +158,7 @@ def test_4_a_file_not_named_pdf_is_refused_and_nothing_is_written_beside_it(
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url,
                        script, timeout=120)
     assert result.returncode == ExitCode.INPUT_FILE, (result.returncode, result.stderr)
-    assert "gen.py is not a PDF file name" in result.stderr, result.stderr
+    assert "gen.py is not a PDF (no %PDF header)" in result.stderr, result.stderr
     assert "though it is named .pdf" not in result.stderr, result.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["gen.py"], (
         "ocrvl wrote beside a file that is not a PDF")

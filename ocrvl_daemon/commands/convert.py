@@ -22,8 +22,8 @@ from ocrvl_daemon import output, pdf
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
-from ocrvl_daemon.inbox.scan import is_pdf_name
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
+from ocrvl_daemon.names import is_pdf_name
 from ocrvl_daemon.progress import (
     ProgressBars,
     ProgressLog,
@@ -122,13 +122,10 @@ def _check_input(path: Path) -> None:
         raise InputFileError(f"{path} does not exist.", "check the path")
     if not path.is_file():
         raise InputFileError(f"{path} is not a file.", "pass a PDF file")
-    # Not ours to convert, so nothing is written beside it (no note either).
+    # A file not named .pdf may still be one (a scanner's `scan_001`); one that is not a PDF
+    # either is no document of the user's to leave a note beside: it is refused here.
     if not is_pdf_name(path.name):
-        raise InputFileError(
-            f"{path} is not a PDF file name (it does not end in .pdf); it was left as it is.",
-            "pass a PDF file; a PDF saved under another name converts once renamed to end "
-            "in .pdf",
-        )
+        pdf.check_header(path)
 
 
 def _run(
