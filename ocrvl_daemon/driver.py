@@ -421,7 +421,8 @@ class Converter:
         self.hooks.run(self.config.hooks, "on_done", job, md=str(md), pages=doc.page_count,
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
-        log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+        log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created,
+                  extra=_fields(job))
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):
@@ -443,8 +444,9 @@ class Converter:
         if config.recipe != self.recipe:
             self.recipe = config.recipe
             for job_id in list(self.active):
+                job = self.active[job_id].job
                 log.info("%s: pages are now recognised with %s; converting it again that way",
-                         self.active[job_id].job.path.name, self.recipe.key)
+                         job.path.name, self.recipe.key, extra=_fields(job))
                 self._drop(job_id)
                 self.store.requeue(job_id)
             self.wake()

@@ -35,6 +35,16 @@ def shown(text: str | os.PathLike[str]) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
+def one_line(text: str | os.PathLike[str]) -> str:
+    """`text` as `shown`, with line breaks and other control characters escaped as Python
+    writes them (`\\n`, `\\x1b`): a file name holding them cannot split or colour a log line."""
+    text = shown(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
 def shell_quote(path: str | os.PathLike[str]) -> str:
     """`path` as typed in bash or zsh: shlex quoting, or `$'...'` for bytes that are not
     UTF-8 and for control characters, so the command can be copied from a one-line log."""

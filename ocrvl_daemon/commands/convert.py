@@ -23,6 +23,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
+from ocrvl_daemon.logs import doc_fields
 from ocrvl_daemon.names import is_pdf_name
 from ocrvl_daemon.progress import (
     ProgressBars,
@@ -100,7 +101,7 @@ def convert_files(
             current = output.is_current(path, job.sha256, config.model.name, place)
             if path not in redo and job.state is JobState.DONE and current:
                 log.info("%s is already converted: %s", path.name,
-                         output.outputs_for(path, place)[0])
+                         output.outputs_for(path, place)[0], extra=doc_fields(path))
                 continue
             jobs[job.id] = path
             if path in redo:

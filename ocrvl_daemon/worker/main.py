@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.logs import PrintableFormatter, doc_fields
 from ocrvl_daemon.page_quality import Redo, repetition
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
@@ -435,6 +436,7 @@ class _DaemonLog(logging.Handler):
     def __init__(self, channel: _Channel) -> None:
         super().__init__(logging.INFO)
         self._channel = channel
+        self.setFormatter(PrintableFormatter())  # names on one line, as the daemon's own
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -647,7 +649,8 @@ def _run_page(
     except Exception as exc:
         failure = _request_failure(exc, _COMPLETIONS.started or [])
         if failure is None:  # no request failed: how it happened is all there is to go on
-            log.warning("page %d of %s failed", task.page + 1, path.name, exc_info=True)
+            log.warning("page %d of %s failed", task.page + 1, path.name, exc_info=True,
+                        extra=doc_fields(path, task.page + 1))
             failure = Failure.PAGE, f"{type(exc).__name__}: {exc}"
         result.error_kind, result.error = failure
     finally:
