@@ -163,7 +163,8 @@ def _run(
             if servers.error is not None:
                 return _unfinished(store, jobs, servers.error)
             if converter.engines.gave_up:
-                return _unfinished(store, jobs, OcrvlError(converter.engines.start_error or ""))
+                return _unfinished(store, jobs, converter.engines.start_error
+                                   or OcrvlError("The recognition pipeline could not start."))
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break

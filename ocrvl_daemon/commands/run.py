@@ -267,7 +267,7 @@ class Daemon:
             pages_failed=self.converter.failed_pages,
             pages_flagged=self.converter.flagged_pages,
             engine_failed_starts=self.converter.engines.start_failures,
-            engine_error=self.converter.engines.start_error,
+            engine_error=str(error) if (error := self.converter.engines.start_error) else None,
             hook_failures=dict(self.converter.hooks.failures),
             gpus=tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct, r.power_w)
                        for r in gpus),
