@@ -26,7 +26,7 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import load_config, resolve_config_path
+from ocrvl_daemon.config_file import CONFIG_ENV, load_config, resolve_config_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
 from ocrvl_daemon.server import autotune, gpu, launchers, mps
 from ocrvl_daemon.server.launchers import server_env
@@ -166,8 +166,9 @@ def render_json(report: DoctorReport) -> str:
 
 def _config(config_path: str | None) -> tuple[Config | None, Path | None, list[Check]]:
     """The config, the file it came from, and a check per problem (all of them at once)."""
-    # The file read (or named) heads the report even when it is invalid.
-    path = Path(config_path).expanduser() if config_path else None
+    # The file read (or named) heads the report even when it is invalid or missing.
+    named = config_path or os.environ.get(CONFIG_ENV)
+    path = Path(named).expanduser() if named else None
     try:
         path = resolve_config_path(config_path)
         config, _ = load_config(path)
