@@ -16,8 +16,9 @@ from ocrvl_daemon.errors import StateFullError
 
 # How often the free space is read while paused.
 RETRY_SECONDS = 5.0
-# Room for a few pages' checkpoints (Markdown and images) and SQLite's journal.
-RESUME_FREE_BYTES = 8 * 2**20
+# Room for a page's checkpoint (its Markdown and images) and SQLite's journal; a disk still
+# full has next to nothing (a small state disk may never have much more).
+RESUME_FREE_BYTES = 2**20
 
 
 def free_bytes(folder: Path) -> int:
