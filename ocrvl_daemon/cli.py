@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "see its files; run `ocrvl convert` again to finish or redo them. Exit code 0 only "
         "if every file converted (a failing hook does not change it); else 4 when only bad "
         "input files failed, 5 when the model server failed them, 6 when the model server is "
-        "not installed, 1 otherwise; 2 for a bad command line, 3 for a bad configuration, "
+        "not installed (or a package of the pipeline, or the layout model cannot be "
+        "downloaded), 1 otherwise; 2 for a bad command line, 3 for a bad configuration, "
         "130 when interrupted.",
     )
     convert.add_argument("pdfs", nargs="+", metavar="PDF", type=Path)
@@ -237,7 +238,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _conversion_exit_code(failures: Iterable[OcrvlError]) -> ExitCode:
     """0 when every file converted; the failures' own code when they share one cause (4 bad
-    input files, 5 the model server, 6 a server that is not installed); else 1."""
+    input files, 5 the model server, 6 something not installed: the server, a package, the
+    layout model); else 1."""
     codes = {failure.exit_code for failure in failures}
     if not codes:
         return ExitCode.OK

@@ -13,7 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import (
     BaseModel,
@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from ocrvl_daemon.config_errors import KeyProblem
+from ocrvl_daemon.config_errors import KeyProblem, KeyProblems
 from ocrvl_daemon.errors import UnsetVariableError
 from ocrvl_daemon.model_registry import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -86,6 +86,23 @@ def folder_problem(folder: Path) -> str | None:
 class _Section(BaseModel):
     # Unknown keys are typos until proven otherwise.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_mapping_is_default(cls, data: Any) -> Any:
+        """A section or mapping key left empty (`pipeline:` followed only by comments, as
+        when config.example.yaml is edited) reads as its defaults, not as a type error."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or not _holds_a_mapping(cls, key)}
+
+
+def _holds_a_mapping(model: type[BaseModel], key: str) -> bool:
+    field = model.model_fields.get(key)
+    annotation = field.annotation if field else None
+    return get_origin(annotation) is dict or (
+        isinstance(annotation, type) and issubclass(annotation, BaseModel))
 
 
 class InboxConfig(_Section):
@@ -552,66 +569,75 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        # Every problem at once: fixing them one run at a time wears a user out.
+        problems: list[KeyProblem] = []
         server = self.server
         if server.mode == "external" and not server.url and not server.urls:
-            raise KeyProblem(
+            problems.append(KeyProblem(
                 "server.url",
                 None,
                 "server.mode is 'external' but no url is set; "
                 "set server.url: http://HOST:PORT/v1, or use server.mode: managed",
-            )
+            ))
         if server.url and server.urls:
-            raise KeyProblem("server.urls", server.urls, f"server.url ({server.url}) is set "
-                             "too; use server.url for one endpoint or server.urls for several, "
-                             "not both")
+            problems.append(KeyProblem(
+                "server.urls", server.urls,
+                f"server.url ({server.url}) is set too; use server.url for one endpoint or "
+                "server.urls for several, not both"))
         if server.mode == "managed" and server.urls:
-            raise KeyProblem("server.urls", server.urls, "is for server.mode: external (servers "
-                             "ocrvl does not start); remove it, or set server.mode: external")
+            problems.append(KeyProblem(
+                "server.urls", server.urls,
+                "is for server.mode: external (servers ocrvl does not start); remove it, or "
+                "set server.mode: external"))
         for key in ("replicas", "gpus"):
             if server.mode == "external" and getattr(server, key) != AUTO:
-                raise KeyProblem(f"server.{key}", getattr(server, key), "is for servers ocrvl "
-                                 "starts (server.mode: managed); an external server's replicas "
-                                 "are listed in server.urls; remove it")
+                problems.append(KeyProblem(
+                    f"server.{key}", getattr(server, key),
+                    "is for servers ocrvl starts (server.mode: managed); an external server's "
+                    "replicas are listed in server.urls; remove it"))
         if server.mode == "external" and server.mps == "on":
-            raise KeyProblem("server.mps", "on", "is for servers ocrvl starts (server.mode: "
-                             "managed); an external server's MPS is its host's business; use "
-                             "auto or off")
+            problems.append(KeyProblem(
+                "server.mps", "on",
+                "is for servers ocrvl starts (server.mode: managed); an external server's MPS "
+                "is its host's business; use auto or off"))
         if server.mode == "managed" and server.launcher == "command" and not server.command:
-            raise KeyProblem(
+            problems.append(KeyProblem(
                 "server.command",
                 None,
                 "server.launcher is 'command' but no command "
                 "is set; set server.command: [program, --port, '{port}', ...]",
-            )
+            ))
         served_name = self.model.served_name
         if (server.mode == "managed" and server.launcher == "genai_server" and served_name
                 and served_name != self.model.name):
-            raise KeyProblem(
+            problems.append(KeyProblem(
                 "model.served_name",
                 served_name,
                 "paddleocr genai_server serves the model under model.name only; remove "
                 "model.served_name, or use server.launcher: vllm",
-            )
+            ))
         names = [p.name for p in self.inbox.paths]
         if self.output.dir is not None and len(set(names)) < len(names):
-            raise KeyProblem(
+            problems.append(KeyProblem(
                 "inbox.paths",
                 [str(p) for p in self.inbox.paths],
                 f"with output.dir set, each inbox's results go to output.dir/<its folder "
                 f"name>/, and two inboxes are both called {_twice(names)!r}; rename one",
-            )
+            ))
         max_len = server.vllm_args["max-model-len"]
         new_tokens = self.model.effective_max_new_tokens
         need = self.model.vl_model.request_token_budget(new_tokens)
         if max_len != AUTO and int(max_len) < need:
-            raise KeyProblem(
+            problems.append(KeyProblem(
                 "server.vllm_args.max-model-len",
                 max_len,
                 f"is too small: a page request can need {new_tokens} "
                 f"new tokens (model.max_new_tokens) plus {need - new_tokens}"
                 f" for the image and prompt, {need} in all, and vLLM would reject it; set "
                 f"max-model-len to at least {need}, or lower model.max_new_tokens",
-            )
+            ))
+        if problems:
+            raise KeyProblems(problems)
         return self
 
     @property

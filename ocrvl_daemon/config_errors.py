@@ -9,12 +9,14 @@ cause).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
-from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.errors import ConfigError, ConfigProblemsError
 
 
 class KeyProblem(ValueError):
@@ -27,15 +29,41 @@ class KeyProblem(ValueError):
         self.message = message
 
 
+class KeyProblems(ValueError):
+    """Several cross-key problems found at once."""
+
+    def __init__(self, problems: list[KeyProblem]) -> None:
+        super().__init__("; ".join(p.message for p in problems))
+        self.problems = problems
+
+
 def config_error(exc: ValidationError, model: type[BaseModel], source: Path | None) -> ConfigError:
-    """The first problem of `exc` (validating `model`, read from `source`) for the user."""
+    """Every problem of `exc` (validating `model`, read from `source`) for the user: one
+    ConfigError, or a ConfigProblemsError gathering them all."""
     where = f" in {source}" if source else ""
-    err = exc.errors()[0]
-    if isinstance(err.get("ctx", {}).get("error"), KeyProblem):
-        key_err: KeyProblem = err["ctx"]["error"]
-        return ConfigError(
-            f"Config key {key_err.key} = {key_err.value!r}{where}: {key_err.message}."
-        )
+    problems = list(_each_problem(exc, model, ""))
+    if len(problems) > 1:
+        return ConfigProblemsError(problems, where)
+    return next(_each_problem(exc, model, where))
+
+
+def _each_problem(exc: ValidationError, model: type[BaseModel],
+                  where: str) -> Iterator[ConfigError]:
+    for err in exc.errors():
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, KeyProblems):
+            yield from (_key_problem(problem, where) for problem in cause.problems)
+        elif isinstance(cause, KeyProblem):
+            yield _key_problem(cause, where)
+        else:
+            yield _field_problem(err, model, where)
+
+
+def _key_problem(problem: KeyProblem, where: str) -> ConfigError:
+    return ConfigError(f"Config key {problem.key} = {problem.value!r}{where}: {problem.message}.")
+
+
+def _field_problem(err: ErrorDetails, model: type[BaseModel], where: str) -> ConfigError:
     key = ".".join(str(p) for p in err["loc"])
     value = err.get("input")
     if err["type"] == "extra_forbidden":

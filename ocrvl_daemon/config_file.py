@@ -105,7 +105,9 @@ def load_config(
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # a section left empty holds its defaults
+                node[part] = {}
+            node = node[part]
         node[leaf] = value
     return validate_config(data, path), path
 

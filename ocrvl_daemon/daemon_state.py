@@ -50,7 +50,7 @@ class EndpointState:
 class ServerView:
     """The model server as a whole (all endpoints together)."""
 
-    state: str = "ready"  # "ready", "starting", "restarting", "failed", "external"...
+    state: str = "ready"  # "ready", "starting", "unreachable", "restarting", "failed"...
     phase: str | None = None  # e.g. "loading weights", while starting
     url: str = ""
     pid: int | None = None

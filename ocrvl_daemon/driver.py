@@ -447,9 +447,9 @@ class Converter:
             redone += f"; flagged pages: {flagged} (redo: {redo})"
             fields.update(OCRVL_FLAGGED=flagged, OCRVL_REDO_TOKENS=ledger.extra)
         log.info(
-            "%s: done, %d pages -> %s%s",
+            "%s: done, %s -> %s%s",
             job.path.name,
-            doc.page_count,
+            counted(doc.page_count, "page"),
             md.name if self.config.output.dir is None else md,
             redone,
             extra=fields,
@@ -461,7 +461,8 @@ class Converter:
         self.hooks.run(self.config.hooks, "on_done", job, md=str(md), pages=doc.page_count,
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
-        log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+        log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created,
+                  extra=_fields(job))
 
     def _same_content(self, doc: Document) -> bool:
         """Whether `doc`'s file still holds the bytes its job was identified by (hashed once
@@ -495,8 +496,9 @@ class Converter:
         if config.recipe != self.recipe:
             self.recipe = config.recipe
             for job_id in list(self.active):
+                job = self.active[job_id].job
                 log.info("%s: pages are now recognised with %s; converting it again that way",
-                         self.active[job_id].job.path.name, self.recipe.key)
+                         job.path.name, self.recipe.key, extra=_fields(job))
                 self._drop(job_id)
                 self.store.requeue(job_id)
             self.wake()
@@ -559,7 +561,8 @@ class Converter:
             for result in self.engines.collect(timeout=0.2):
                 self._take_result(result)  # one the full disk cannot take is redone
         if self.in_flight:
-            log.info("stopping with %d pages in flight; they will be redone", self.in_flight)
+            log.info("stopping with %s in flight; redone next time",
+                     counted(self.in_flight, "page"))
         self.engines.stop()
         self.hooks.stop(None if wait_for_hooks else 0.0)
 

@@ -18,7 +18,7 @@ class ExitCode(IntEnum):
     CONFIG = 3
     INPUT_FILE = 4
     SERVER = 5
-    DEPENDENCY = 6
+    DEPENDENCY = 6  # a package, the model server or the layout model is not installed
     PROBLEMS_FOUND = 7  # `ocrvl doctor` found something that blocks conversion
     INTERRUPTED = 130
     OUTPUT_CLOSED = 141  # the reader of stdout left early, as after SIGPIPE (128 + 13)
@@ -55,6 +55,25 @@ class ConfigError(OcrvlError):
 
     exit_code = ExitCode.CONFIG
     permanent = True
+
+    @property
+    def problems(self) -> tuple[ConfigError, ...]:
+        """Each problem on its own (this one alone, unless it gathers several)."""
+        return (self,)
+
+
+class ConfigProblemsError(ConfigError):
+    """Several config problems, reported at once so that one edit can fix them all."""
+
+    def __init__(self, problems: list[ConfigError], where: str) -> None:
+        lines = "".join(f"\n  - {problem}" for problem in problems)
+        super().__init__(f"{len(problems)} problems in the config{where}:{lines}")
+        self._problems = tuple(problems)
+
+    @property
+    def problems(self) -> tuple[ConfigError, ...]:
+        """Each problem on its own."""
+        return self._problems
 
 
 class UnsetVariableError(ConfigError, ValueError):
@@ -155,6 +174,10 @@ class ServerMissingError(ServerConfigError, DependencyError):
     """The model server's program or environment is not installed."""
 
     exit_code = ExitCode.DEPENDENCY
+
+
+class ModelDownloadError(DependencyError):
+    """A model the pipeline needs here (the layout model) is not downloaded and cannot be."""
 
 
 class ServiceManagerError(DependencyError):

@@ -97,7 +97,7 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
     pending = [p for p in range(count) if p not in done]
     if done:
         log.info("%s: %s, resuming with %d already done", path.name, counted(count, "page"),
-                 len(done))
+                 len(done), extra=doc_fields(path, None, job.id))
     else:
         log.info("%s: %s queued", path.name, counted(count, "page"),
                  extra=doc_fields(path, None, job.id))
@@ -183,7 +183,8 @@ def enqueue_file(store: Store, path: Path, recipe: Recipe, again: str = "ocrvl r
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, recipe.key)
     if (job.state is not JobState.DONE
             and output.is_current(path, ident.sha256, recipe.model, place)):
-        log.debug("%s: Markdown is already up to date", path.name)  # the caller sums them up
+        log.debug("%s: Markdown is already up to date", path,  # the caller sums them up
+                  extra=doc_fields(path, None, job.id))
         store.set_done(job.id)
         output.remove_error_note(path, place)
         job = store.job(job.id) or job

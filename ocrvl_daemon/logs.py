@@ -5,7 +5,9 @@ priority prefix that journald parses from stdout/stderr, so `journalctl -p warni
 Where systemd-python is importable and stderr is the journal stream, records go through
 its JournalHandler instead and `extra=` fields such as OCRVL_PDF become journal fields
 (`journalctl --user -u ocrvl OCRVL_PDF=/path/book.pdf`). File names whose bytes are not UTF-8
-are shown escaped (`\\xff`) in lines and fields alike: journald and terminals want UTF-8.
+are shown escaped (`\\xff`) in lines and fields alike: journald and terminals want UTF-8. The
+file a record names (a path among its arguments, or its OCRVL_PDF field) has its line breaks
+and other control characters escaped (`\\n`) wherever the line shows it, so it stays one line.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from ocrvl_daemon.names import shown
+from ocrvl_daemon.names import one_line, shown
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,27 @@ class PrintableFormatter(logging.Formatter):
     """
 
     def format(self, record: logging.LogRecord) -> str:
-        text = shown(super().format(record))
-        record.message = shown(record.message)
+        text = _names_on_one_line(shown(super().format(record)), record)
+        record.message = _names_on_one_line(shown(record.message), record)
         if record.exc_text:
             record.exc_text = shown(record.exc_text)
         return text
+
+
+def _names_on_one_line(text: str, record: logging.LogRecord) -> str:
+    """`text` with the files `record` names (path arguments, OCRVL_PDF) shown by `one_line`,
+    whole or by their stem (which their companions' names share), wherever they occur (also
+    inside an error's message)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    named = [shown(a) for a in args if isinstance(a, os.PathLike)]
+    field = getattr(record, "OCRVL_PDF", None)
+    if isinstance(field, str):
+        named.append(field)
+    for path in named:
+        for raw in (path, os.path.splitext(os.path.basename(path))[0]):
+            if raw and not raw.isprintable():
+                text = text.replace(raw, one_line(raw))
+    return text
 
 
 class PriorityFormatter(PrintableFormatter):

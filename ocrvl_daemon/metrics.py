@@ -26,7 +26,7 @@ from ocrvl_daemon.stages import SATURATED
 log = logging.getLogger(__name__)
 
 
-SERVER_STATES = ("stopped", "starting", "ready", "restarting", "failed")
+SERVER_STATES = ("stopped", "starting", "unreachable", "ready", "restarting", "failed")
 
 
 class _SnapshotCollector(Collector):

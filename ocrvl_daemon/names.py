@@ -21,6 +21,11 @@ DEFAULT_NAME_MAX = 255
 HASH_CHARS = 8
 
 
+def is_pdf_name(name: str) -> bool:
+    """True for `*.pdf`, in any case."""
+    return name.lower().endswith(".pdf")
+
+
 def shown(text: str | os.PathLike[str]) -> str:
     """`text` (a path, or a message naming one) for people: bytes that are not UTF-8 as `\\xff`."""
     try:
@@ -28,6 +33,16 @@ def shown(text: str | os.PathLike[str]) -> str:
     except UnicodeEncodeError:  # a lone surrogate that no file name produced
         raw = os.fspath(text).encode("utf-8", "backslashreplace")
     return raw.decode("utf-8", "backslashreplace")
+
+
+def one_line(text: str | os.PathLike[str]) -> str:
+    """`text` as `shown`, with line breaks and other control characters escaped as Python
+    writes them (`\\n`, `\\x1b`): a file name holding them cannot split or colour a log line."""
+    text = shown(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def shell_quote(path: str | os.PathLike[str]) -> str:

@@ -29,6 +29,7 @@ from urllib.parse import quote
 from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, write_atomic
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
+from ocrvl_daemon.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,9 @@ JSON_VERSION = 1
 _JSON_START = f'{{"format": "{JSON_FORMAT}", "version": {JSON_VERSION},'
 _HEADER = re.compile(r"^<!-- ocrvl (?P<fields>[^\n]*?) -->")
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
-# Room for the Markdown and its images, plus slack for the filesystem.
-MIN_FREE_BYTES = 16 * 1024 * 1024
+# Slack over the result's own bytes for what the filesystem adds (blocks, directory entries,
+# the image marker): an eighth more, and this much besides.
+FREE_SLACK_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -220,7 +222,7 @@ def write_document(
     """
     md, images_dir, _ = outputs_for(pdf, place)
     _make_folder(md.parent)
-    _check_free_space(md.parent, MIN_FREE_BYTES + size_hint)
+    _check_free_space(md.parent, room_needed(size_hint, json_output=json_output))
     tmp_md = temporary(md)
     tmp_dir = temporary(images_dir)
     data = json_for(pdf, place)
@@ -343,6 +345,13 @@ def _make_folder(folder: Path) -> None:
         raise _output_error(folder / ".", exc) from exc
 
 
+def room_needed(size_hint: int, *, json_output: bool = False) -> int:
+    """Free bytes a result of `size_hint` bytes (text and images) needs: JSON repeats the
+    text, and the filesystem takes a little more than the bytes themselves."""
+    data = size_hint * 2 if json_output else size_hint
+    return data + data // 8 + FREE_SLACK_BYTES
+
+
 def _check_free_space(folder: Path, needed: int) -> None:
     try:
         free = shutil.disk_usage(folder).free
@@ -350,8 +359,8 @@ def _check_free_space(folder: Path, needed: int) -> None:
         raise _output_error(folder, exc) from exc
     if free < needed:
         raise OutputError(
-            f"Only {free // 2**20} MiB free in {folder}; the result needs about "
-            f"{needed // 2**20} MiB. Output is paused and retried later.",
+            f"Only {format_bytes(free)} free in {folder}; the result needs about "
+            f"{format_bytes(needed)}. Output is paused and retried later.",
             "free some disk space; nothing is lost meanwhile",
         )
 

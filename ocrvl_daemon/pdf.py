@@ -18,7 +18,7 @@ from ocrvl_daemon.errors import (
     PageDamagedError,
     UsageError,
 )
-from ocrvl_daemon.names import shell_quote
+from ocrvl_daemon.names import is_pdf_name, shell_quote
 
 # PDFium is not thread-safe; every call into it goes through this lock.
 PDFIUM_LOCK = threading.RLock()
@@ -127,13 +127,8 @@ def input_error(path: Path, exc: OSError) -> OcrvlError:
     return OcrvlError(f"Cannot read {path}: {exc}.", "check the file; ocrvl retries by itself")
 
 
-def open_pdf(path: Path) -> pdfium.PdfDocument:
-    """Open a PDF, turning PDFium's errors into messages a user can act on.
-
-    The caller must hold PDFIUM_LOCK for as long as the document is used.
-    """
-    if not path.exists():
-        raise InputVanishedError(f"{path} does not exist (any more).")
+def check_header(path: Path) -> None:
+    """Raise InputFileError unless `path` starts like a PDF (`%PDF-` in its first 1 KiB)."""
     if path.is_dir():
         raise InputFileError(f"{path} is a directory, not a PDF.", "pass a PDF file")
     try:
@@ -151,10 +146,22 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
             if b"<html" in head.lower() or b"<!doctype" in head.lower()
             else "not a PDF"
         )
+        if not is_pdf_name(path.name):
+            raise InputFileError(f"{path} is {kind} (no %PDF header).", "pass a PDF file")
         raise InputFileError(
             f"{path} is {kind} (no %PDF header), though it is named .pdf.",
             "save or download the document again as a real PDF",
         )
+
+
+def open_pdf(path: Path) -> pdfium.PdfDocument:
+    """Open a PDF, turning PDFium's errors into messages a user can act on.
+
+    The caller must hold PDFIUM_LOCK for as long as the document is used.
+    """
+    if not path.exists():
+        raise InputVanishedError(f"{path} does not exist (any more).")
+    check_header(path)
     try:
         return pdfium.PdfDocument(str(path))
     except pdfium.PdfiumError as exc:

@@ -20,6 +20,15 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def format_bytes(size: int) -> str:
+    """512 KiB, 2.9 MiB, 14 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{-(-size // 1024)} KiB"
+
+
 def counted(count: int, noun: str) -> str:
     """1 page, 3 pages."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -103,6 +103,23 @@ def test_config_error_names_key_value_and_fix(data, expected):
 
 
 @pytest.mark.quick
+def test_every_problem_of_a_config_is_reported_at_once():
+    data = {"inbox": {"stabel_seconds": 1}, "server": {"port": 70000}}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data)
+    messages = [p.message for p in caught.value.problems]
+    assert len(messages) == 2, messages
+    assert "inbox.stabel_seconds" in messages[0] and "server.port" in messages[1], messages
+    assert "inbox.stable_seconds" in str(caught.value) and "65535" in str(caught.value)
+    # Problems between keys are found once each key is valid: all of them too.
+    with pytest.raises(ConfigError) as caught:
+        validate_config({"server": {"mode": "external", "mps": "on", "replicas": 2}})
+    keys = " ".join(p.message for p in caught.value.problems)
+    for key in ("server.url", "server.mps", "server.replicas"):
+        assert key in keys, f"{key} not reported: {caught.value}"
+
+
+@pytest.mark.quick
 def test_defaults_are_the_documented_contract():
     config = validate_config({})
     assert config.inbox.paths == [Path("~/ocr-inbox").expanduser()]
@@ -176,6 +193,19 @@ def test_layout_device_and_engine_are_normalised_and_device_is_their_older_name(
 def test_model_name_decides_the_pipeline_version():
     for name, version in [("PaddleOCR-VL-0.9B", "v1"), ("PaddleOCR-VL-1.5-0.9B", "v1.5")]:
         assert validate_config({"model": {"name": name}}).model.vl_model.pipeline_version == version
+
+
+@pytest.mark.quick
+def test_a_section_whose_keys_are_all_commented_out_holds_its_defaults(tmp_path):
+    """Editing config.example.yaml by commenting keys out leaves `pipeline:` with nothing
+    under it: that reads as the section's defaults, not as an error."""
+    path = tmp_path / "config.yaml"
+    path.write_text("pipeline:\n  # use_layout_detection: true\nserver:\n  vllm_args:\n"
+                    "    # max-num-seqs: auto\n  env:\nhooks:\n", encoding="utf-8")
+    config, _ = load_config(path, {"hooks.timeout": 30})  # as `convert --server-url` does
+    assert config.pipeline == validate_config({}).pipeline
+    assert config.server.vllm_args == validate_config({}).server.vllm_args
+    assert config.server.env == {} and config.hooks.timeout == 30
 
 
 @pytest.mark.quick

@@ -14,6 +14,7 @@ import pytest
 
 from ocrvl_daemon.config import PipelineConfig
 from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 from ocrvl_daemon.output import read_header
 from ocrvl_daemon.server.launchers import vllm_serve_command
@@ -235,7 +236,8 @@ def test_a_pipeline_that_cannot_start_ends_the_run_with_the_fix_instead_of_waiti
     env = broken_paddleocr(tmp_path / "shadow")
     result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
                        timeout=120, **env)
-    assert result.returncode == 1, "a conversion that cannot happen must not report success"
+    assert result.returncode == ExitCode.DEPENDENCY, (
+        "a pipeline missing a package must exit as a missing dependency (6)")
     reason = ("The recognition pipeline could not start: ModuleNotFoundError: No module named "
               "'paddlex'. Fix: reinstall ocrvl with its extras")
     assert reason in result.stderr, f"the reason or its fix is missing:\n{result.stderr}"

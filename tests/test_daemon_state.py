@@ -52,6 +52,7 @@ URL = "http://127.0.0.1:8118/v1"
     (DaemonState(server=ServerView("starting", phase="loading weights")),
      "starting server: loading weights"),
     (DaemonState(server=ServerView("starting")), "starting server"),
+    (DaemonState(server=ServerView("unreachable"), queued=2), "server unreachable · 2 queued"),
     (DaemonState(server=ServerView("failed", cause="CUDA driver missing")),
      "server failed (CUDA driver missing?)"),
     (DaemonState(server=ServerView("external"), done=1), "idle, 1 done, 0 queued"),

@@ -264,6 +264,21 @@ def test_invalid_config_fails_but_the_rest_still_runs(tmp_path: Path, gpu_env: A
     assert by_name(report, "GPU").status == "ok"
 
 
+def test_an_invalid_config_is_named_and_every_problem_in_it_reported_at_once(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    gpu_env("nogpu")
+    path = tmp_path / "config.yaml"
+    path.write_text("inbox:\n  stabel_seconds: 1\nserver:\n  port: 70000\n  hots: x\n"
+                    "pipeline:\n  max_concurrency: 0\n")
+    report = run_doctor(str(path), osrelease=NOT_WSL)
+    details = [c.detail for c in report.checks if c.name == "config"]
+    for key in ("inbox.stabel_seconds", "server.port", "server.hots", "pipeline.max_concurrency"):
+        assert sum(key in d for d in details) == 1, f"{key} not reported once in {details}"
+    assert render_text(report).startswith(f"ocrvl doctor (config: {path})"), (
+        "doctor said it used the built-in defaults though it read the file")
+
+
 def test_an_invalid_config_skips_the_checks_that_depend_on_it_and_says_so(
     tmp_path: Path, gpu_env: Any
 ) -> None:
@@ -294,6 +309,26 @@ def test_a_state_dir_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any)
     assert f"state_dir = {blocker / 'state'} cannot be used" in check.detail, check
     assert f"{blocker} is not a folder" in check.detail, check
     assert check.fix and "set state_dir" in check.fix
+
+
+def test_a_state_dir_is_tried_by_writing_a_file_as_run_will_not_by_access(
+    tmp_path: Path, gpu_env: Any
+) -> None:
+    """access() says yes to root anywhere, even under /proc, where nothing can be created."""
+    gpu_env("rtx4060")
+    config = managed(tmp_path)
+    data = yaml.safe_load(Path(config).read_text())
+    data["state_dir"] = "/proc/nope"
+    Path(config).write_text(yaml.safe_dump(data))
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "state_dir")
+    assert check.status == "fail", f"doctor calls a state_dir that run cannot use {check}"
+    assert "/proc/nope cannot be used" in check.detail and "cannot be created" in check.detail
+
+    data["state_dir"] = str(tmp_path / "new" / "state")
+    Path(config).write_text(yaml.safe_dump(data))
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "state_dir")
+    assert check.status == "ok", check
+    assert not (tmp_path / "new").exists(), "doctor left the folders it tried behind"
 
 
 def test_an_inbox_that_cannot_be_created_blocks(tmp_path: Path, gpu_env: Any) -> None:

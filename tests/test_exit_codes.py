@@ -147,6 +147,23 @@ def test_4_bad_input_file(tmp_path: Path):
     assert "missing.pdf does not exist" in result.stderr
 
 
+def test_4_a_file_neither_named_nor_made_pdf_is_refused_and_nothing_is_written_beside_it(
+    tmp_path: Path, fake_server: FakeServerProcess
+):
+    folder = tmp_path / "code"
+    folder.mkdir()
+    script = folder / "gen.py"
+    script.write_text("print('not a PDF')\n", encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml")
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url,
+                       script, timeout=120)
+    assert result.returncode == ExitCode.INPUT_FILE, (result.returncode, result.stderr)
+    assert "gen.py is not a PDF (no %PDF header)" in result.stderr, result.stderr
+    assert "though it is named .pdf" not in result.stderr, result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["gen.py"], (
+        "ocrvl wrote beside a file that is not a PDF")
+
+
 @pytest.mark.parametrize(
     "make",
     [make_encrypted_pdf, make_zero_byte, make_truncated_pdf, make_random_bytes],
@@ -180,6 +197,7 @@ def test_convert_help_lists_every_exit_code_it_can_end_with():
     for code in (0, 1, 2, 3, 4, 5, 6, 130):
         assert f"{code} " in text, (code, text)
     assert "6 when the model server is not installed" in text, text
+    assert "the layout model cannot be downloaded" in text, text
 
 
 def test_5_model_server_problem(tmp_path: Path):
@@ -206,6 +224,23 @@ def test_5_convert_gives_up_on_a_managed_server_whose_port_another_program_holds
     assert "failed 3 times in a row" in result.stderr, result.stderr
     assert f"port {port} on 127.0.0.1 is taken by another program" in result.stderr
     assert "set server.port to a free port" in result.stderr, result.stderr
+
+
+def test_6_a_layout_model_that_cannot_be_downloaded(tmp_path: Path,
+                                                    fake_server: FakeServerProcess):
+    """No layout model in PaddleX's cache and no model hub within reach (every connection
+    goes through a proxy that is not there)."""
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", pipeline={"use_layout_detection": True,
+                                                              "layout_device": "cpu"})
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=300, PADDLE_PDX_CACHE_HOME=str(tmp_path / "empty-cache"),
+                       HTTPS_PROXY=nowhere, HTTP_PROXY=nowhere, https_proxy=nowhere,
+                       http_proxy=nowhere, NO_PROXY="127.0.0.1,localhost",
+                       no_proxy="127.0.0.1,localhost")
+    assert result.returncode == ExitCode.DEPENDENCY, (result.returncode, result.stderr[-3000:])
+    assert "the layout model (PP-DocLayout) is downloaded once on first use" in result.stderr
 
 
 def test_6_missing_dependency(tmp_path: Path):

@@ -42,6 +42,16 @@ def note_of(pdf: Path) -> str:
     return output.outputs_for(pdf)[2].read_text("utf-8")
 
 
+def test_a_one_page_document_is_logged_as_one_page(policy: Policy,
+                                                  caplog: pytest.LogCaptureFixture):
+    letter = make_pdf(policy.folder / "letter.pdf", 1)
+    job = policy.queue(letter)
+    policy.send()
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.driver"):
+        policy.answer(job, 0)
+    assert "letter.pdf: done, 1 page -> letter.md" in caplog.text, caplog.text
+
+
 def test_a_page_that_keeps_failing_becomes_a_placeholder_and_can_be_redone(policy: Policy):
     book = make_pdf(policy.folder / "book.pdf", 3)
     job = policy.queue(book)

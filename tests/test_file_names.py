@@ -114,6 +114,7 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
     odd_locked = named(inbox, b"\xfflocked.pdf")
     long_locked = inbox / (long_stem(limit - 4, "Ö") + ".pdf")
     after = inbox / "after.pdf"
+    two_lines = inbox / "two\nlines.pdf"
 
     def status() -> dict[str, dict]:
         result = run_ocrvl("status", "--json", "--config", config, timeout=60)
@@ -124,6 +125,7 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
         daemon.wait_ready()
         pdf_at(odd, 2, seed=1)
         pdf_at(long, 1, seed=2)
+        pdf_at(two_lines, 1, seed=4)
         for locked in (odd_locked, long_locked):
             os.rename(make_encrypted_pdf(tmp_path / "src" / "locked.pdf"), locked)
         wait_until(lambda: {b"\xff\xfebook.md", os.fsencode(long.with_suffix(".md").name)}
@@ -131,7 +133,7 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
         pdf_at(after, 1, seed=3)
         wait_until(after.with_suffix(".md").exists, 60,
                    what="the next plain file to be converted after them")
-        docs = wait_until(lambda: len(s := status()) == 5 and all(
+        docs = wait_until(lambda: len(s := status()) == 6 and all(
             d["state"] in ("done", "failed") for d in s.values()) and s, 60,
             what="every document to be settled")
         assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
@@ -156,6 +158,11 @@ def test_the_daemon_converts_odd_and_long_names_and_shows_them_escaped(tmp_path:
         text = run_ocrvl("status", "--config", config, timeout=60).stdout
         assert shown_odd in text and "reason: " in text and "the name is too long" in text, text
         assert "\\xff\\xfebook.pdf: done" in daemon.log(), daemon.log()
+        log_lines = daemon.log().splitlines()
+        assert "two\\nlines.pdf: 1 page queued" in daemon.log(), daemon.log()
+        assert "two\\nlines.pdf: done, 1 page -> two\\nlines.md" in daemon.log(), daemon.log()
+        assert not [line for line in log_lines if line.startswith("lines.")], (
+            f"a name holding a line break split a log line:\n{daemon.log()}")
         assert "Traceback" not in daemon.log() and "Logging error" not in daemon.log()
     assert daemon.proc.returncode == 0, daemon.log()
 

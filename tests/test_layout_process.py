@@ -44,6 +44,14 @@ def test_the_layout_model_has_made_its_first_call_before_its_worker_takes_pages(
     assert "its layout model warmed on a blank page in" in ready[0], (
         f"the engine worker took pages before its layout model's first (slowest) call: "
         f"{ready[0]}")
+    # The layout process builds the same pipeline as its worker: the libraries' messages are
+    # said once, by the worker, through ocrvl's log (no colour codes, no ccache warning).
+    log = daemon.log()
+    assert "\x1b[" not in log, f"colour codes in the log:\n{log[-3000:]}"
+    assert "No ccache found" not in log, f"Paddle's ccache warning in the log:\n{log[-3000:]}"
+    lines = [line.split(" ", 1)[-1] for line in log.splitlines()]  # without the time
+    twice = {line for line in lines if lines.count(line) > 1 and "paddle" in line.lower()}
+    assert not twice, f"the libraries' messages were said twice: {twice}\n{log[-3000:]}"
 
 
 @pytest.mark.slow

@@ -179,6 +179,25 @@ def test_a_name_that_is_not_utf8_is_logged_escaped(pipe: tuple[IO[str], IO[str]]
     assert record.message == "/in/\\xff\\xfebook.pdf failed"
 
 
+@pytest.mark.quick
+def test_a_name_holding_a_line_break_stays_on_its_log_line(pipe: tuple[IO[str], IO[str]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = Path("/in/two\nlines\x1b[31m.pdf")
+    writer, reader = pipe
+    monkeypatch.setenv("JOURNAL_STREAM", "1:2")  # a terminal-less human format
+    setup_logging("INFO", stream=writer)
+    log = logging.getLogger("ocrvl_daemon.test")
+    log.info("%s: queued", odd)
+    log.info("%s: done, 1 page", odd.name, extra=doc_fields(odd))
+    log.error("%s: %s", odd.name, ValueError(f"{odd} is not a PDF"), extra=doc_fields(odd))
+    log.error("advice on two lines:\n%s", "vllm serve ...")
+    lines = [line.split("ocrvl_daemon.test: ", 1)[-1] for line in _lines(writer, reader)]
+    escaped = "two\\nlines\\x1b[31m.pdf"
+    assert lines == [f"/in/{escaped}: queued", f"{escaped}: done, 1 page",
+                     f"{escaped}: /in/{escaped} is not a PDF", "advice on two lines:",
+                     "vllm serve ..."], lines
+
+
 @pytest.mark.slow
 def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
         pipe: tuple[IO[str], IO[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

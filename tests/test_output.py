@@ -91,11 +91,22 @@ def test_low_free_space_pauses_output_before_writing_anything(
         book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = shutil.disk_usage(book.parent)
     monkeypatch.setattr(output.shutil, "disk_usage",
-                        lambda _: usage._replace(free=output.MIN_FREE_BYTES + 1000))
+                        lambda _: usage._replace(free=output.room_needed(10_000) - 1))
     with pytest.raises(OutputError, match="Output is paused") as caught:
         write_document(book, "x", MODEL, 1, pages(1), size_hint=10_000)
     assert not caught.value.permanent
     assert sorted(p.name for p in book.parent.iterdir()) == ["book.pdf"]
+
+
+@pytest.mark.quick
+def test_a_small_result_fits_a_folder_with_a_few_megabytes_free(
+        book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100 KB result with 2.9 MB free is written, not paused for 16 MiB it does not need."""
+    usage = shutil.disk_usage(book.parent)
+    monkeypatch.setattr(output.shutil, "disk_usage",
+                        lambda _: usage._replace(free=2_900_000))
+    write_document(book, "x", MODEL, 1, pages(1), size_hint=100_000, json_output=True)
+    assert outputs_for(book)[0].exists(), "a 100 KB result did not fit in 2.9 MB free"
 
 
 @pytest.mark.quick

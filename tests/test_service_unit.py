@@ -85,8 +85,18 @@ def test_template_directives() -> None:
     }
     assert units["Install"] == {"WantedBy": "default.target"}
     for hint in ("#Environment=CUDA_VISIBLE_DEVICES=", "#Environment=HF_HOME=",
-                 "#Environment=LD_LIBRARY_PATH=/usr/lib/wsl/lib", "#Environment=OCRVL_CONFIG="):
+                 "#Environment=LD_LIBRARY_PATH=/usr/lib/wsl/lib"):
         assert hint in text
+
+
+@pytest.mark.quick
+def test_the_unit_offers_no_setting_that_its_exec_start_overrides() -> None:
+    """ExecStart= passes --config, so an uncommented OCRVL_CONFIG line would do nothing."""
+    text = render_unit(["/opt/ocrvl", "run", "--config", "/home/u/c.yaml"])
+    assert "#Environment=OCRVL_CONFIG" not in text, "the unit offers a setting with no effect"
+    assert "ocrvl install-service --config" in " ".join(
+        line.lstrip("# ") for line in text.splitlines() if line.startswith("#")), (
+        "the unit does not say how to choose another config file")
 
 
 @pytest.mark.quick

@@ -133,7 +133,10 @@ def test_a_full_state_disk_pauses_the_daemon_and_it_resumes_when_space_returns(t
             filler.unlink()
             wait_until(book.with_suffix(".md").exists, 90,
                        what="the book to be converted once there is space again")
-            assert "resumed: there is space again" in daemon.log()
+            log = daemon.log()
+            assert log.count("resumed: there is space again") == 1, log[-5000:]
+            assert log.count("paused: The disk holding the state folder") == 1, (
+                f"the pause was said more than once while the disk stayed full:\n{log[-5000:]}")
             assert len(re.findall(r"<!-- page \d+ -->",
                                   book.with_suffix(".md").read_text("utf-8"))) == 3
             assert "paused" not in run_ocrvl("status", "--config", config, timeout=60).stdout

@@ -143,6 +143,24 @@ def test_status_shows_each_stages_load_and_what_would_help_the_one_that_sets_the
     assert "stages:" not in status_of(config).stdout, "an idle daemon's stages are noise"
 
 
+def test_an_external_server_that_is_down_is_said_unreachable_without_stale_stage_loads(
+        tmp_path: Path):
+    url = "http://127.0.0.1:9/v1"
+    config = write_config(tmp_path / "config.yaml", state_dir=str(tmp_path / "state"),
+                          server={"mode": "external", "url": url})
+    store = Store(tmp_path / "state" / "jobs.sqlite")
+    try:
+        daemon_said(store, os.getpid(), {"state": "unreachable", "phase": "", "url": url},
+                    stages=StageLoad(rendering=0.03, layout=0.2, server=1.0))
+    finally:
+        store.close()
+    text = status_of(config).stdout
+    server = next(line for line in text.splitlines() if line.startswith("server:"))
+    assert server.startswith(f"server: unreachable at {url} ("), text
+    assert server.count(url) == 1 and "starting" not in server, server
+    assert "stages:" not in text, f"the stages of a server that is down are shown:\n{text}"
+
+
 def test_with_one_server_the_status_line_stays_as_it_was(state):
     config, store = state
     daemon_said(store, os.getpid(), {"state": "ready"}, servers=[

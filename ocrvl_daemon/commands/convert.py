@@ -23,6 +23,8 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
+from ocrvl_daemon.logs import doc_fields
+from ocrvl_daemon.names import is_pdf_name
 from ocrvl_daemon.progress import (
     ProgressBars,
     ProgressLog,
@@ -99,7 +101,7 @@ def convert_files(
             current = output.is_current(path, job.sha256, config.model.name, place)
             if path not in redo and job.state is JobState.DONE and current:
                 log.info("%s is already converted: %s", path.name,
-                         output.outputs_for(path, place)[0])
+                         output.outputs_for(path, place)[0], extra=doc_fields(path))
                 continue
             jobs[job.id] = path
             if path in redo:
@@ -121,6 +123,10 @@ def _check_input(path: Path) -> None:
         raise InputFileError(f"{path} does not exist.", "check the path")
     if not path.is_file():
         raise InputFileError(f"{path} is not a file.", "pass a PDF file")
+    # A file not named .pdf may still be one (a scanner's `scan_001`); one that is not a PDF
+    # either is no document of the user's to leave a note beside: it is refused here.
+    if not is_pdf_name(path.name):
+        pdf.check_header(path)
 
 
 def _run(
@@ -157,7 +163,8 @@ def _run(
             if servers.error is not None:
                 return _unfinished(store, jobs, servers.error)
             if converter.engines.gave_up:
-                return _unfinished(store, jobs, OcrvlError(converter.engines.start_error or ""))
+                return _unfinished(store, jobs, converter.engines.start_error
+                                   or OcrvlError("The recognition pipeline could not start."))
             # A job being converted is not settled: ask the store only when none is.
             if not converter.active and all(_settled(store, j) for j in jobs):
                 break

@@ -8,12 +8,14 @@ Nothing here raises for a problem in the environment: every finding becomes a `C
 from __future__ import annotations
 
 import configparser
+import contextlib
 import getpass
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -24,7 +26,7 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.config_file import CONFIG_ENV, load_config, resolve_config_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
 from ocrvl_daemon.server import autotune, gpu, launchers, mps
 from ocrvl_daemon.server.launchers import server_env
@@ -104,9 +106,9 @@ class DoctorReport:
 def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> DoctorReport:
     """Run every check; `osrelease` stands in for /proc/sys/kernel/osrelease (tests)."""
     report = DoctorReport()
-    config, path, config_check = _config(config_path)
+    config, path, config_checks = _config(config_path)
     report.config_path = str(path) if path else None
-    report.checks.append(config_check)
+    report.checks += config_checks
     sections: list[tuple[str, Callable[[], list[Check]]]]
     if config is None:
         # Built-in defaults would report problems of a configuration nobody asked for:
@@ -162,13 +164,18 @@ def render_json(report: DoctorReport) -> str:
     )
 
 
-def _config(config_path: str | None) -> tuple[Config | None, Path | None, Check]:
+def _config(config_path: str | None) -> tuple[Config | None, Path | None, list[Check]]:
+    """The config, the file it came from, and a check per problem (all of them at once)."""
+    # The file read (or named) heads the report even when it is invalid or missing.
+    named = config_path or os.environ.get(CONFIG_ENV)
+    path = Path(named).expanduser() if named else None
     try:
-        config, path = load_config(config_path)
+        path = resolve_config_path(config_path)
+        config, _ = load_config(path)
     except ConfigError as exc:
-        return None, None, Check("config", "fail", exc.message, exc.fix)
+        return None, path, [Check("config", "fail", p.message, p.fix) for p in exc.problems]
     where = str(path) if path else "no config file, built-in defaults"
-    return config, path, Check("config", "ok", f"valid ({where})")
+    return config, path, [Check("config", "ok", f"valid ({where})")]
 
 
 def _managed_model_server(config: Config) -> bool:
@@ -510,12 +517,33 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
 
 def _state_dir_check(config: Config) -> Check:
     state = config.state_dir
-    problem = folder_problem(state)
+    problem = folder_problem(state) or _write_problem(state)
     if problem is not None:
         return Check("state_dir", "fail", f"state_dir = {state} cannot be used: {problem}",
                      "set state_dir in the config file to a folder this user can create and "
                      "write (the default is ~/.local/state/ocrvl)")
     return Check("state_dir", "ok", f"{state} is usable")
+
+
+def _write_problem(folder: Path) -> str | None:
+    """Why `folder` cannot be created and written, found by doing so as `ocrvl run` will
+    (`access()` says yes to root anywhere, even under /proc); what this made is removed."""
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        return f"it cannot be created: {exc.strerror or exc}"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ocrvl-doctor-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"a file cannot be written in it: {exc.strerror or exc}"
+    finally:
+        for created in made:
+            with contextlib.suppress(OSError):
+                created.rmdir()
+    return None
 
 
 def _inbox_checks(config: Config) -> list[Check]:

@@ -11,8 +11,8 @@ the server settings stops the old server on a thread, so the loop keeps turning 
 the watchdog), and starts the new one once the old one is gone.
 
 One daemon per state_dir (`state_lock`). When the state_dir's disk fills up, nothing can be
-checkpointed: the daemon pauses (says so in the log, STATUS= and `ocrvl status`), tries
-again every few seconds, and resumes where it was once there is space.
+checkpointed: the daemon pauses (says so in the log, STATUS= and `ocrvl status`), reads the
+free space every few seconds, and resumes where it was once there is room (`state_pause`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.state_lock import StateLock
+from ocrvl_daemon.state_pause import StatePause
 from ocrvl_daemon.store import JobState
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ GPU_SECONDS = 5.0
 EXTEND_SECONDS = 90.0
 # Pages in flight get this long to finish and be checkpointed at shutdown.
 DRAIN_SECONDS = 20.0
-# While the state_dir's disk is full, the work is tried again this often.
-FULL_RETRY_SECONDS = 5.0
 
 
 class Daemon:
@@ -89,8 +88,7 @@ class Daemon:
         # never changed in place).
         self.state: DaemonState | None = None
         self._drain = DRAIN_SECONDS
-        self._full: StateFullError | None = None  # the state_dir's disk is full: paused
-        self._full_retry_at = 0.0
+        self.pause = StatePause(config.state_dir)  # the state_dir's disk is full
         self._untaken: list[Path] = []  # found by the watcher, not queued yet (disk full)
         # After a reload: the servers being stopped on `_old_server_stop`, a thread; the new
         # ones (`servers`) are started by the loop once that thread has ended.
@@ -158,7 +156,7 @@ class Daemon:
                     return ExitCode.OK
             now = time.monotonic()
             self.notifier.tick(now)
-            if self._full is not None and now < self._full_retry_at:
+            if not self.pause.may_work(now):
                 time.sleep(IDLE_TICK_SECONDS)
                 continue
             self._start_new_server()
@@ -177,8 +175,7 @@ class Daemon:
             except StateFullError as exc:
                 self._pause(exc, now)
                 continue
-            if self._full is not None:
-                self._full = None
+            if self.pause.worked():
                 log.info("resumed: there is space again for the state folder %s",
                          self.config.state_dir)
                 self.lock.note(None)
@@ -186,15 +183,13 @@ class Daemon:
 
     def _pause(self, exc: StateFullError, now: float) -> None:
         """Stop dispatching until the state_dir has space; say so where the user looks."""
-        if self._full is None:
+        if self.pause.full(exc, now):
             pause = f"paused: {exc} (conversion resumes by itself once there is space; "
             pause += "nothing is lost)"
             log.error("%s", pause)
             self.lock.note(pause)
         else:
             log.debug("still no space for the state folder: %s", exc)
-        self._full = exc
-        self._full_retry_at = now + FULL_RETRY_SECONDS
         self.notifier.status(
             f"paused: the disk of {self.config.state_dir} is full; free some space", now
         )
@@ -272,7 +267,7 @@ class Daemon:
             pages_failed=self.converter.failed_pages,
             pages_flagged=self.converter.flagged_pages,
             engine_failed_starts=self.converter.engines.start_failures,
-            engine_error=self.converter.engines.start_error,
+            engine_error=str(error) if (error := self.converter.engines.start_error) else None,
             hook_failures=dict(self.converter.hooks.failures),
             gpus=tuple(GpuView(r.index, r.name, r.used_mib, r.total_mib, r.busy_pct, r.power_w)
                        for r in gpus),

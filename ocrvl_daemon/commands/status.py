@@ -227,7 +227,8 @@ def render_status(config: Config, *, as_json: bool, everything: bool = False,
             lines.append(f"server: {state}{_phase(server)} at {server.get('url', '?')}"
                          f"{outlook}")
         lines += [GpuView(**gpu).summary() for gpu in daemon.get("gpus") or []]
-        lines += _stage_lines(daemon.get("stages"))
+        if state == "ready":  # a server that is down makes every stage's load stale
+            lines += _stage_lines(daemon.get("stages"))
         if server.get("last_error") and len(status["servers"]) <= 1:
             since = " (it has recovered since)" if state == "ready" else ""
             lines.append(f"  last error{since}: {server['last_error']}")
@@ -298,6 +299,8 @@ def _server_outlook(server: dict[str, Any], external: bool, config_path: Path | 
     if server.get("state") == "restarting":
         return (f" (failed {server.get('attempt') or 1} time(s) in a row; the daemon keeps "
                 "trying: fix the cause below to end the wait)")
+    if server.get("state") == "unreachable":
+        return " (the daemon keeps checking it: start that server, or fix server.url)"
     if server.get("state") == "failed":
         if external:  # it is probed on: a fixed server is used at once
             return " (the daemon keeps checking it: fix the server or the config as below)"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ocrvl_daemon.atomic_file import TMP_MARK
 from ocrvl_daemon.config import InboxConfig
+from ocrvl_daemon.names import is_pdf_name
 from ocrvl_daemon.output import ERROR_SUFFIX, IMAGES_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,6 @@ log = logging.getLogger(__name__)
 # ocrvl's own output must never trigger work: Markdown, image folders, error notes, temp files.
 OWN_FILE_PATTERNS = ("*.md", f"*{ERROR_SUFFIX}", f"*{TMP_MARK}*")
 OWN_DIR_PATTERNS = (f"*{IMAGES_SUFFIX}", f"*{TMP_MARK}*")
-
-
-def is_pdf_name(name: str) -> bool:
-    """True for `*.pdf`, in any case."""
-    return name.lower().endswith(".pdf")
 
 
 @dataclass

@@ -29,7 +29,8 @@ from watchdog.observers.polling import PollingObserver
 
 from ocrvl_daemon.config import InboxConfig
 from ocrvl_daemon.inbox.filesystems import filesystem_type, needs_polling
-from ocrvl_daemon.inbox.scan import Listing, ignored_dir, is_pdf_name, outermost, walk, wanted_name
+from ocrvl_daemon.inbox.scan import Listing, ignored_dir, outermost, walk, wanted_name
+from ocrvl_daemon.names import is_pdf_name
 
 log = logging.getLogger(__name__)
 

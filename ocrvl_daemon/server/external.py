@@ -20,8 +20,11 @@ log = logging.getLogger(__name__)
 class ExternalServer(ServerSupervisor):
     """Follows an external server's readiness; a hang is reported, not repaired."""
 
+    # Not "starting": ocrvl starts nothing; it waits for the server at the URL to answer.
+    _waiting_state = ServerState.UNREACHABLE
+
     def _first_phase(self) -> str:
-        return f"waiting for {self._server.base_url}"
+        return ""  # what there is to say is the URL, which is shown with the state
 
     def note_unreachable(self, reason: str) -> None:
         """A request found no server: it is down from now, not after UNHEALTHY_PROBES probes
@@ -30,7 +33,7 @@ class ExternalServer(ServerSupervisor):
             if self._state is not ServerState.READY:
                 return
             self._last_error = reason
-        self._set(ServerState.STARTING, self._first_phase())
+        self._set(ServerState.UNREACHABLE, self._first_phase())
 
     def _refused(self, exc: ServerConfigError) -> None:
         """The server answers but cannot serve this configuration (another model name,
@@ -83,4 +86,4 @@ class ExternalServer(ServerSupervisor):
                                         probe.last_error)
                 log.warning("external server at %s is down (%s); waiting for it",
                             self._server.base_url, self._last_error)
-                self._set(ServerState.STARTING, self._first_phase())
+                self._set(ServerState.UNREACHABLE, self._first_phase())

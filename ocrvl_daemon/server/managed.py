@@ -90,6 +90,13 @@ class BackoffPolicy:
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
            "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 _LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+# vLLM's prefix naming the process a line comes from: "(EngineCore_DP0 pid=123) ".
+_PROCESS = re.compile(r"^\(\w+ pid=\d+\) ")  # one space: a frame's indent follows
+# The lines that begin a Python traceback, or chain another one to it.
+_TRACEBACK_START = ("Traceback (most recent call last):", "During handling of the above exception",
+                    "The above exception was the direct cause")
+# Terminal colour and cursor codes: garbage in the journal.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _ACCESS = re.compile(r'"(GET|POST|HEAD) \S+ HTTP/[\d.]+" \d{3}')
 
 
@@ -107,12 +114,13 @@ class _LogPump(threading.Thread):
         self._on_line = on_line
         self._lock = threading.Lock()  # protects _lines (this thread appends, tail() reads)
         self._lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._in_traceback = False
 
     def run(self) -> None:
         try:
             for raw in iter(self._stream.readline, b""):
                 # Progress bars redraw with \r: each redraw is a line of its own.
-                for part in raw.decode("utf-8", "replace").split("\r"):
+                for part in _ANSI.sub("", raw.decode("utf-8", "replace")).split("\r"):
                     line = part.rstrip()
                     if line:
                         self._emit(line)
@@ -122,12 +130,26 @@ class _LogPump(threading.Thread):
     def _emit(self, line: str) -> None:
         with self._lock:
             self._lines.append(line)
-        match = _LEVEL.match(line)
-        level = _LEVELS[match.group(1)] if match else logging.INFO
+        level = self._level(line)
         if _ACCESS.search(line):
             level = logging.DEBUG  # one per health probe and per page: noise in the journal
         self._logger.log(level, "%s", line)
         self._on_line(line)
+
+    def _level(self, line: str) -> int:
+        """The line's own level; a traceback's lines, which have none, are an error's."""
+        match = _LEVEL.match(line)
+        if match:
+            self._in_traceback = False
+            return _LEVELS[match.group(1)]
+        text = _PROCESS.sub("", line, count=1)
+        if text.startswith(_TRACEBACK_START):
+            self._in_traceback = True
+        elif not self._in_traceback:
+            return logging.INFO
+        elif not text[:1].isspace():  # the exception's own line ends it (unless one follows)
+            self._in_traceback = False
+        return logging.ERROR
 
     def tail(self, n: int) -> list[str]:
         """The last `n` lines."""

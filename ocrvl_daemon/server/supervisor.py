@@ -34,6 +34,7 @@ class ServerState(enum.Enum):
 
     STOPPED = "stopped"
     STARTING = "starting"
+    UNREACHABLE = "unreachable"  # an external server that does not answer (ocrvl starts none)
     READY = "ready"
     RESTARTING = "restarting"
     FAILED = "failed"
@@ -121,8 +122,8 @@ class ServerSupervisor:
     # public interface
 
     def start(self) -> None:
-        """Start supervising on a background thread; STARTING when this returns (no-op if
-        running)."""
+        """Start supervising on a background thread; STARTING (an external server:
+        UNREACHABLE) when this returns (no-op if running)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping.clear()
@@ -131,7 +132,7 @@ class ServerSupervisor:
         self._metrics = MetricsPoller(
             ServerProbe(self.config, FETCH_TIMEOUT),
             interval=min(DEFAULT_INTERVAL, self._server.health_interval))
-        self._set(ServerState.STARTING, self._first_phase())
+        self._set(self._waiting_state, self._first_phase())
         self._thread = threading.Thread(target=self._main, name="ocrvl-server", daemon=True)
         self._thread.start()
 
@@ -234,6 +235,9 @@ class ServerSupervisor:
         watched, which tells more: nothing to do here (`ExternalServer` acts on it)."""
 
     # what the modes differ in
+
+    # The state from start() until the server is ready, and while it is down.
+    _waiting_state = ServerState.STARTING
 
     def _first_phase(self) -> str:
         """The phase shown from start() until the thread says more."""

@@ -92,8 +92,8 @@ def child_channel() -> _Channel:
     return channel
 
 
-def _log_for_worker(record: LogRecord) -> None:
-    """Log a record the worker sent, at its level and under its logger's name, so the
+def relay_record(record: LogRecord) -> None:
+    """Log a record a child process sent, at its level and under its logger's name, so the
     daemon's handler (journald's priority among its fields) treats it like its own."""
     logging.getLogger(record.name).log(record.level, "%s", record.text)
 
@@ -138,7 +138,7 @@ class EngineWorker:
         try:
             while (message := self._channel.receive()) is not None:
                 if isinstance(message, LogRecord):
-                    _log_for_worker(message)
+                    relay_record(message)
                     continue
                 self._inbox.put(message)
                 self.arrived.set()

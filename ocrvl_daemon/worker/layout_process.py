@@ -10,6 +10,8 @@ the boxes back, and its threads run while the model does.
 
 The process builds the same pipeline as the worker (`pipeline_kwargs`) and serves its
 layout model; it dies with the worker (its parent death signal) and ends at end of input.
+Its log records reach the daemon through the worker: ocrvl's from WARNING, the libraries'
+from ERROR, as the worker, building the same pipeline, says the rest once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ocrvl_daemon.worker.client import _Channel, child_channel, start_child
+from ocrvl_daemon.worker.client import _Channel, child_channel, relay_record, start_child
+from ocrvl_daemon.worker.messages import LogRecord
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class LayoutProcess:
     def wait_ready(self) -> str | None:
         """None once the model has loaded and made its first call (`warm_s` says how long
         that call took); else what went wrong."""
-        answer = self._channel.receive()
+        answer = self._receive()
         if answer is None:
             return f"the layout model's process ended (exit status {self._process.wait()})"
         if isinstance(answer, tuple) and answer[0] == "ready":
@@ -82,7 +85,7 @@ class LayoutProcess:
         with self._lock:
             try:
                 self._channel.send((images, options))
-                answer = self._channel.receive()
+                answer = self._receive()
             except OSError:  # the pipe broke: it is gone
                 answer = None
             if answer is None:
@@ -93,6 +96,12 @@ class LayoutProcess:
             raise RuntimeError(f"layout model: {payload}")
         return [_result(where, data, image) for (where, data), image in
                 zip(payload, images, strict=True)]
+
+    def _receive(self) -> Any:
+        """The process's next answer; the log records it sent before it are logged here."""
+        while isinstance(message := self._channel.receive(), LogRecord):
+            relay_record(message)
+        return message
 
     def _ended(self, what: str) -> None:
         if self.on_ended is not None:
@@ -126,17 +135,27 @@ def _answer(results: list[Any]) -> list[tuple[tuple[str, str], dict[str, Any]]]:
 def serve() -> None:
     """The process's main: build the worker's pipeline, then answer calls until end of input."""
     channel = child_channel()
+    from ocrvl_daemon.worker.main import log_to_daemon
+
+    log_to_daemon(channel, logging.WARNING)
     setup = channel.receive()
     if setup is None:
         return
     config_json, server_url = setup
     try:
         from ocrvl_daemon.config import Config
-        from ocrvl_daemon.worker.main import inner_pipeline, pipeline_kwargs, warm_layout_model
+        from ocrvl_daemon.worker.main import (
+            inner_pipeline,
+            library_logs_to_daemon,
+            pipeline_kwargs,
+            warm_layout_model,
+        )
         from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 
         kwargs = pipeline_kwargs(Config.model_validate_json(config_json), server_url)
-        model = inner_pipeline(import_paddleocr_vl()(**kwargs)).layout_det_model
+        pipeline_class = import_paddleocr_vl()
+        library_logs_to_daemon(logging.ERROR)
+        model = inner_pipeline(pipeline_class(**kwargs)).layout_det_model
         warm_s = warm_layout_model(model)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(f"{type(exc).__name__}: {exc}")

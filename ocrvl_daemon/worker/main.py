@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.logs import PrintableFormatter, doc_fields
 from ocrvl_daemon.page_quality import Redo, repetition
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
@@ -439,6 +440,7 @@ class _DaemonLog(logging.Handler):
     def __init__(self, channel: _Channel) -> None:
         super().__init__(logging.INFO)
         self._channel = channel
+        self.setFormatter(PrintableFormatter())  # names on one line, as the daemon's own
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -447,9 +449,22 @@ class _DaemonLog(logging.Handler):
             self.handleError(record)
 
 
-def _library_logs_to_daemon() -> None:
-    """PaddleX's and paddleocr's records go to the daemon like the worker's own, and
-    PaddleX's INFO lines are dropped.
+def log_to_daemon(channel: _Channel, own: int = logging.INFO) -> None:
+    """This child process's log records go to the daemon through `channel` (ocrvl's from
+    `own`, libraries' from WARNING); set up first thing, before Paddle is imported."""
+    logging.getLogger().addHandler(_DaemonLog(channel))
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("ocrvl_daemon").setLevel(own)  # e.g. the layout engine chosen
+    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Paddle warns at import, at every start, that ccache is missing: it compiles nothing
+    # here, so that line would only be noise in the journal.
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+
+
+def library_logs_to_daemon(level: int = logging.WARNING) -> None:
+    """PaddleX's and paddleocr's records from `level` go to the daemon like this process's
+    own; called once they are imported.
 
     Both libraries log to stderr through handlers of their own. PaddleX logs "Creating
     model: ..." at every worker start, coloured with escape codes that journald shows as
@@ -460,7 +475,7 @@ def _library_logs_to_daemon() -> None:
         for handler in library_log.handlers[:]:
             library_log.removeHandler(handler)
         library_log.propagate = True
-    logging.getLogger("paddlex").setLevel(logging.WARNING)
+        library_log.setLevel(max(level, library_log.getEffectiveLevel()))
 
 
 def serve() -> None:
@@ -473,21 +488,14 @@ def serve() -> None:
     """
     channel = child_channel()  # a worker must not outlive a SIGKILLed daemon
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    logging.getLogger().addHandler(_DaemonLog(channel))
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("ocrvl_daemon").setLevel(logging.INFO)  # e.g. the layout engine chosen
-    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Paddle warns at import, at every worker start, that ccache is missing: it compiles
-    # nothing here, so that line would only be noise in the journal.
-    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+    log_to_daemon(channel)
     setup: WorkerSetup = channel.receive()
     server_url = setup.server_url
     config = Config.model_validate_json(setup.config_json)
     layout: LayoutProcess | None = None
     try:
         PaddleOCRVL = import_paddleocr_vl()
-        _library_logs_to_daemon()
+        library_logs_to_daemon()
         kwargs = pipeline_kwargs(config, server_url)
         if config.pipeline.use_layout_detection and kwargs.get("device") == "cpu":
             # It loads while this process builds its pipeline (whose model it stands in for).
@@ -645,7 +653,8 @@ def _run_page(
     except Exception as exc:
         failure = _request_failure(exc, _COMPLETIONS.started or [])
         if failure is None:  # no request failed: how it happened is all there is to go on
-            log.warning("page %d of %s failed", task.page + 1, path.name, exc_info=True)
+            log.warning("page %d of %s failed", task.page + 1, path.name, exc_info=True,
+                        extra=doc_fields(path, task.page + 1))
             failure = Failure.PAGE, f"{type(exc).__name__}: {exc}"
         result.error_kind, result.error = failure
     finally:

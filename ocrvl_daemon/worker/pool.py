@@ -18,7 +18,9 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
 from ocrvl_daemon.server.autotune import engine_workers
+from ocrvl_daemon.units import counted
 from ocrvl_daemon.worker.client import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
@@ -66,7 +68,7 @@ class EnginePool:
         self._arrived = threading.Event()  # any worker's message
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
-        self.start_error: str | None = None
+        self.start_error: OcrvlError | None = None
         self._numbers = itertools.count(1)
 
     def _workers(self) -> list[EngineWorker]:
@@ -171,8 +173,7 @@ class EnginePool:
                 # Workers started together fail together: the wait doubles once per round.
                 rounds = (self.start_failures - 1) // len(self._slots)
                 delay = min(WORKER_RESTART_MAX_SECONDS, delay * 2**rounds)
-                self.start_error = (f"The recognition pipeline could not start: "
-                                    f"{failure.rstrip('.')}{_worker_fix(failure)}")
+                self.start_error = start_failure(failure)
                 if self.gave_up:
                     delay = float("inf")
                 log.error("%s (failed start %d; %s)", self.start_error, self.start_failures,
@@ -187,9 +188,9 @@ class EnginePool:
                 self._start(slot)
         elif worker.ready and self._worn(worker):
             log.info(
-                "replacing engine worker %s after %d pages (%.0f MiB)",
+                "replacing engine worker %s after %s (%.0f MiB)",
                 worker.pid,
-                worker.pages_done,
+                counted(worker.pages_done, "page"),
                 worker.rss_mb(),
             )
             self._retire(slot)
@@ -252,15 +253,21 @@ class EnginePool:
         self._retiring.clear()
 
 
-def _worker_fix(failure: str) -> str:
-    """The fix for the usual reasons the pipeline cannot start."""
+def start_failure(failure: str) -> OcrvlError:
+    """Why the recognition pipeline could not start (the worker's `failure`), with the fix
+    and exit code of its usual causes: a layout model that cannot be downloaded, a missing
+    package."""
+    message = f"The recognition pipeline could not start: {failure.rstrip('.')}."
     if "model hosting" in failure or "model hoster" in failure:
-        return (". Fix: the layout model (PP-DocLayout) is downloaded once on first use: let "
-                "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
-                "false")
+        return ModelDownloadError(
+            message, "the layout model (PP-DocLayout) is downloaded once on first use: let "
+            "this machine reach huggingface.co once, or set pipeline.use_layout_detection: "
+            "false")
     if "No module named" in failure or "DependencyError" in failure:
-        return ". Fix: reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'"
-    return ". Fix: see the worker's error above; `ocrvl doctor` checks the installation"
+        return DependencyError(
+            message, "reinstall ocrvl with its extras, e.g. pip install 'ocrvl-daemon[cpu]'")
+    return OcrvlError(message, "see the worker's error above; `ocrvl doctor` checks the "
+                      "installation")
 
 
 def _even_shares(total: int, count: int) -> list[int]:
