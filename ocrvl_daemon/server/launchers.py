@@ -31,7 +31,7 @@ from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
 from ocrvl_daemon.sd_notify import child_env
 from ocrvl_daemon.server.autotune import TunedArgs, plan_vllm_args
-from ocrvl_daemon.server.gpu import GpuReading
+from ocrvl_daemon.server.gpu import GpuReading, is_wsl
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
 STREAM_INTERVAL = 16
 STREAM_INTERVAL_FLAG = "stream-interval"
 STREAM_INTERVAL_SINCE = Version("0.12.0")  # vLLM PR #27869 (2025-11-12) added it
+# vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
+# WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
+# 50239, 54652). The V1 runner does without. A user who set either variable chose already.
+WSL_V1_RUNNER = ("VLLM_USE_V2_MODEL_RUNNER", "0")
+WSL_USER_CHOICES = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY")
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
 
 
@@ -220,7 +225,8 @@ def model_source(config: Config) -> str:
 
 
 def server_env(config: Config) -> dict[str, str]:
-    """ocrvl's environment without systemd's protocol variables, plus `server.env`."""
+    """ocrvl's environment without systemd's protocol variables, plus `server.env`; under
+    WSL2 the managed vLLM also gets its V1 model runner (WSL_V1_RUNNER)."""
     env = child_env(os.environ)
     python = config.server.python
     if python is not None:
@@ -233,6 +239,12 @@ def server_env(config: Config) -> dict[str, str]:
         # the process list (`ps` shows argv to every user).
         env["VLLM_API_KEY"] = config.server.api_key
     env.update(config.server.env)
+    if (config.server.launcher != "command" and is_wsl()
+            and not any(name in env for name in WSL_USER_CHOICES)):
+        name, value = WSL_V1_RUNNER
+        env[name] = value
+        _say_once("WSL2", f"under WSL2: {name}={value} in the server's environment (vLLM's V1 "
+                  "model runner: its default V2 runner needs UVA, which WSL2 does not give it)")
     return env
 
 
