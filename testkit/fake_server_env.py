@@ -116,3 +116,41 @@ _SCRIPT = textwrap.dedent('''\
     env = dict(os.environ, PYTHONPATH={checkout!r})
     os.execve(argv[0], argv, env)
 ''')
+
+
+# --- a fake `uv`, for `ocrvl setup-server` ----------------------------------------------------
+
+BROKEN_ENV = "FAKE_VLLM_BROKEN"  # "1": the vLLM the fake uv installs fails to import
+
+
+def write_fake_uv(folder: Path) -> Path:
+    """An executable `uv` in `folder` that makes real virtual environments (without pip) and
+    "installs" `vllm==X` as these stand-ins: torch as PyPI's vllm==X brings it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    uv = folder / "uv"
+    uv.write_text(f"#!/bin/sh\nPYTHONPATH={CHECKOUT} exec {sys.executable} -m "
+                  "testkit.fake_server_env \"$@\"\n", encoding="utf-8")
+    uv.chmod(0o755)
+    return uv
+
+
+def _uv(argv: list[str]) -> int:
+    import os
+
+    from ocrvl_daemon.server import vllm_release
+
+    if argv[:2] == ["venv", "--python"]:
+        return subprocess.run([argv[2], "-m", "venv", "--without-pip", argv[3]]).returncode
+    if argv[:3] == ["pip", "install", "--python"]:
+        python, packages = Path(argv[3]), argv[4:]
+        version = next(p.split("==")[1] for p in packages if p.startswith("vllm=="))
+        release = vllm_release.release(version) or vllm_release.Release("2.14.0", "13.0")
+        install(python, FakeVllm(version, release.torch, release.cuda,
+                                 broken=os.environ.get(BROKEN_ENV) == "1"))
+        return 0
+    sys.stderr.write(f"fake uv: unexpected arguments {argv}\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_uv(sys.argv[1:]))
