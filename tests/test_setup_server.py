@@ -12,6 +12,8 @@ import pytest
 
 from ocrvl_daemon.commands.setup_server import (
     FLASH_ATTN_VERSION,
+    OWN_SITE_ENV,
+    SHARED_PTH,
     Step,
     Target,
     build_jobs,
@@ -96,7 +98,7 @@ def test_vllm_launcher_with_venv_and_pip(tmp_path: Path) -> None:
         (*pip, "--upgrade", "pip"),
         (*pip, "vllm==0.26.0"),
     ]
-    assert [s.title.split(" ")[0] for s in steps if s.run] == ["prove", "switch", "set"]
+    assert [s.title.split(" ")[0] for s in steps if s.run] == ["prove", "switch", "let", "set"]
     assert steps[-1].title == (f"set server.python: {tmp_path / 'venv' / 'bin' / 'python'} in "
                                f"{tmp_path / 'config.yaml'}")
 
@@ -180,7 +182,7 @@ def test_render_plan_shows_commands_and_env(tmp_path: Path) -> None:
             f"{target(tmp_path).folder}/bin/python -m pip install --no-build-isolation "
             "--no-deps flash-attn==2.8.3") in text
     assert " vllm==0.26.0 " in text
-    assert text.splitlines()[-1].startswith("8. set server.python: ")
+    assert text.splitlines()[-1].startswith("9. set server.python: ")
 
 
 @pytest.mark.quick
@@ -297,11 +299,12 @@ def set_up(tmp_path: Path, fixture: str, *args: str, **env: str
     """`ocrvl setup-server` as a user runs it, with a fake uv (real environments holding
     stand-in packages) and a fake nvidia-smi."""
     uv = fake_server_env.write_fake_uv(tmp_path / "bin")
+    (tmp_path / "ocrvl-site").mkdir(exist_ok=True)  # ocrvl's own site-packages, for this test
     config = tmp_path / "config.yaml"
     if not config.exists():
         config.write_text(f"state_dir: {tmp_path / 'state'}\n")
     full_env = {**os.environ, "PATH": f"{uv.parent}{os.pathsep}{os.environ['PATH']}",
-                gpu.NO_NVML_ENV: "1",
+                gpu.NO_NVML_ENV: "1", OWN_SITE_ENV: str(tmp_path / "ocrvl-site"),
                 gpu.NVIDIA_SMI_ENV: str(Path(__file__).parent / "fixtures" / "gpu" /
                                         f"{fixture}.sh"), **env}
     return subprocess.run([sys.executable, "-m", "ocrvl_daemon", "setup-server", "--config",
@@ -387,3 +390,21 @@ def test_without_a_gpu_force_installs_anyway(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "will not run here" in done.stderr
     assert server_vllm(tmp_path) == vllm_release.PINNED
+    assert not (tmp_path / "ocrvl-site" / SHARED_PTH).exists(), "no GPU: nothing to share"
+
+
+def test_with_a_gpu_the_layout_model_gets_the_servers_torch_and_no_second_copy(
+        tmp_path: Path) -> None:
+    done = set_up(tmp_path, "rtx4060-driver581")
+    assert done.returncode == 0, done.stderr
+    own = tmp_path / "ocrvl-site"
+    assert (own / SHARED_PTH).is_file(), "ocrvl's environment was not given the server's torch"
+    # ocrvl's own python with that site-packages: its layout model's GPU engine is there now.
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import torch; "
+             "from ocrvl_daemon.worker.layout_engine import installed_engines; "
+             "print(torch.version.cuda, sorted(installed_engines().gpu))")
+    seen = subprocess.run([sys.executable, "-c", probe, str(own)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split() == ["13.0", "['transformers']"], \
+        f"the layout model cannot use the GPU through the server's torch: {seen.stdout}"

@@ -10,7 +10,9 @@ An environment is never changed in place: each one is built in a folder of its o
 the `--venv` path, proven to import the vLLM asked for (with a torch this driver can run),
 and only then does the `--venv` path, a symbolic link, switch to it in one rename. A failed
 step leaves the environment in use as it was. Nothing is installed on a machine without an
-NVIDIA GPU, nor for a driver too old for the build, unless `--force`.
+NVIDIA GPU, nor for a driver too old for the build, unless `--force`. With a GPU, ocrvl's own
+environment then sees the server environment's packages after its own (SHARED_PTH), so the
+layout model runs on the GPU with the server's torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +66,11 @@ GIB_PER_BUILD_JOB = 4
 GIB = 1024**3
 PROVE_TIMEOUT = 300.0  # importing vLLM imports torch and its CUDA libraries: a cold disk is slow
 ENVS_SUFFIX = ".envs"  # <venv>.envs/ holds the environments the <venv> link points at
+# In ocrvl's own site-packages: the server environment's site-packages, after ocrvl's own
+# (a .pth line is appended to sys.path), so the layout model's GPU engine (PaddleX's
+# transformers engine: torch, torchvision, transformers) needs no second multi-GB torch.
+SHARED_PTH = "ocrvl-server-packages.pth"
+OWN_SITE_ENV = "OCRVL_SITE_PACKAGES"  # ocrvl's own site-packages, where tests want another
 # Run by the new environment's python: what it imports, as one JSON line.
 _PROVE_SCRIPT = ("import json, torch, vllm; print(json.dumps({'vllm': vllm.__version__, "
                  "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
@@ -96,6 +104,12 @@ class Target:
     def python(self) -> Path:
         """The server's python as the config names it: through the link."""
         return self.link / "bin" / "python"
+
+    @property
+    def site_packages(self) -> Path:
+        """Its packages, through the link (made by this Python: the same version)."""
+        return self.link / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" \
+            / "site-packages"
 
 
 def plan_setup(target: Target, config: Config, *, vllm: str, python_version: tuple[int, int],
@@ -133,6 +147,14 @@ def plan_setup(target: Target, config: Config, *, vllm: str, python_version: tup
              run=lambda: prove(python, vllm, config, gpu if check_driver else None, wsl)),
         Step(f"switch {target.link} to {folder} (the environment it replaces is removed)",
              run=lambda: switch(target)),
+    ]
+    if gpu is not None:
+        own = own_site_packages()
+        steps.append(Step(
+            f"let ocrvl's own environment use the server environment's torch, torchvision and "
+            f"transformers for the layout model on the GPU ({own / SHARED_PTH}; its own "
+            "packages come first)", run=lambda: share_packages(own, target.site_packages)))
+    steps += [
         Step(f"set server.python: {target.python} in {config_path}",
              run=lambda: set_config_key(config_path, ("server", "python"), str(target.python)),
              fix=f"set server.python: {target.python} in {config_path} yourself"),
@@ -288,6 +310,24 @@ def _refuse_old_driver(gpu: GpuReading, cuda: str | None, what: str, wsl: bool,
     if too_old is not None:
         raise DependencyError(f"{too_old.message[0].upper()}{too_old.message[1:]}{aftermath}.",
                               f"{too_old.fix} (`--force` installs it anyway)")
+
+
+def own_site_packages() -> Path:
+    """Where ocrvl's own environment keeps its packages."""
+    return Path(os.environ.get(OWN_SITE_ENV) or sysconfig.get_path("purelib"))
+
+
+def share_packages(own: Path, server_site: Path) -> None:
+    """Make `server_site` importable in ocrvl's environment (site-packages `own`), after its
+    own packages."""
+    try:
+        write_atomic(own / SHARED_PTH, f"{server_site}\n")
+    except OSError as exc:
+        raise DependencyError(
+            f"Cannot write {own / SHARED_PTH}: {exc}; the server environment is ready, but the "
+            "layout model stays on the CPU.", "install ocrvl into a virtual environment of "
+            "your own (set-up command 1 in README), or pip install 'ocrvl-daemon[gpu-layout]'"
+        ) from exc
 
 
 def switch(target: Target) -> None:

@@ -36,8 +36,9 @@ MODEL_SUFFIX = {"paddle": "", "onnxruntime": "_onnx", "transformers": "_safetens
 # How to install each engine (README, "Layout detection: which engine").
 INSTALL = {"paddle": "pip install 'ocrvl-daemon[cpu]' (PaddlePaddle's CPU build)",
            "onnxruntime": "pip install onnxruntime",
-           "transformers": "pip install 'ocrvl-daemon[gpu-layout]' (torch, transformers, "
-                           "torchvision)"}
+           "transformers": "`ocrvl setup-server` (it lends ocrvl the server environment's "
+                           "torch, transformers and torchvision), or pip install "
+                           "'ocrvl-daemon[gpu-layout]' (a copy of its own)"}
 # A file each engine's model folder must hold (any one of them) for PaddleX to load it.
 MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
                "onnxruntime": ("inference.onnx",), "transformers": ("model.safetensors",)}
