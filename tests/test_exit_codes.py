@@ -187,6 +187,25 @@ def test_convert_help_lists_every_exit_code_it_can_end_with():
     assert "6 when the model server is not installed" in text, text
 
 
+def test_5_a_driver_too_old_for_the_servers_torch_ends_convert_with_the_fix(tmp_path: Path):
+    # An RTX 4060 on driver 566 (CUDA 12.7) and a server environment whose torch is built for
+    # CUDA 13.0: torch refuses at the server's start, as the real one does.
+    python = fake_server_env.make(tmp_path / "server-venv", FakeVllm(driver_cuda="12.7"))
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", server={
+        "launcher": "vllm", "python": str(python), "port": free_port(),
+        "restart_backoff_initial": 0.2, "restart_backoff_max": 0.5})
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=120, OCRVL_NO_NVML="1",
+                       OCRVL_NVIDIA_SMI=str(RTX4060_SMI.with_name("rtx4060-driver566.sh")))
+    assert result.returncode == ExitCode.SERVER, result.stderr
+    said = result.stderr.split("Fix:")[-1]
+    assert "NVIDIA driver is too old" in result.stderr and "CUDA 12.7" in result.stderr, \
+        result.stderr
+    assert "Windows driver" in said and "--vllm 0.19.1" in said, said
+    assert "setup-server`, or set server.python" not in said, "a driver problem was taken for a "\
+        "missing vLLM"
+
+
 def test_5_model_server_problem(tmp_path: Path):
     pdf = make_pdf(tmp_path / "book.pdf", 1)
     config = write_config(tmp_path / "config.yaml")
