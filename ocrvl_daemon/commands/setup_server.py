@@ -105,6 +105,11 @@ class Target:
         """The server's python as the config names it: through the link."""
         return self.link / "bin" / "python"
 
+    def in_use(self) -> bool:
+        """Whether the link points at this folder (the switch was made)."""
+        return (self.link.is_symlink() and self.folder.exists()
+                and self.link.resolve() == self.folder.resolve())
+
     @property
     def site_packages(self) -> Path:
         """Its packages, through the link (made by this Python: the same version)."""
@@ -345,7 +350,7 @@ def switch(target: Target) -> None:
         replaced = folder.with_name(f"replaced-{folder.name}")
         link.rename(replaced)
     os.replace(staged, link)
-    if replaced is not None and replaced != folder:
+    if replaced is not None and replaced != folder.resolve():
         shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -404,7 +409,7 @@ def setup_server(config: Config, config_path: Path | None, venv: Path, *, dry_ru
     try:
         run_setup(plan, dry_run)
     except BaseException:
-        if not (link.is_symlink() and link.resolve() == target.folder):
+        if not target.in_use():
             shutil.rmtree(target.folder, ignore_errors=True)  # the one in use stays as it was
         raise
     if not dry_run:
