@@ -684,3 +684,14 @@ def test_a_vllm_other_than_the_pinned_one_is_named(tmp_path: Path, gpu_env: Any)
     assert check.status == "warn", check
     assert "0.33.0" in check.detail and vllm_release.PINNED in check.detail, check.detail
     assert check.fix is not None and "ocrvl setup-server" in check.fix
+
+
+def test_a_new_users_default_config_is_compared_with_what_setup_server_installs(
+        tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("rtx4060-driver566")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no vllm anywhere yet
+    report = run_doctor(write_config(tmp_path), osrelease=WSL)
+    check = by_name(report, "driver")
+    assert check.status == "fail", render_text(report)
+    assert "566.36" in check.detail and "R580" in check.detail
+    assert check.fix is not None and "Windows driver" in check.fix

@@ -452,17 +452,16 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[C
             return [Check("server command", "ok", program)]
         return [Check("server command", "fail", f"{program} (server.command[0]) not found",
                       "install it or correct server.command")]
-    if server.python is None and server.launcher == "vllm":
-        return [_vllm_on_path(config, env)]
-    python = server.python or Path(sys.executable)
     assert probe.reading is not None  # no GPU returned above
+    if server.python is None and server.launcher == "vllm":
+        found = _vllm_on_path(config, env)
+        if found.status != "fail":
+            return [found]
+        return [found, _setup_driver_check(probe.reading, wsl)]
+    python = server.python or Path(sys.executable)
     if not python.is_file():
-        pinned = vllm_release.KNOWN[vllm_release.PINNED]
         return [Check("server python", "fail", f"{python} (server.python) does not exist",
-                      SETUP_FIX),
-                _driver_check(probe.reading, pinned.cuda, f"the vLLM {vllm_release.PINNED} "
-                              f"that `ocrvl setup-server` installs (torch {pinned.torch_build})",
-                              wsl)]
+                      SETUP_FIX), _setup_driver_check(probe.reading, wsl)]
     modules = ["vllm", "torch"]
     if server.launcher == "genai_server":
         modules += ["flash_attn", "xformers", "paddleocr"]
@@ -492,6 +491,13 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[C
         checks.append(_driver_check(probe.reading, found.get("torch.version.cuda"),
                                     f"the server environment's PyTorch {torch}", wsl))
     return checks
+
+
+def _setup_driver_check(reading: gpu.GpuReading, wsl: bool) -> Check:
+    """Whether the driver can run what `ocrvl setup-server` would install."""
+    pinned = vllm_release.KNOWN[vllm_release.PINNED]
+    return _driver_check(reading, pinned.cuda, f"the vLLM {vllm_release.PINNED} that `ocrvl "
+                         f"setup-server` installs (torch {pinned.torch_build})", wsl)
 
 
 def _driver_check(reading: gpu.GpuReading, build: str | None, what: str, wsl: bool) -> Check:
