@@ -462,11 +462,13 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[C
     if not python.is_file():
         return [Check("server python", "fail", f"{python} (server.python) does not exist",
                       SETUP_FIX), _setup_driver_check(probe.reading, wsl)]
-    modules = ["vllm", "torch"]
+    modules = ["vllm"]
     if server.launcher == "genai_server":
         modules += ["flash_attn", "xformers", "paddleocr"]
     try:
-        done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules], capture_output=True,
+        # torch too: what its build needs of the driver is checked below.
+        done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules, "torch"],
+                              capture_output=True,
                               text=True, timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
         found = json.loads(done.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
@@ -477,8 +479,6 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[C
     checks = [Check("server python", "ok", str(python))]
     for module in modules:
         version = str(found.get(module, "!not reported"))
-        if module == "torch":  # vLLM needs it: reported as the driver's counterpart below
-            continue
         if version.startswith("!"):
             checks.append(Check(module, "fail", f"cannot be imported by {python}: {version[1:]}",
                                 SETUP_FIX))
