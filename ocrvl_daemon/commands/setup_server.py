@@ -287,7 +287,12 @@ def prove(python: Path, vllm: str, config: Config, gpu: GpuReading | None, wsl: 
             f"The new server environment cannot import vLLM ({python}: "
             f"{said[-1] if said else f'exit status {done.returncode}'}); the environment in "
             "use is left as it was.", _RETRY)
-    found = json.loads(lines[-1])
+    try:
+        found = json.loads(lines[-1])
+    except ValueError as exc:
+        raise DependencyError(f"The new server environment's {python} answered "
+                              f"{lines[-1][:200]!r} instead of its versions; the environment in "
+                              "use is left as it was.", _RETRY) from exc
     if found["vllm"] != vllm:
         raise DependencyError(f"The new server environment holds vLLM {found['vllm']}, not "
                               f"{vllm}; the environment in use is left as it was.", _RETRY)
