@@ -98,8 +98,8 @@ def test_vllm_launcher_with_venv_and_pip(tmp_path: Path) -> None:
         (*pip, "--upgrade", "pip"),
         (*pip, "vllm==0.26.0"),
     ]
-    assert [s.title.split(" ")[0] for s in steps if s.run] == ["prove", "switch", "let", "set"]
-    assert steps[-1].title == (f"set server.python: {tmp_path / 'venv' / 'bin' / 'python'} in "
+    assert [s.title.split(" ")[0] for s in steps if s.run] == ["prove", "switch", "set", "let"]
+    assert steps[-2].title == (f"set server.python: {tmp_path / 'venv' / 'bin' / 'python'} in "
                                f"{tmp_path / 'config.yaml'}")
 
 
@@ -182,7 +182,7 @@ def test_render_plan_shows_commands_and_env(tmp_path: Path) -> None:
             f"{target(tmp_path).folder}/bin/python -m pip install --no-build-isolation "
             "--no-deps flash-attn==2.8.3") in text
     assert " vllm==0.26.0 " in text
-    assert text.splitlines()[-1].startswith("9. set server.python: ")
+    assert text.splitlines()[-2].startswith("8. set server.python: ")
 
 
 @pytest.mark.quick

@@ -152,6 +152,9 @@ def plan_setup(target: Target, config: Config, *, vllm: str, python_version: tup
              run=lambda: prove(python, vllm, config, gpu if check_driver else None, wsl)),
         Step(f"switch {target.link} to {folder} (the environment it replaces is removed)",
              run=lambda: switch(target)),
+        Step(f"set server.python: {target.python} in {config_path}",
+             run=lambda: set_config_key(config_path, ("server", "python"), str(target.python)),
+             fix=f"set server.python: {target.python} in {config_path} yourself"),
     ]
     if gpu is not None:
         own = own_site_packages()
@@ -159,11 +162,6 @@ def plan_setup(target: Target, config: Config, *, vllm: str, python_version: tup
             f"let ocrvl's own environment use the server environment's torch, torchvision and "
             f"transformers for the layout model on the GPU ({own / SHARED_PTH}; its own "
             "packages come first)", run=lambda: share_packages(own, target.site_packages)))
-    steps += [
-        Step(f"set server.python: {target.python} in {config_path}",
-             run=lambda: set_config_key(config_path, ("server", "python"), str(target.python)),
-             fix=f"set server.python: {target.python} in {config_path} yourself"),
-    ]
     return steps
 
 
@@ -333,11 +331,10 @@ def share_packages(own: Path, server_site: Path) -> None:
     try:
         write_atomic(own / SHARED_PTH, f"{server_site}\n")
     except OSError as exc:
-        raise DependencyError(
-            f"Cannot write {own / SHARED_PTH}: {exc}; the server environment is ready, but the "
-            "layout model stays on the CPU.", "install ocrvl into a virtual environment of "
-            "your own (set-up command 1 in README), or pip install 'ocrvl-daemon[gpu-layout]'"
-        ) from exc
+        # The server environment is ready and in use: only the layout model's place is lost.
+        log.warning("cannot write %s (%s): the layout model stays on the CPU. Install ocrvl "
+                    "into a virtual environment of its own (set-up command 1 in README), or "
+                    "pip install 'ocrvl-daemon[gpu-layout]'", own / SHARED_PTH, exc)
 
 
 def switch(target: Target) -> None:
