@@ -15,6 +15,7 @@ from ocrvl_daemon import __version__
 from ocrvl_daemon.config import Config, openai_base_url
 from ocrvl_daemon.config_file import load_config
 from ocrvl_daemon.errors import ExitCode, OcrvlError
+from ocrvl_daemon.server import vllm_release
 
 log = logging.getLogger("ocrvl_daemon")
 
@@ -138,10 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "setup-server",
         parents=[common],
         help="create the vLLM server environment",
-        description="Create a separate virtual environment with vLLM (and "
-        "flash-attn for the genai_server launcher), then set "
-        "server.python in the config file. Without a GPU here it warns that the server "
-        "cannot run on this machine and prints how to run it on one that has a GPU.",
+        description="Create a separate virtual environment with the vLLM release the project "
+        f"measured ({vllm_release.PINNED}; flash-attn too for the genai_server launcher), prove "
+        "that it imports, switch --venv to it (an existing one is replaced only then), and set "
+        "server.python in the config file. Without an NVIDIA GPU here, or with a driver too "
+        "old for that build, it installs nothing, exits with 6 and says what to do instead "
+        "(on a machine without a GPU: how to run the server on one that has a GPU).",
     )
     setup.add_argument(
         "--venv",
@@ -150,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("~/.local/share/ocrvl/server-venv"),
         help="where to create it (default: %(default)s)",
     )
+    setup.add_argument("--vllm", metavar="VERSION", default=vllm_release.PINNED,
+                       help="install this vLLM release instead (default: %(default)s, the one "
+                       "the project measured)")
+    setup.add_argument("--force", action="store_true",
+                       help="install even without an NVIDIA GPU or with a driver too old for it")
     setup.add_argument("--dry-run", action="store_true", help="print the exact plan only")
     for command in sub.choices.values():
         # An unknown option is answered with the usage of the command it was given to.
@@ -291,7 +299,8 @@ def cmd_setup_server(args: argparse.Namespace) -> int:
 
     _setup_fallback_logging()
     config, path = _load(args)
-    return int(setup_server(config, path, args.venv.expanduser(), dry_run=args.dry_run))
+    return int(setup_server(config, path, args.venv.expanduser(), dry_run=args.dry_run,
+                            vllm=args.vllm, force=args.force))
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

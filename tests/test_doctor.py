@@ -18,10 +18,12 @@ import yaml
 from ocrvl_daemon.commands import doctor
 from ocrvl_daemon.commands.doctor import Check, DoctorReport, render_json, render_text, run_doctor
 from ocrvl_daemon.config_file import load_config
-from ocrvl_daemon.server import gpu
+from ocrvl_daemon.server import gpu, vllm_release
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from ocrvl_daemon.worker import layout_engine, layout_model
+from testkit import fake_server_env
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
+from testkit.fake_server_env import FakeVllm
 from testkit.plain_server import plain_openai_server, serving
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -104,7 +106,7 @@ def write_config(tmp_path: Path, **sections: Any) -> str:
 
 
 def managed(tmp_path: Path, **server: Any) -> str:
-    python = fake_python(tmp_path, {"vllm": "0.11.2"})
+    python = fake_python(tmp_path, {"vllm": vllm_release.PINNED})
     return write_config(tmp_path, server={"python": str(python), **server})
 
 
@@ -423,7 +425,7 @@ def test_server_python_is_probed_with_server_env(tmp_path: Path, gpu_env: Any,
     gpu_env("rtx4060")
     site = tmp_path / "server-site"
     (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text('__version__ = "0.11.2"\n')
+    (site / "vllm" / "__init__.py").write_text(f'__version__ = "{vllm_release.PINNED}"\n')
     server: dict[str, Any] = {"python": sys.executable}
     if with_env:
         server["env"] = {"PYTHONPATH": str(site)}
@@ -665,3 +667,66 @@ def test_the_layout_models_own_speed_is_measured_on_the_stand_in(
     assert speed.data and speed.data["pages_per_s"] > 0
     assert re.fullmatch(r"\d+\.\d\d pages/s per worker on cpu \(one 1190x1684 page after a "
                         r"warm-up\)", speed.detail), speed.detail
+
+
+WSL = "5.15.167.4-microsoft-standard-WSL2"
+
+
+def with_server_env(tmp_path: Path, fake: FakeVllm | None = None) -> str:
+    """A config whose server.python is a fake server environment (real imports)."""
+    python = fake_server_env.make(tmp_path / "server-venv", fake)
+    return write_config(tmp_path, server={"python": str(python)})
+
+
+@pytest.mark.parametrize("osrelease", [NOT_WSL, WSL])
+def test_a_driver_too_old_for_the_server_environments_torch_blocks_with_the_fix(
+        tmp_path: Path, gpu_env: Any, osrelease: str) -> None:
+    gpu_env("rtx4060-driver566")
+    report = run_doctor(with_server_env(tmp_path), osrelease=osrelease)
+    check = by_name(report, "driver")
+    assert check.status == "fail" and report.blocking, \
+        f"a driver that cannot run the server's CUDA 13 build passed: {render_text(report)}"
+    assert "566.36" in check.detail and "CUDA 12.7" in check.detail, check.detail
+    assert "CUDA 13.0" in check.detail and "R580 or newer" in check.detail, check.detail
+    assert check.fix is not None and "--vllm 0.19.1" in check.fix, check.fix
+    assert ("Windows driver" in check.fix) == (osrelease == WSL), check.fix
+
+
+def test_a_driver_new_enough_for_the_server_environments_torch_is_ok(tmp_path: Path,
+                                                                      gpu_env: Any) -> None:
+    gpu_env("rtx4060-driver581")
+    report = run_doctor(with_server_env(tmp_path), osrelease=NOT_WSL)
+    check = by_name(report, "driver")
+    assert check.status == "ok", render_text(report)
+    assert "581.57 (CUDA 13.0)" in check.detail and "2.11.0+cu130" in check.detail
+    assert by_name(report, "vllm").status == "ok", by_name(report, "vllm")
+
+
+def test_before_setup_server_the_driver_is_compared_with_what_it_would_install(
+        tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060-driver566")
+    config = write_config(tmp_path, server={"python": str(tmp_path / "none" / "bin" / "python")})
+    check = by_name(run_doctor(config, osrelease=NOT_WSL), "driver")
+    assert check.status == "fail", check
+    assert f"vLLM {vllm_release.PINNED}" in check.detail and "R580" in check.detail, check
+
+
+def test_a_vllm_other_than_the_pinned_one_is_named(tmp_path: Path, gpu_env: Any) -> None:
+    gpu_env("rtx4060-driver581")
+    report = run_doctor(with_server_env(tmp_path, FakeVllm("0.33.0", torch="2.14.0")),
+                        osrelease=NOT_WSL)
+    check = by_name(report, "vllm")
+    assert check.status == "warn", check
+    assert "0.33.0" in check.detail and vllm_release.PINNED in check.detail, check.detail
+    assert check.fix is not None and "ocrvl setup-server" in check.fix
+
+
+def test_a_new_users_default_config_is_compared_with_what_setup_server_installs(
+        tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_env("rtx4060-driver566")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no vllm anywhere yet
+    report = run_doctor(write_config(tmp_path), osrelease=WSL)
+    check = by_name(report, "driver")
+    assert check.status == "fail", render_text(report)
+    assert "566.36" in check.detail and "R580" in check.detail
+    assert check.fix is not None and "Windows driver" in check.fix

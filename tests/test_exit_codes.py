@@ -22,6 +22,7 @@ import pytest
 from ocrvl_daemon.errors import ExitCode
 from ocrvl_daemon.pdf import file_identity
 from ocrvl_daemon.store import Store
+from testkit import fake_server_env
 from testkit.documents import (
     make_encrypted_pdf,
     make_pdf,
@@ -29,6 +30,7 @@ from testkit.documents import (
     make_truncated_pdf,
     make_zero_byte,
 )
+from testkit.fake_server_env import FakeVllm
 from testkit.harness import (
     FakeServerProcess,
     free_port,
@@ -47,6 +49,9 @@ from testkit.runner import (
 from testkit.stubborn import slow_to_stop, stubborn_pids
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
+
+
+RTX4060_SMI = Path(__file__).parent / "fixtures" / "gpu" / "rtx4060.sh"
 
 
 def known_to_daemon(config: Path, pdf: Path) -> None:
@@ -200,6 +205,25 @@ def test_convert_help_lists_every_exit_code_it_can_end_with():
     assert "the layout model cannot be downloaded" in text, text
 
 
+def test_5_a_driver_too_old_for_the_servers_torch_ends_convert_with_the_fix(tmp_path: Path):
+    # An RTX 4060 on driver 566 (CUDA 12.7) and a server environment whose torch is built for
+    # CUDA 13.0: torch refuses at the server's start, as the real one does.
+    python = fake_server_env.make(tmp_path / "server-venv", FakeVllm(driver_cuda="12.7"))
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", server={
+        "launcher": "vllm", "python": str(python), "port": free_port(),
+        "restart_backoff_initial": 0.2, "restart_backoff_max": 0.5})
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=120, OCRVL_NO_NVML="1",
+                       OCRVL_NVIDIA_SMI=str(RTX4060_SMI.with_name("rtx4060-driver566.sh")))
+    assert result.returncode == ExitCode.SERVER, result.stderr
+    said = result.stderr.split("Fix:")[-1]
+    assert "NVIDIA driver is too old" in result.stderr and "CUDA 12.7" in result.stderr, \
+        result.stderr
+    assert "Windows driver" in said and "--vllm 0.19.1" in said, said
+    assert "setup-server`, or set server.python" not in said, "a driver problem was taken for a "\
+        "missing vLLM"
+
+
 def test_5_model_server_problem(tmp_path: Path):
     pdf = make_pdf(tmp_path / "book.pdf", 1)
     config = write_config(tmp_path / "config.yaml")
@@ -249,23 +273,31 @@ def test_6_missing_dependency(tmp_path: Path):
     config = write_config(tmp_path / "config.yaml",
                           server={"launcher": "vllm", "python": str(missing),
                                   "port": free_port()})
-    result = run_ocrvl("convert", "--config", config, pdf, timeout=120)
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=120, OCRVL_NO_NVML="1",
+                       OCRVL_NVIDIA_SMI=str(RTX4060_SMI))
     assert result.returncode == ExitCode.DEPENDENCY, result.stderr
     assert f"server.python = {missing} is not an executable Python" in result.stderr
 
 
-def test_6_no_vllm_and_no_gpu_points_to_an_external_server_not_setup_server(tmp_path: Path):
+@pytest.mark.parametrize("command", ["convert", "run"])
+def test_6_no_gpu_starts_no_managed_vllm_and_points_to_an_external_server(tmp_path: Path,
+                                                                          command: str):
+    # The server environment a user without a GPU got from `setup-server --force`: its vLLM
+    # warns "No module named 'vllm._C'" and dies with "Failed to infer device type".
+    python = fake_server_env.make(tmp_path / "server-venv", FakeVllm(gpu=False))
     pdf = make_pdf(tmp_path / "book.pdf", 1)
     config = write_config(tmp_path / "config.yaml", server={"launcher": "vllm",
-                                                            "port": free_port()})
-    result = run_ocrvl("convert", "--config", config, pdf, timeout=120,
-                       PATH=str(tmp_path / "empty-bin"), OCRVL_NO_NVML="1",
+                                                            "python": str(python),
+                                                            "port": free_port()},
+                          inbox={"paths": [str(tmp_path / "inbox")]})
+    args = [pdf] if command == "convert" else []
+    result = run_ocrvl(command, "--config", config, *args, timeout=120, OCRVL_NO_NVML="1",
                        OCRVL_NVIDIA_SMI=str(tmp_path / "no-nvidia-smi"))
     assert result.returncode == ExitCode.DEPENDENCY, result.stderr
-    assert "No NVIDIA GPU is visible here either" in result.stderr, result.stderr
+    assert "No NVIDIA GPU is visible here" in result.stderr, result.stderr
     assert "mode: external" in result.stderr, result.stderr
     assert "setup-server" not in result.stderr.split("Fix:")[-1], result.stderr
-    assert "not started again until ocrvl itself is" in result.stderr, result.stderr
+    assert "Failed to infer device type" not in result.stderr, "vLLM was started without a GPU"
 
 
 def test_7_doctor_found_a_blocking_problem(tmp_path: Path):

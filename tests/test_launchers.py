@@ -17,12 +17,14 @@ import yaml
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
+from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.launchers import (
     BACKEND_CONFIG_NAME,
     STREAM_INTERVAL,
     check_launcher,
     prepare_launch,
     resolve_vllm_args,
+    server_env,
     server_vllm_version,
     vllm_flags,
     vllm_serve_command,
@@ -385,3 +387,64 @@ def test_the_fake_vllm_starts_with_stream_interval(tmp_path: Path) -> None:
     with FakeServerProcess(proc, "127.0.0.1", port, log_path) as server:
         server.wait_ready(15)
         assert "--stream-interval 16" in server.output()
+
+
+WSL_KERNEL = "5.15.167.4-microsoft-standard-WSL2\n"
+
+
+@pytest.fixture
+def under_wsl2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's kernel release, as ocrvl reads it, is WSL2's."""
+    release = tmp_path / "osrelease"
+    release.write_text(WSL_KERNEL)
+    monkeypatch.setattr(gpu_module, "OSRELEASE", release)
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.quick
+@pytest.mark.usefixtures("under_wsl2")
+@pytest.mark.parametrize("launcher", ["vllm", "genai_server"])
+def test_under_wsl2_the_managed_server_runs_vllms_v1_model_runner(tmp_path: Path,
+                                                                  launcher: str) -> None:
+    python = fake_venv(tmp_path, "vllm", "paddleocr")
+    env = server_env(make_config(tmp_path, python=str(python), launcher=launcher))
+    assert env.get("VLLM_USE_V2_MODEL_RUNNER") == "0", \
+        "under WSL2 vLLM >= 0.24 dies with 'UVA is not available' unless its V1 runner is chosen"
+
+
+@pytest.mark.quick
+@pytest.mark.usefixtures("under_wsl2")
+@pytest.mark.parametrize(("where", "name", "value"), [
+    ("server.env", "VLLM_WSL2_ENABLE_PIN_MEMORY", "1"),
+    ("server.env", "VLLM_USE_V2_MODEL_RUNNER", "1"),
+    ("environment", "VLLM_USE_V2_MODEL_RUNNER", "1"),
+    ("environment", "VLLM_WSL2_ENABLE_PIN_MEMORY", "1"),
+])
+def test_under_wsl2_the_users_own_choice_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                where: str, name: str, value: str) -> None:
+    python = fake_venv(tmp_path, "vllm")
+    settings: dict[str, Any] = {"python": str(python)}
+    if where == "server.env":
+        settings["env"] = {name: value}
+    else:
+        monkeypatch.setenv(name, value)
+    env = server_env(make_config(tmp_path, **settings))
+    assert env[name] == value
+    other = ({"VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY"} - {name}).pop()
+    assert other not in env, f"ocrvl overrode the user's {name}={value} with {other}"
+
+
+@pytest.mark.quick
+def test_outside_wsl2_and_for_the_users_own_command_nothing_is_added(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    release = tmp_path / "osrelease"
+    release.write_text("6.1.0-28-amd64\n")
+    monkeypatch.setattr(gpu_module, "OSRELEASE", release)
+    python = fake_venv(tmp_path, "vllm")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(make_config(tmp_path, python=str(python)))
+    release.write_text(WSL_KERNEL)
+    command = make_config(tmp_path, launcher="command", command=["my-server", "{port}"])
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env(command), \
+        "server.launcher: command is the user's own program: ocrvl must not change its runner"

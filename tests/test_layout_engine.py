@@ -152,10 +152,15 @@ def test_parse_device(value: str, parsed: tuple[str, int | None]) -> None:
     ({"transformers", "torch", "torchvision"}, True, {"transformers"}, {"transformers"}),
     ({"transformers", "torch", "torchvision"}, False, {"transformers"}, set()),
     ({"transformers", "torch"}, True, set(), set()),  # the detector needs torchvision
+    # A transformers before PP-DocLayoutV2/V3 (e.g. one a server environment brought).
+    ({"transformers-5.5.3", "torch", "torchvision"}, True, set(), set()),
 ])
 def test_installed_engines_from_package_metadata(dists: set[str], torch_cuda: bool,
                                                  cpu: set[str], gpu: set[str]) -> None:
     def version(name: str) -> str | None:
+        if name == "transformers":
+            return "5.5.3" if "transformers-5.5.3" in dists else \
+                "5.14.0" if name in dists else None
         return "1.0" if name in dists else None
 
     found = layout_engine.installed_engines(version, lambda: torch_cuda)

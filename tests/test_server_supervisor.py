@@ -22,6 +22,7 @@ import yaml
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.config_file import validate_config
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer
@@ -33,7 +34,9 @@ from ocrvl_daemon.server.supervisor import (
     StallDetector,
 )
 from ocrvl_daemon.server.vllm_diagnosis import diagnose, parse_phase
+from testkit import fake_server_env
 from testkit.fake_server import FIXED_FAILURES
+from testkit.fake_server_env import FakeVllm
 from testkit.harness import (
     fake_server_command,
     free_port,
@@ -483,3 +486,46 @@ def test_a_crash_loop_of_a_server_that_prints_nothing_says_so(
     report = wait_until(loud, 30, what="a crash loop report")[0]
     assert "It printed nothing." in report, report
     assert "last 0 lines" not in report, report
+
+
+def managed_vllm_config(tmp_path: Path, python: Path, **server: Any) -> Config:
+    """A managed `vllm` launcher on a fake server environment, no GPU reading."""
+    settings: dict[str, Any] = {
+        "launcher": "vllm", "python": str(python), "port": free_port(),
+        "health_interval": 0.2, "startup_timeout": 20, "stop_timeout": 3,
+        "restart_backoff_max": 0.5, **server,
+        "env": {NO_NVML_ENV: "1", NVIDIA_SMI_ENV: str(tmp_path / "no-nvidia-smi"),
+                **server.get("env", {})}}
+    return validate_config({"state_dir": str(tmp_path / "state"), "server": settings})
+
+
+@pytest.fixture
+def wsl2_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = tmp_path / "osrelease"
+    release.write_text("5.15.167.4-microsoft-standard-WSL2\n")
+    monkeypatch.setattr(gpu_module, "OSRELEASE", release)
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.usefixtures("wsl2_kernel")
+def test_the_pinned_vllm_starts_under_wsl2(tmp_path: Path, supervise: Any) -> None:
+    python = fake_server_env.make(tmp_path / "server-venv", FakeVllm("0.26.0", wsl=True))
+    sup = supervise(managed_vllm_config(tmp_path, python))
+    assert sup.wait_ready(30), (
+        f"the managed vLLM did not start under WSL2: {sup.status().last_error} "
+        f"({sup.diagnosis})")
+
+
+@pytest.mark.usefixtures("wsl2_kernel")
+def test_uva_under_wsl2_is_named_with_its_fix_and_not_retried(tmp_path: Path,
+                                                              supervise: Any) -> None:
+    python = fake_server_env.make(tmp_path / "server-venv", FakeVllm("0.26.0", wsl=True))
+    # The user chose the V2 runner themselves: ocrvl leaves it, and says what to do.
+    sup = supervise(managed_vllm_config(tmp_path, python,
+                                        env={"VLLM_USE_V2_MODEL_RUNNER": "1"}))
+    wait_until(lambda: sup.status().state is ServerState.FAILED, 20, what="a failed server")
+    assert isinstance(sup.error, ServerConfigError)
+    assert "needs UVA" in str(sup.error) and "VLLM_USE_V2_MODEL_RUNNER=0" in str(sup.error), \
+        str(sup.error)
+    assert sup.status().restart_count == 0

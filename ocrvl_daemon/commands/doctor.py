@@ -28,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import CONFIG_ENV, load_config, resolve_config_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
-from ocrvl_daemon.server import autotune, gpu, launchers, mps
+from ocrvl_daemon.server import autotune, driver_check, gpu, launchers, mps, vllm_release
 from ocrvl_daemon.server.launchers import server_env
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
@@ -74,6 +74,9 @@ for name in sys.argv[1:]:
         found[name] = getattr(importlib.import_module(name), "__version__", "unknown")
     except Exception as exc:
         found[name] = "!" + type(exc).__name__ + ": " + str(exc)[:300]
+torch = sys.modules.get("torch")
+if torch is not None:
+    found["torch.version.cuda"] = torch.version.cuda
 print(json.dumps(found))
 """
 
@@ -123,7 +126,8 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
             ("GPU", lambda: _gpu_checks(given, gpu_probe)),
             ("client packages", lambda: _client_checks(given)),
             ("layout model", lambda: _layout_model_checks(given)),
-            ("server environment", lambda: _server_env_checks(given, gpu_probe)),
+            ("server environment",
+             lambda: _server_env_checks(given, gpu_probe, gpu.is_wsl(osrelease))),
             ("state_dir", lambda: [_state_dir_check(given)]),
             ("inbox", lambda: _inbox_checks(given)),
             ("server", lambda: [_server_check(given)]),
@@ -436,7 +440,7 @@ def _run_quiet_json(argv: list[str], timeout: float) -> dict[str, Any] | str:
     return found if isinstance(found, dict) else f"unexpected output {lines[-1][:200]!r}"
 
 
-def _server_env_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
+def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[Check]:
     server = config.server
     if server.mode == "external":
         return []
@@ -455,17 +459,23 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             return [Check("server command", "ok", program)]
         return [Check("server command", "fail", f"{program} (server.command[0]) not found",
                       "install it or correct server.command")]
+    assert probe.reading is not None  # no GPU returned above
     if server.python is None and server.launcher == "vllm":
-        return [_vllm_on_path(config, env)]
+        found = _vllm_on_path(config, env)
+        if found.status != "fail":
+            return [found]
+        return [found, _setup_driver_check(probe.reading, wsl)]
     python = server.python or Path(sys.executable)
     if not python.is_file():
         return [Check("server python", "fail", f"{python} (server.python) does not exist",
-                      SETUP_FIX)]
+                      SETUP_FIX), _setup_driver_check(probe.reading, wsl)]
     modules = ["vllm"]
     if server.launcher == "genai_server":
         modules += ["flash_attn", "xformers", "paddleocr"]
     try:
-        done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules], capture_output=True,
+        # torch too: what its build needs of the driver is checked below.
+        done = subprocess.run([str(python), "-c", _PROBE_SCRIPT, *modules, "torch"],
+                              capture_output=True,
                               text=True, timeout=SERVER_PROBE_TIMEOUT, check=False, env=env)
         found = json.loads(done.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
@@ -483,7 +493,35 @@ def _server_env_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             checks.append(_vllm_version_check(config, version, str(python)))
         else:
             checks.append(Check(module, "ok", version))
+    torch = str(found.get("torch", "!not reported"))
+    if not torch.startswith("!"):
+        checks.append(_driver_check(probe.reading, found.get("torch.version.cuda"),
+                                    f"the server environment's PyTorch {torch}", wsl))
     return checks
+
+
+def _setup_driver_check(reading: gpu.GpuReading, wsl: bool) -> Check:
+    """Whether the driver can run what `ocrvl setup-server` would install."""
+    pinned = vllm_release.KNOWN[vllm_release.PINNED]
+    return _driver_check(reading, pinned.cuda, f"the vLLM {vllm_release.PINNED} that `ocrvl "
+                         f"setup-server` installs (torch {pinned.torch_build})", wsl)
+
+
+def _driver_check(reading: gpu.GpuReading, build: str | None, what: str, wsl: bool) -> Check:
+    """Whether the driver can run `what`, a build for CUDA `build` (None: a CPU build)."""
+    needs = driver_check.parse_cuda(build)
+    if needs is None:
+        return Check("driver", "fail", f"{what} is not a CUDA build: vLLM cannot use the GPU",
+                     SETUP_FIX)
+    found = gpu.driver_cuda()
+    if found is None:
+        return Check("driver", "info", f"{reading.driver}: its CUDA version could not be read "
+                     f"(NVML, nvidia-smi), so it is not compared with {what} (CUDA {build})")
+    too_old = driver_check.check(found, reading.driver, needs, what, wsl=wsl)
+    if too_old is not None:
+        return Check("driver", "fail", too_old.message, too_old.fix)
+    return Check("driver", "ok", f"{reading.driver} (CUDA {driver_check.text(found)}) runs "
+                 f"{what} (CUDA {build})")
 
 
 def _vllm_on_path(config: Config, env: dict[str, str]) -> Check:
@@ -512,7 +550,12 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
     if not new_enough:
         return Check("vllm", "fail", f"{version} in {where}; {config.model.name} needs "
                      f">= {need}", SETUP_FIX)
-    return Check("vllm", "ok", f"{version} ({where})")
+    pinned = vllm_release.PINNED
+    if version != pinned:
+        return Check("vllm", "warn", f"{version} ({where}), not {pinned}, the release ocrvl pins "
+                     "and the project measured", f"`ocrvl setup-server` installs {pinned} in its "
+                     "place (leave it if you chose this one with --vllm)")
+    return Check("vllm", "ok", f"{version} ({where}), the release ocrvl pins")
 
 
 def _state_dir_check(config: Config) -> Check:

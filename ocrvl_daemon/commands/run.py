@@ -101,12 +101,18 @@ class Daemon:
         at once); returns the exit code."""
         self.signals.install()
         config = self.config
-        # Replicas that cannot fit the GPU are refused here, before anything starts.
-        self.servers = ServerSet(config)
         self.store = open_store(config)  # a state_dir that cannot be used is a ConfigError
         try:
             self.lock = StateLock(config.state_dir)
         except BaseException:
+            self.store.close()
+            raise
+        try:
+            # Replicas that cannot fit the GPU, or a managed vLLM without one, are refused
+            # here, before anything starts.
+            self.servers = ServerSet(config)
+        except BaseException:
+            self.lock.release()
             self.store.close()
             raise
         log.info(

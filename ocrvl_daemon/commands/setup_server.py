@@ -1,19 +1,32 @@
 """`ocrvl setup-server`: create the separate vLLM environment and point `server.python` at it.
 
 PaddlePaddle and vLLM's PyTorch pin different CUDA libraries, so the model server gets its own
-virtual environment. The plan is a list of argv steps (no shell) that `--dry-run` prints
-exactly as they would run, environment variables included.
+virtual environment, with exactly the vLLM release the project measured
+(`vllm_release.PINNED`) unless `--vllm` asks for another. The plan is a list of steps (argv
+without a shell, or an action of ocrvl's own) that `--dry-run` prints exactly as they would
+run, environment variables included.
+
+An environment is never changed in place: each one is built in a folder of its own beside
+the `--venv` path, proven to import the vLLM asked for (with a torch this driver can run),
+and only then does the `--venv` path, a symbolic link, switch to it in one rename. A failed
+step leaves the environment in use as it was. Nothing is installed on a machine without an
+NVIDIA GPU, nor for a driver too old for the build, unless `--force`. With a GPU, ocrvl's own
+environment then sees the server environment's packages after its own (SHARED_PTH), so the
+layout model runs on the GPU with the server's torch.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -29,8 +42,9 @@ from ocrvl_daemon.atomic_file import write_atomic
 from ocrvl_daemon.config import Config, expand_path
 from ocrvl_daemon.config_file import DEFAULT_CONFIG_PATH
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
-from ocrvl_daemon.server.gpu import GpuReading, read_gpu
-from ocrvl_daemon.server.launchers import VLLM_REQUIREMENT, external_server_setup
+from ocrvl_daemon.server import driver_check, vllm_release
+from ocrvl_daemon.server.gpu import GpuReading, driver_cuda, is_wsl, read_gpu
+from ocrvl_daemon.server.launchers import external_server_setup
 
 log = logging.getLogger(__name__)
 
@@ -50,40 +64,81 @@ MIN_FLASH_ATTN_CAPABILITY = (8, 0)
 # One nvcc job of flash-attn's build can take ~4 GiB of RAM; more jobs than that swap or die.
 GIB_PER_BUILD_JOB = 4
 GIB = 1024**3
-TORCH_PROBE_TIMEOUT = 120.0
+PROVE_TIMEOUT = 300.0  # importing vLLM imports torch and its CUDA libraries: a cold disk is slow
+ENVS_SUFFIX = ".envs"  # <venv>.envs/ holds the environments the <venv> link points at
+# In ocrvl's own site-packages: the server environment's site-packages, after ocrvl's own
+# (a .pth line is appended to sys.path), so the layout model's GPU engine (PaddleX's
+# transformers engine: torch, torchvision, transformers) needs no second multi-GB torch.
+SHARED_PTH = "ocrvl-server-packages.pth"
+OWN_SITE_ENV = "OCRVL_SITE_PACKAGES"  # ocrvl's own site-packages, where tests want another
+# Run by the new environment's python: what it imports, as one JSON line.
+_PROVE_SCRIPT = ("import json, torch, vllm; print(json.dumps({'vllm': vllm.__version__, "
+                 "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One thing setup does: run `argv` with `env` added, or write `server.python`."""
+    """One thing setup does: run `argv` with `env` added, or call `run` (ocrvl's own)."""
 
     title: str
     argv: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
-    set_python: tuple[Path, Path] | None = None  # (config file, interpreter)
+    run: Callable[[], None] | None = None
     fix: str = "see the output above, fix the cause and run `ocrvl setup-server` again"
 
 
-def plan_setup(venv: Path, config: Config, *, python_version: tuple[int, int],
+@dataclass(frozen=True)
+class Target:
+    """Where the environment goes: `link` (the --venv path, what server.python names) will
+    point at `folder`, a new folder of its own."""
+
+    link: Path
+    folder: Path
+
+    @classmethod
+    def new(cls, link: Path, version: str) -> Target:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        return cls(link, link.with_name(link.name + ENVS_SUFFIX) / f"vllm-{version}-{stamp}")
+
+    @property
+    def python(self) -> Path:
+        """The server's python as the config names it: through the link."""
+        return self.link / "bin" / "python"
+
+    def in_use(self) -> bool:
+        """Whether the link points at this folder (the switch was made)."""
+        return (self.link.is_symlink() and self.folder.exists()
+                and self.link.resolve() == self.folder.resolve())
+
+    @property
+    def site_packages(self) -> Path:
+        """Its packages, through the link (made by this Python: the same version)."""
+        return self.link / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" \
+            / "site-packages"
+
+
+def plan_setup(target: Target, config: Config, *, vllm: str, python_version: tuple[int, int],
                torch_cuda: str | None, gpu: GpuReading | None, config_path: Path,
                base_python: str = sys.executable, uv: str | None = None,
-               mem_available: int | None = None, cpus: int | None = None) -> list[Step]:
-    """The steps for this machine.
+               mem_available: int | None = None, cpus: int | None = None,
+               check_driver: bool = True, wsl: bool = False) -> list[Step]:
+    """The steps for this machine: build the environment in `target.folder`, prove it, switch
+    `target.link` to it, set server.python.
 
-    `torch_cuda` is the server environment's `torch.__version__` (e.g. "2.8.0+cu128") when it
-    exists already; `uv` is the uv executable, or None for venv + pip; `mem_available` (bytes)
-    and `cpus` default to this machine's.
+    `vllm` is the release to install; `torch_cuda` the torch build it brings (e.g.
+    "2.11.0+cu130") where known, for flash-attn's wheel; `uv` is the uv executable, or None
+    for venv + pip; `mem_available` (bytes) and `cpus` default to this machine's.
+    `check_driver`: refuse a torch this GPU's driver cannot run (`wsl` for the advice).
     """
-    python = venv / "bin" / "python"
+    folder = target.folder
+    python = folder / "bin" / "python"
     install = _installer(python, uv)
-    steps: list[Step] = []
-    if not python.exists():
-        argv = ((uv, "venv", "--python", base_python, str(venv)) if uv
-                else (base_python, "-m", "venv", str(venv)))
-        steps.append(Step(f"create the server environment {venv}", argv))
-        if not uv:
-            steps.append(Step("upgrade pip", (*install, "--upgrade", "pip")))
-    packages = [VLLM_REQUIREMENT]
+    argv = ((uv, "venv", "--python", base_python, str(folder)) if uv
+            else (base_python, "-m", "venv", str(folder)))
+    steps = [Step(f"create a new server environment {folder}", argv)]
+    if not uv:
+        steps.append(Step("upgrade pip", (*install, "--upgrade", "pip")))
+    packages = [vllm_release.requirement(vllm)]
     if config.server.launcher == "genai_server":
         # One resolve, so xformers (which pins an exact torch) matches vLLM's torch.
         packages += [*GENAI_SERVER_EXTRAS, _paddleocr_requirement()]
@@ -91,9 +146,22 @@ def plan_setup(venv: Path, config: Config, *, python_version: tuple[int, int],
     if config.server.launcher == "genai_server":
         steps += _flash_attn_steps(install, python_version=python_version, torch_cuda=torch_cuda,
                                    gpu=gpu, mem_available=mem_available, cpus=cpus)
-    steps.append(Step(f"set server.python: {python} in {config_path}",
-                      set_python=(config_path, python),
-                      fix=f"set server.python: {python} in {config_path} yourself"))
+    steps += [
+        Step(f"prove that {python} imports vLLM {vllm}"
+             + (" with a torch this driver can run" if check_driver and gpu else ""),
+             run=lambda: prove(python, vllm, config, gpu if check_driver else None, wsl)),
+        Step(f"switch {target.link} to {folder} (the environment it replaces is removed)",
+             run=lambda: switch(target)),
+        Step(f"set server.python: {target.python} in {config_path}",
+             run=lambda: set_config_key(config_path, ("server", "python"), str(target.python)),
+             fix=f"set server.python: {target.python} in {config_path} yourself"),
+    ]
+    if gpu is not None:
+        own = own_site_packages()
+        steps.append(Step(
+            f"let ocrvl's own environment use the server environment's torch, torchvision and "
+            f"transformers for the layout model on the GPU ({own / SHARED_PTH}; its own "
+            "packages come first)", run=lambda: share_packages(own, target.site_packages)))
     return steps
 
 
@@ -185,9 +253,8 @@ def run_setup(plan: list[Step], dry_run: bool, echo: Callable[[str], Any] = prin
         return
     for step in plan:
         echo(f"==> {step.title}")
-        if step.set_python:
-            config_path, python = step.set_python
-            set_config_key(config_path, ("server", "python"), str(python))
+        if step.run is not None:
+            step.run()
             continue
         echo("    " + " ".join([*(f"{k}={v}" for k, v in step.env.items()),
                                 shlex.join(step.argv)]))
@@ -199,6 +266,94 @@ def run_setup(plan: list[Step], dry_run: bool, echo: Callable[[str], Any] = prin
         if done.returncode != 0:
             raise DependencyError(f"Setup step '{step.title}' failed (exit status "
                                   f"{done.returncode}).", step.fix)
+
+
+def prove(python: Path, vllm: str, config: Config, gpu: GpuReading | None, wsl: bool) -> None:
+    """Raise DependencyError unless `python` imports vLLM `vllm` and, with a `gpu`, a torch
+    its driver can run."""
+    try:
+        done = subprocess.run([str(python), "-c", _PROVE_SCRIPT], capture_output=True,
+                              text=True, timeout=PROVE_TIMEOUT, check=False,
+                              env={**os.environ, **config.server.env})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DependencyError(f"The new server environment's {python} did not run: {exc}.",
+                              _RETRY) from exc
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        said = done.stderr.strip().splitlines()
+        raise DependencyError(
+            f"The new server environment cannot import vLLM ({python}: "
+            f"{said[-1] if said else f'exit status {done.returncode}'}); the environment in "
+            "use is left as it was.", _RETRY)
+    try:
+        found = json.loads(lines[-1])
+    except ValueError as exc:
+        raise DependencyError(f"The new server environment's {python} answered "
+                              f"{lines[-1][:200]!r} instead of its versions; the environment in "
+                              "use is left as it was.", _RETRY) from exc
+    if found["vllm"] != vllm:
+        raise DependencyError(f"The new server environment holds vLLM {found['vllm']}, not "
+                              f"{vllm}; the environment in use is left as it was.", _RETRY)
+    log.info("the new environment imports vLLM %s with torch %s (CUDA %s)", found["vllm"],
+             found["torch"], found["cuda"])
+    if gpu is not None:
+        _refuse_old_driver(gpu, found["cuda"], f"the torch {found['torch']} that vLLM {vllm} "
+                           "installed", wsl, "; the environment in use is left as it was")
+
+
+_RETRY = ("see the error above; run `ocrvl setup-server` again (`--vllm VERSION` for another "
+          "release)")
+
+
+def _refuse_old_driver(gpu: GpuReading, cuda: str | None, what: str, wsl: bool,
+                       aftermath: str) -> None:
+    """Raise DependencyError when the driver is too old for `what`, built for CUDA `cuda`."""
+    build = driver_check.parse_cuda(cuda)
+    found = driver_cuda()
+    if build is None or found is None:
+        log.warning("not comparing the driver's CUDA version with %s (%s)", what,
+                    "not a CUDA build" if build is None else "the driver's cannot be read")
+        return
+    too_old = driver_check.check(found, gpu.driver, build, what, wsl=wsl)
+    if too_old is not None:
+        raise DependencyError(f"{too_old.message[0].upper()}{too_old.message[1:]}{aftermath}.",
+                              f"{too_old.fix} (`--force` installs it anyway)")
+
+
+def own_site_packages() -> Path:
+    """Where ocrvl's own environment keeps its packages."""
+    return Path(os.environ.get(OWN_SITE_ENV) or sysconfig.get_path("purelib"))
+
+
+def share_packages(own: Path, server_site: Path) -> None:
+    """Make `server_site` importable in ocrvl's environment (site-packages `own`), after its
+    own packages."""
+    try:
+        write_atomic(own / SHARED_PTH, f"{server_site}\n")
+    except OSError as exc:
+        # The server environment is ready and in use: only the layout model's place is lost.
+        log.warning("cannot write %s (%s): the layout model stays on the CPU. Install ocrvl "
+                    "into a virtual environment of its own (set-up command 1 in README), or "
+                    "pip install 'ocrvl-daemon[gpu-layout]'", own / SHARED_PTH, exc)
+
+
+def switch(target: Target) -> None:
+    """Point `target.link` at `target.folder` in one rename; remove what it pointed at."""
+    link, folder = target.link, target.folder
+    staged = link.with_name(link.name + ".switching")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(folder)
+    replaced: Path | None = None
+    if link.is_symlink():
+        replaced = link.resolve()
+    elif link.exists():
+        # A folder an older ocrvl made: moved aside, since a rename cannot replace a folder.
+        # Its scripts name their own path, so the moved copy is not used again.
+        replaced = folder.with_name(f"replaced-{folder.name}")
+        link.rename(replaced)
+    os.replace(staged, link)
+    if replaced is not None and replaced != folder.resolve():
+        shutil.rmtree(replaced, ignore_errors=True)
 
 
 def set_config_key(path: Path, key: tuple[str, ...], value: Any) -> None:
@@ -231,38 +386,48 @@ def set_config_key(path: Path, key: tuple[str, ...], value: Any) -> None:
     write_atomic(path, out.getvalue())
 
 
-def torch_version(python: Path) -> str | None:
-    """`torch.__version__` in the environment of `python`; None if it has no torch (yet)."""
-    if not python.exists():
-        return None
-    try:
-        done = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                              capture_output=True, text=True, timeout=TORCH_PROBE_TIMEOUT,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[-1].strip() if done.returncode == 0 and lines else None
+def setup_server(config: Config, config_path: Path | None, venv: Path, *, dry_run: bool,
+                 vllm: str = vllm_release.PINNED, force: bool = False) -> ExitCode:
+    """Plan for this machine and run (or print) it; the CLI's `setup-server`.
 
-
-def setup_server(config: Config, config_path: Path | None, venv: Path, *, dry_run: bool
-                 ) -> ExitCode:
-    """Plan for this machine and run (or print) it; the CLI's `setup-server`."""
-    venv = expand_path(venv).absolute()
-    target = config_path or expand_path(DEFAULT_CONFIG_PATH)
+    Without an NVIDIA GPU, or with a driver too old for what would be installed, nothing is
+    installed (DependencyError), unless `force`."""
+    link = expand_path(venv).absolute()
+    target_config = config_path or expand_path(DEFAULT_CONFIG_PATH)
     gpu = read_gpu()
+    wsl = is_wsl()
+    release = vllm_release.release(vllm)
     if gpu is None:
-        _warn_no_gpu(config)
+        _no_gpu(config, force)
+    elif release is not None and not force:
+        _refuse_old_driver(gpu, release.cuda, f"vLLM {vllm} (torch {release.torch_build})", wsl,
+                           "; nothing was installed")
+    target = Target.new(link, vllm)
     plan = plan_setup(
-        venv, config, python_version=(sys.version_info.major, sys.version_info.minor),
-        torch_cuda=torch_version(venv / "bin" / "python"), gpu=gpu, config_path=target,
-        uv=shutil.which("uv"))
-    run_setup(plan, dry_run)
+        target, config, vllm=vllm,
+        python_version=(sys.version_info.major, sys.version_info.minor),
+        torch_cuda=release.torch_build if release else None, gpu=gpu,
+        config_path=target_config, uv=shutil.which("uv"), check_driver=not force, wsl=wsl)
+    try:
+        run_setup(plan, dry_run)
+    except BaseException:
+        if not target.in_use():
+            shutil.rmtree(target.folder, ignore_errors=True)  # the one in use stays as it was
+        raise
+    if not dry_run:
+        print(f"vLLM {vllm} is ready in {link}; restart ocrvl to use it (`systemctl --user "
+              "restart ocrvl` for the service)")
     return ExitCode.OK
 
 
-def _warn_no_gpu(config: Config) -> None:
-    # The environment can still be made (e.g. to copy it), so this is a warning, not a stop.
-    log.warning("No NVIDIA GPU found on this machine (`ocrvl doctor` says why): the server "
-                "environment can be created, but the model server will not run here. To use "
-                "ocrvl on this machine, %s.", external_server_setup(config))
+def _no_gpu(config: Config, force: bool) -> None:
+    """Refuse (or with `force` warn) on a machine where the model server cannot run."""
+    if not force:
+        raise DependencyError(
+            "No NVIDIA GPU found on this machine (`ocrvl doctor` says why): the model server "
+            "cannot run here, so nothing was installed.",
+            f"{external_server_setup(config)}; or, to install the server environment here "
+            "anyway (e.g. to copy it), `ocrvl setup-server --force`")
+    log.warning("No NVIDIA GPU found on this machine: installing the server environment "
+                "anyway (--force), but the model server will not run here. To use ocrvl on "
+                "this machine, %s.", external_server_setup(config))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -19,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from ocrvl_daemon.server import driver_check
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ NVIDIA_SMI_FIELDS = (
     "utilization.gpu,power.draw"
 )
 MIB = 1024 * 1024
+# nvidia-smi's header: "| NVIDIA-SMI 565.72  Driver Version: 566.36  CUDA Version: 12.7 |".
+_SMI_CUDA = re.compile(r"CUDA Version\s*:?\s*(\d+)\.(\d+)")
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,34 @@ def parse_nvidia_smi_all(text: str) -> list[GpuReading]:
             power_w=float(power) if _number(power) else None,
         ))
     return readings
+
+
+def driver_cuda(env: Mapping[str, str] | None = None) -> driver_check.CudaVersion | None:
+    """The CUDA version the NVIDIA driver supports, through NVML, else nvidia-smi's header;
+    None when neither says."""
+    env = os.environ if env is None else env
+    if env.get(NO_NVML_ENV) != "1":
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                return driver_check.from_driver_api(pynvml.nvmlSystemGetCudaDriverVersion())
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception as exc:  # NVML raises its own error types, or is not installed
+            log.debug("NVML gave no CUDA version: %s", exc or type(exc).__name__)
+    smi = _nvidia_smi_path(env)
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run([smi], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.debug("nvidia-smi gave no CUDA version: %s", exc)
+        return None
+    match = _SMI_CUDA.search(done.stdout) if done.returncode == 0 else None
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def is_wsl(osrelease: str | None = None) -> bool:

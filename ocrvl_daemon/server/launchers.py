@@ -30,8 +30,9 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
 from ocrvl_daemon.sd_notify import child_env
+from ocrvl_daemon.server import vllm_release
 from ocrvl_daemon.server.autotune import TunedArgs, plan_vllm_args
-from ocrvl_daemon.server.gpu import GpuReading
+from ocrvl_daemon.server.gpu import GpuReading, is_wsl
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill",
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
 SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
 ANY_HOST = "0.0.0.0"  # a server meant for other machines listens on every address
-# vLLM >= 0.11.1 has the PaddleOCR-VL architecture built in; 1.0 may change the CLI.
-VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
 # ocrvl streams every answer only to stop one as soon as it loops. vLLM sends an SSE chunk per
 # generated token by default, each costing CPU in its API process, which bound a layout-on
 # server on an H100 (bench/gpu/RESULTS.md). A chunk per 16 tokens delays a loop stop by at most
@@ -62,6 +61,11 @@ VLLM_REQUIREMENT = "vllm>=0.11.1,<1.0"
 STREAM_INTERVAL = 16
 STREAM_INTERVAL_FLAG = "stream-interval"
 STREAM_INTERVAL_SINCE = Version("0.12.0")  # vLLM PR #27869 (2025-11-12) added it
+# vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
+# WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
+# 50239, 54652). The V1 runner does without. A user who set either variable chose already.
+WSL_V1_RUNNER = ("VLLM_USE_V2_MODEL_RUNNER", "0")
+WSL_USER_CHOICES = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY")
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
 
 
@@ -220,7 +224,8 @@ def model_source(config: Config) -> str:
 
 
 def server_env(config: Config) -> dict[str, str]:
-    """ocrvl's environment without systemd's protocol variables, plus `server.env`."""
+    """ocrvl's environment without systemd's protocol variables, plus `server.env`; under
+    WSL2 the managed vLLM also gets its V1 model runner (WSL_V1_RUNNER)."""
     env = child_env(os.environ)
     python = config.server.python
     if python is not None:
@@ -233,6 +238,12 @@ def server_env(config: Config) -> dict[str, str]:
         # the process list (`ps` shows argv to every user).
         env["VLLM_API_KEY"] = config.server.api_key
     env.update(config.server.env)
+    if (config.server.launcher != "command" and is_wsl()
+            and not any(name in env for name in WSL_USER_CHOICES)):
+        name, value = WSL_V1_RUNNER
+        env[name] = value
+        _say_once("WSL2", f"under WSL2: {name}={value} in the server's environment (vLLM's V1 "
+                  "model runner: its default V2 runner needs UVA, which WSL2 does not give it)")
     return env
 
 
@@ -290,7 +301,7 @@ def vllm_serve_command(config: Config, host: str = ANY_HOST, port: int | None = 
     address by default; `port` defaults to server.port). `auto` flags take the values ocrvl
     uses when it cannot read the GPU, which start on an 8 GB card. Defaults that depend on
     the local server environment's vLLM (`server_defaults`: --stream-interval) are left out:
-    the line must run on any vLLM that VLLM_REQUIREMENT admits.
+    the line must run on any vLLM >= 0.11.1 (the first with PaddleOCR-VL built in).
     """
     # One server there, whatever server.replicas says of the servers ocrvl starts here.
     alone = config.model_copy(update={"server": config.server.model_copy(update={"replicas": 1})})
@@ -302,7 +313,8 @@ def vllm_serve_command(config: Config, host: str = ANY_HOST, port: int | None = 
 def external_server_setup(config: Config) -> str:
     """How to use ocrvl without a GPU: the server on another machine, `server.mode: external`."""
     return (f"run the model server on a machine with an NVIDIA GPU (pip install "
-            f"'{VLLM_REQUIREMENT}' there), with:\n"
+            f"'{vllm_release.requirement(vllm_release.PINNED)}' there; under WSL2 start it "
+            "with VLLM_USE_V2_MODEL_RUNNER=0), with:\n"
             f"    {vllm_serve_command(config)}\n"
             f"and set `server: {{mode: external, url: http://GPUHOST:{config.server.port}/v1}}` in "
             "this machine's config (GPUHOST: that machine's name or address); on a network "

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ocrvl_daemon.config import Config
-from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
+from ocrvl_daemon.errors import ServerConfigError, ServerError
 from ocrvl_daemon.server import autotune, launchers, vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from ocrvl_daemon.server.probe import ServerProbe
@@ -269,15 +269,7 @@ class ManagedServer(ServerSupervisor):
         if port_in_use(host, port):
             return f"port {port} on {host} is taken by another program: address already in use"
         self._plan_args()
-        try:
-            spec = launchers.prepare_launch(self.config, self._args)
-        except ServerMissingError as exc:
-            if self._gpu is not None or self._server.launcher == "command":
-                raise
-            # Installing vLLM here cannot help: there is no GPU for it to run on.
-            raise ServerMissingError(f"{exc.message} No NVIDIA GPU is visible here either, so "
-                                     "the managed server cannot run on this machine.",
-                                     launchers.external_server_setup(self.config)) from exc
+        spec = launchers.prepare_launch(self.config, self._args)
         try:
             group = ProcessGroup.spawn(spec.argv, spec.env, self._pidfile)
         except OSError as exc:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from ocrvl_daemon.config import AUTO, Config
-from ocrvl_daemon.errors import ServerConfigError, ServerError
+from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
 from ocrvl_daemon.server import autotune, launchers, mps
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu, read_gpus, visible_devices
@@ -53,7 +53,8 @@ class ServerSet:
                  on_change: Callable[[ServerStatus], None] | None = None,
                  backoff: Callable[[], BackoffPolicy] | None = None) -> None:
         """Plan the endpoints; raises ServerConfigError (before anything starts) when the
-        replicas cannot fit their GPU or server.gpus names a GPU that is not there."""
+        replicas cannot fit their GPU or server.gpus names a GPU that is not there, and
+        ServerMissingError when no GPU is visible for a managed vLLM."""
         self.config = config
         self._on_change = on_change
         self._stopping = threading.Event()
@@ -84,7 +85,14 @@ class ServerSet:
     def _managed(self, backoff: Callable[[], BackoffPolicy] | None) -> list[list[ManagedServer]]:
         server = self.config.server
         found = mps.probe(self.config) if server.mps != "off" else mps.MpsProbe(None)
-        plan = [(slot, self._replicas(slot, found.available)) for slot in self._slots()]
+        slots = self._slots()
+        if server.launcher != "command" and not any(slot.reading for slot in slots):
+            # vLLM would die with "Failed to infer device type"; server.command may not need one.
+            raise ServerMissingError(
+                f"No NVIDIA GPU is visible here, so the managed vLLM server (server.launcher: "
+                f"{server.launcher}) cannot run on this machine (`ocrvl doctor` says why none "
+                "is found).", launchers.external_server_setup(self.config))
+        plan = [(slot, self._replicas(slot, found.available)) for slot in slots]
         mps_plan = mps.plan(self.config, found, any(replicas > 1 for _, replicas in plan))
         self._mps = mps.MpsDaemon(mps_plan, launchers.server_env(self.config),
                                   server.stop_timeout)

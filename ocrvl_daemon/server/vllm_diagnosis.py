@@ -1,7 +1,9 @@
 """Reading vLLM's output: the likely cause of a failure, out-of-memory text, start-up phases.
 
 Every reading of vLLM's failure text goes through here: the supervisor's diagnosis and
-autotune's out-of-memory step-down read the same patterns (pure functions).
+autotune's out-of-memory step-down read the same patterns (pure functions). A rule matches a
+failure's whole message, never a warning vLLM logs and survives (vLLM without CUDA warns
+"No module named 'vllm._C'" before it fails with "Failed to infer device type").
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from ocrvl_daemon.server import driver_check, vllm_release
+
 DiagnosisKind = Literal["max_len", "no_kv_memory", "free_memory", "cuda_oom", "port_in_use",
-                        "missing_package", "model_mismatch", "mps"]
+                        "missing_package", "model_mismatch", "mps", "wsl_uva", "driver_too_old",
+                        "no_device"]
 # The kinds that mean "out of GPU memory": lowering vLLM's settings may help.
 OOM_KINDS: frozenset[DiagnosisKind] = frozenset(
     {"max_len", "no_kv_memory", "free_memory", "cuda_oom"})
@@ -34,6 +39,10 @@ class Diagnosis:
 
 
 _SETUP = "run `ocrvl setup-server`, or set server.python to a Python that has it"
+# torch's words for a driver older than its CUDA build: "The NVIDIA driver on your system is
+# too old (found version 12070)" (the driver's CUDA version, 12.7 there).
+_DRIVER_TOO_OLD = re.compile(r"The NVIDIA driver on your system is too old \(found version "
+                             r"(\d+)\)")
 _MAX_LEN = re.compile(r"estimated maximum model length is (\d+)")
 # vLLM's refusal to start. Every start also logs "Free memory on device (F/T GiB) on startup.
 # Desired GPU memory utilization is ..." at INFO: that line is no failure.
@@ -60,11 +69,25 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
      "see the MPS logs in <state_dir>/mps/log/, or set server.mps: off", False),
     (re.compile(r"address already in use", re.I), "port_in_use", "port already in use",
      "set server.port to a free port, or stop the program using it (ss -ltnp)", False),
-    (re.compile(r"No module named '?(flash_attn|xformers)"), "missing_package",
+    # A module name ends at its closing quote or the line's end: "No module named 'vllm._C'"
+    # is vLLM's own warning without CUDA, not a missing vLLM.
+    (re.compile(r"No module named '?(flash_attn|xformers)'?(?![\w.])"), "missing_package",
      "flash-attn or xformers is missing from the server environment",
      "run `ocrvl setup-server`, or use server.launcher: vllm", True),
-    (re.compile(r"No module named '?vllm\b|vllm: (command )?not found|command not found"),
+    (re.compile(r"No module named '?vllm'?(?![\w.])|\bvllm: (command )?not found"),
      "missing_package", "vLLM is not installed in the server environment", _SETUP, True),
+    # vLLM >= 0.24's default model runner (V2) needs UVA, which vLLM turns off under WSL2
+    # (pinned memory); the V1 runner does without (vLLM issues 47387, 50239, 54652).
+    (re.compile(r"RuntimeError: UVA is not available"), "wsl_uva",
+     "vLLM's V2 model runner needs UVA, which it does not get under WSL2",
+     "give the server VLLM_USE_V2_MODEL_RUNNER=0 in its environment (a managed server under "
+     "WSL2 gets it unless server.env or ocrvl's environment sets VLLM_USE_V2_MODEL_RUNNER or "
+     "VLLM_WSL2_ENABLE_PIN_MEMORY); for a server you start, put it before `vllm serve`", True),
+    (re.compile(r"RuntimeError: Failed to infer device type"), "no_device",
+     "vLLM found no GPU it can use (no NVIDIA driver or device visible to it)",
+     "check that `nvidia-smi` lists the GPU in the server's environment (CUDA_VISIBLE_DEVICES, "
+     "`ocrvl doctor`); on a machine without an NVIDIA GPU run the server elsewhere and set "
+     "server.mode: external", True),
     (re.compile(r"The model `[^`]*` does not exist"), "model_mismatch",
      "the server serves another model name",
      "make the server serve model.served_name, or model.name when that is unset (vLLM: "
@@ -74,6 +97,16 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
 
 def diagnose(text: str) -> Diagnosis | None:
     """The likely cause of a failure, from the server's last log lines."""
+    too_old = _DRIVER_TOO_OLD.search(text)
+    if too_old is not None:
+        found = driver_check.text(driver_check.from_driver_api(int(too_old.group(1))))
+        return Diagnosis(
+            "driver_too_old", f"the NVIDIA driver is too old for the server's PyTorch (the "
+            f"driver supports CUDA {found})",
+            "install a newer NVIDIA driver (`ocrvl doctor` names the one the server environment "
+            "needs; on WSL2 update the Windows driver, in Windows), or install a vLLM built for "
+            f"an older CUDA: `ocrvl setup-server --vllm {vllm_release.CUDA12_RELEASE}` (CUDA 12)",
+            permanent=True)
     limit = estimated_max_len(text)
     if limit is not None:
         return Diagnosis("max_len", "max-model-len is too large for the free GPU memory",

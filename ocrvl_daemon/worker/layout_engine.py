@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from ocrvl_daemon.errors import DependencyError
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.worker import layout_model
@@ -36,8 +38,9 @@ MODEL_SUFFIX = {"paddle": "", "onnxruntime": "_onnx", "transformers": "_safetens
 # How to install each engine (README, "Layout detection: which engine").
 INSTALL = {"paddle": "pip install 'ocrvl-daemon[cpu]' (PaddlePaddle's CPU build)",
            "onnxruntime": "pip install onnxruntime",
-           "transformers": "pip install 'ocrvl-daemon[gpu-layout]' (torch, transformers, "
-                           "torchvision)"}
+           "transformers": "`ocrvl setup-server` (it lends ocrvl the server environment's "
+                           "torch, transformers and torchvision), or pip install "
+                           "'ocrvl-daemon[gpu-layout]' (a copy of its own)"}
 # A file each engine's model folder must hold (any one of them) for PaddleX to load it.
 MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
                "onnxruntime": ("inference.onnx",), "transformers": ("model.safetensors",)}
@@ -64,6 +67,8 @@ TO_THE_GPU = {
                     "server.vllm_args.gpu-memory-utilization leaves it some",
     ON_CPU_NO_GPU: "",
 }
+# The first transformers with PP-DocLayoutV2 and V3 (the [gpu-layout] extra's floor).
+MIN_TRANSFORMERS = Version("5.13")
 # GPU memory the layout model takes beside the server, per worker process (each loads its
 # own), in MiB: fp32 at batch 1, the process's CUDA context, 33.2 M parameters x 4 bytes
 # = 127 MiB of weights and the peak of one 800x800 page's activations; 1703 measured for the
@@ -80,6 +85,13 @@ CPU_THREADS_PER_WORKER = 2
 MAX_CPU_LAYOUT_WORKERS = 8  # each worker holds PaddleX and the model (~1.5 GiB of RAM)
 # Without layout on the CPU: a quarter of the cores, 1 to 4 (see `default_workers`).
 MAX_WORKERS_WITHOUT_CPU_LAYOUT = 4
+
+
+def _at_least(version: str | None, minimum: Version) -> bool:
+    try:
+        return version is not None and Version(version) >= minimum
+    except InvalidVersion:
+        return False
 
 
 @dataclass(frozen=True)
@@ -117,8 +129,11 @@ def installed_engines(version: Callable[[str], str | None] = _version,
         cpu.add("onnxruntime")
     if version("onnxruntime-gpu"):
         gpu.add("onnxruntime")
-    # PaddleX's transformers engine needs torchvision for the detector's image processor.
-    if version("transformers") and version("torch") and version("torchvision"):
+    # PaddleX's transformers engine needs torchvision for the detector's image processor, and
+    # a transformers with PP-DocLayoutV2/V3 (the server environment's, lent by setup-server,
+    # is whatever vLLM's resolve chose).
+    if (_at_least(version("transformers"), MIN_TRANSFORMERS) and version("torch")
+            and version("torchvision")):
         cpu.add("transformers")
         if torch_has_cuda():
             gpu.add("transformers")
