@@ -29,6 +29,7 @@ from ocrvl_daemon.server.launchers import (
     vllm_flags,
     vllm_serve_command,
 )
+from ocrvl_daemon.server.vllm_release import PINNED
 from testkit.fake_server.cli import parse_args
 from testkit.harness import FakeServerProcess, free_port
 from testkit.runner import checkout_first
@@ -407,10 +408,21 @@ def under_wsl2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("launcher", ["vllm", "genai_server"])
 def test_under_wsl2_the_managed_server_runs_vllms_v1_model_runner(tmp_path: Path,
                                                                   launcher: str) -> None:
-    python = fake_venv(tmp_path, "vllm", "paddleocr")
+    python = fake_venv(tmp_path, "vllm", "paddleocr", vllm=PINNED)
     env = server_env(make_config(tmp_path, python=str(python), launcher=launcher))
     assert env.get("VLLM_USE_V2_MODEL_RUNNER") == "0", \
         "under WSL2 vLLM >= 0.24 dies with 'UVA is not available' unless its V1 runner is chosen"
+
+
+@pytest.mark.quick
+@pytest.mark.usefixtures("under_wsl2")
+def test_under_wsl2_a_vllm_without_the_v1_runner_gets_pinned_memory_back(tmp_path: Path) -> None:
+    python = fake_venv(tmp_path, "vllm", vllm="0.34.0")
+    env = server_env(make_config(tmp_path, python=str(python)))
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env, (
+        "vLLM 0.34.0 refuses to start with VLLM_USE_V2_MODEL_RUNNER=0: it has no V1 runner")
+    assert env.get("VLLM_WSL2_ENABLE_PIN_MEMORY") == "1", \
+        "under WSL2 vLLM 0.34.0's V2 runner needs pinned memory for its UVA"
 
 
 @pytest.mark.quick

@@ -61,8 +61,9 @@ def send_page(gate: RequestGate, server: Server, name: str, priority: int, docum
     once it has its place at the server (`GatedRequest.send` waits for it)."""
     def run() -> None:
         for block in range(BLOCKS):
-            request = GatedRequest(gate, lambda started, b=block: server.start(f"{name} b.{b + 1}", started),
-                                   priority, document)
+            request = GatedRequest(
+                gate, lambda started, b=block: server.start(f"{name} b.{b + 1}", started),
+                priority, document)
             requests.append(request)
             request.send()
 

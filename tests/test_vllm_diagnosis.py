@@ -49,6 +49,11 @@ RULES = [
     ("wsl_uva", "RuntimeError: UVA is not available",
      "WARNING 12-01 10:00:00 [interface.py:232] Using 'pin_memory=False' as WSL is detected. "
      "This may slow down the performance."),
+    # vLLM 0.34.0 on the lent H100 (2026-12-07) given the older releases' WSL2 work-around:
+    ("v1_runner_removed", "ValueError: VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: "
+     "Model Runner V1 has been removed. Unset this variable.",
+     "WARNING 12-07 03:58:07 [interface.py:1487] VLLM_USE_V2_MODEL_RUNNER=1 is redundant and "
+     "can be unset: Model Runner V1 has been removed."),
     ("driver_too_old", DRIVER_LOG.splitlines()[-1],
      "INFO 12-01 10:00:00 [__init__.py:216] Automatically detected platform cuda."),
     ("no_device", "RuntimeError: Failed to infer device type",

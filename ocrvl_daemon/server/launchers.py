@@ -63,9 +63,13 @@ STREAM_INTERVAL_FLAG = "stream-interval"
 STREAM_INTERVAL_SINCE = Version("0.12.0")  # vLLM PR #27869 (2025-11-12) added it
 # vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
 # WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
-# 50239, 54652). The V1 runner does without. A user who set either variable chose already.
+# 50239, 54652). The V1 runner does without. vLLM 0.34.0 removed the V1 runner and refuses
+# VLLM_USE_V2_MODEL_RUNNER=0 (seen on the lent H100, 2026-12-07); there pinned memory is turned
+# back on instead, which gives the V2 runner its UVA. A user who set either variable chose.
 WSL_V1_RUNNER = ("VLLM_USE_V2_MODEL_RUNNER", "0")
-WSL_USER_CHOICES = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WSL2_ENABLE_PIN_MEMORY")
+WSL_PIN_MEMORY = ("VLLM_WSL2_ENABLE_PIN_MEMORY", "1")
+V1_RUNNER_REMOVED = Version("0.34.0")
+WSL_USER_CHOICES = (WSL_V1_RUNNER[0], WSL_PIN_MEMORY[0])
 _DEPENDENCY_CHECK_TIMEOUT = 120.0  # importing flash_attn imports torch: seconds, not ms
 
 
@@ -225,7 +229,7 @@ def model_source(config: Config) -> str:
 
 def server_env(config: Config) -> dict[str, str]:
     """ocrvl's environment without systemd's protocol variables, plus `server.env`; under
-    WSL2 the managed vLLM also gets its V1 model runner (WSL_V1_RUNNER)."""
+    WSL2 the managed vLLM also gets what lets it start there (`wsl_uva_setting`)."""
     env = child_env(os.environ)
     python = config.server.python
     if python is not None:
@@ -240,11 +244,20 @@ def server_env(config: Config) -> dict[str, str]:
     env.update(config.server.env)
     if (config.server.launcher != "command" and is_wsl()
             and not any(name in env for name in WSL_USER_CHOICES)):
-        name, value = WSL_V1_RUNNER
+        name, value = wsl_uva_setting(config)
         env[name] = value
-        _say_once("WSL2", f"under WSL2: {name}={value} in the server's environment (vLLM's V1 "
-                  "model runner: its default V2 runner needs UVA, which WSL2 does not give it)")
+        _say_once("WSL2", f"under WSL2: {name}={value} in the server's environment (vLLM's "
+                  "default V2 model runner needs UVA, which WSL2 does not give it by default)")
     return env
+
+
+def wsl_uva_setting(config: Config) -> tuple[str, str]:
+    """The variable that lets the server environment's vLLM start under WSL2: its V1 model
+    runner where it has one (the pinned release and any before 0.34.0, or a version that
+    cannot be read), else pinned memory turned back on."""
+    version = server_vllm_version(config)[0]
+    parsed = _parse_version(version) if version is not None else None
+    return WSL_PIN_MEMORY if parsed is not None and parsed >= V1_RUNNER_REMOVED else WSL_V1_RUNNER
 
 
 def _executable(path: Path) -> bool:

@@ -80,9 +80,16 @@ _RULES: tuple[tuple[re.Pattern[str], DiagnosisKind, str, str, bool], ...] = (
     # (pinned memory); the V1 runner does without (vLLM issues 47387, 50239, 54652).
     (re.compile(r"RuntimeError: UVA is not available"), "wsl_uva",
      "vLLM's V2 model runner needs UVA, which it does not get under WSL2",
-     "give the server VLLM_USE_V2_MODEL_RUNNER=0 in its environment (a managed server under "
-     "WSL2 gets it unless server.env or ocrvl's environment sets VLLM_USE_V2_MODEL_RUNNER or "
-     "VLLM_WSL2_ENABLE_PIN_MEMORY); for a server you start, put it before `vllm serve`", True),
+     "give the server VLLM_USE_V2_MODEL_RUNNER=0 in its environment (vLLM >= 0.34: "
+     "VLLM_WSL2_ENABLE_PIN_MEMORY=1; a managed server under WSL2 gets the one its vLLM takes "
+     "unless server.env or ocrvl's environment sets either); for a server you start, put it "
+     "before `vllm serve`", True),
+    # vLLM 0.34.0 removed the V1 runner: the WSL2 work-around of older releases stops it.
+    (re.compile(r"VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported"), "v1_runner_removed",
+     "this vLLM has no V1 model runner any more, and VLLM_USE_V2_MODEL_RUNNER=0 asks for it",
+     "remove VLLM_USE_V2_MODEL_RUNNER from server.env and the server's environment; under WSL2 "
+     "set VLLM_WSL2_ENABLE_PIN_MEMORY=1 instead (or `ocrvl setup-server` the pinned vLLM)",
+     True),
     (re.compile(r"RuntimeError: Failed to infer device type"), "no_device",
      "vLLM found no GPU it can use (no NVIDIA driver or device visible to it)",
      "check that `nvidia-smi` lists the GPU in the server's environment (CUDA_VISIBLE_DEVICES, "
