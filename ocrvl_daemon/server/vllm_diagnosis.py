@@ -15,8 +15,8 @@ from typing import Literal
 from ocrvl_daemon.server import driver_check, vllm_release
 
 DiagnosisKind = Literal["max_len", "no_kv_memory", "free_memory", "cuda_oom", "port_in_use",
-                        "missing_package", "model_mismatch", "mps", "wsl_uva", "driver_too_old",
-                        "no_device"]
+                        "missing_package", "model_mismatch", "mps", "wsl_uva", "v1_runner_removed",
+                        "driver_too_old", "no_device"]
 # The kinds that mean "out of GPU memory": lowering vLLM's settings may help.
 OOM_KINDS: frozenset[DiagnosisKind] = frozenset(
     {"max_len", "no_kv_memory", "free_memory", "cuda_oom"})
