@@ -430,6 +430,12 @@ class OutputConfig(_Section):
     # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks).
     formats: list[Literal["markdown", "json"]] = ["markdown"]  # pydantic copies it
     dir: Path | None = None
+    # How a page's start is marked in the Markdown: anchor (a comment and `<a id="page-N">`,
+    # inside a paragraph that runs on) or rule (`---` and the comment: each page apart).
+    page_breaks: Literal["anchor", "rule"] = "anchor"
+    # Book-level structure (book.py): tables merged and headings relevelled across pages,
+    # and with page_breaks: anchor paragraphs and hyphenated words joined across them.
+    restructure: bool = True
 
     @field_validator("formats")
     @classmethod

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ocrvl_daemon import jobs, output, pdf
+from ocrvl_daemon.book import Book, BookPage, restructure
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.decide import (
     Action,
@@ -378,6 +379,8 @@ class Converter:
                 size_hint=self.store.pages_size(job.sha256, self.recipe.key),
                 json_output="json" in self.config.output.formats,
                 place=self.place,
+                page_breaks=self.config.output.page_breaks,
+                book=self._book(job),
             )
         except StateFullError:
             raise
@@ -421,6 +424,18 @@ class Converter:
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
         log.debug("%s took %.1f s since it was queued", job.path.name, time.time() - job.created)
+
+    def _book(self, job: Job) -> Book | None:
+        """The document's book-level structure, made from its stored pages' text (None when
+        `output.restructure` is off)."""
+        out = self.config.output
+        if not out.restructure:
+            return None
+        return restructure(
+            (BookPage(p.page, p.markdown, (p.layout or {}).get("blocks"),
+                      flagged=p.failed or p.note is not None or p.verdict not in (None, "ok"))
+             for p in self.store.iter_pages(job.sha256, self.recipe.key, images=False)),
+            join_paragraphs=out.page_breaks == "anchor")
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):

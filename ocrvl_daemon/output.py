@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, write_atomic
+from ocrvl_daemon.book import Book, PageBreaks, page_anchor
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
 
@@ -209,9 +210,15 @@ def write_document(
     *,
     json_output: bool = False,
     place: OutputPlace = NEXT_TO_PDF,
+    page_breaks: PageBreaks = "rule",
+    book: Book | None = None,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
     `json_output` `<stem>.json` too (renamed in just before the Markdown).
+
+    `page_breaks` says how a page's start is marked (`rule`: a rule and a page comment;
+    `anchor`: the comment and an anchor, no rule); `book` (`book.restructure`) gives each
+    page's restructured Markdown, the pages that start inside a paragraph and the joins.
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
     swapped in first and the Markdown renamed last, so the Markdown never links to images
@@ -247,19 +254,24 @@ def write_document(
                     + ',\n"pages": [')
             separator = "\n"
             for page in pages:
-                text = page.markdown
+                text = page.markdown if book is None else book.text(page.index, page.markdown)
                 image_paths = []
                 for name, image in sorted(page.images.items()):
                     new_name = f"p{page.index + 1:04d}_{Path(name).name}"
                     _write_image(tmp_dir, new_name, image)
                     text = text.replace(name, f"{link_base}/{quote(new_name)}")
                     image_paths.append(f"{shown(images_dir.name)}/{new_name}")
-                out.write(_page_block(page, text, first=page.index == 0))
+                if book is not None and page.index in book.inline:
+                    out.write(f"\n{text.strip()}\n" if text.strip() else "")
+                else:
+                    out.write(_page_block(page, text, first=page.index == 0,
+                                          page_breaks=page_breaks))
                 if js is not None:
-                    js.write(separator + json.dumps(_page_json(page, image_paths)))
+                    js.write(separator + json.dumps(_page_json(page, image_paths, book)))
                     separator = ",\n"
             if js is not None:
-                js.write("\n]}\n")
+                joins = [] if book is None else [join.to_json() for join in book.joins]
+                js.write(f"\n],\n\"joins\": {json.dumps(joins)}}}\n")
             for written in (out, js):
                 if written is not None:
                     written.flush()
@@ -285,8 +297,9 @@ def write_document(
                 tmp.unlink()
 
 
-def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
-    """One page of the JSON output (see data/document.schema.json)."""
+def _page_json(page: Page, image_paths: list[str], book: Book | None) -> dict[str, Any]:
+    """One page of the JSON output (see data/document.schema.json): the pipeline's blocks and
+    Markdown, a heading's level across the book added to its block."""
     quality = dict(page.quality or {})
     verdict, reason = quality.pop("verdict", None), quality.pop("reason", None)
     if verdict is None:  # a placeholder, or a page recorded before quality records
@@ -296,15 +309,22 @@ def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
     blocks = layout.get("blocks")
     if blocks is None:  # recorded before layouts were kept: the page as one block
         blocks = [{"label": "text", "bbox": None, "text": page.markdown}]
+    elif book is not None:
+        blocks = [{**block, "level": book.levels[(page.index, i)]}
+                  if (page.index, i) in book.levels else block for i, block in enumerate(blocks)]
     return {"number": page.index + 1, "verdict": verdict, "reason": reason,
             "signals": quality or None, "note": page.note, "size": layout.get("size"),
             "blocks": blocks, "markdown": page.markdown, "images": image_paths}
 
 
-def _page_block(page: Page, text: str, *, first: bool) -> str:
-    """A page's Markdown, preceded by a visible boundary (a rule and a page comment)."""
-    lines = [] if first else ["---"]
-    lines.append(f"<!-- page {page.index + 1} -->")
+def _page_block(page: Page, text: str, *, first: bool, page_breaks: PageBreaks) -> str:
+    """A page's Markdown, preceded by a visible boundary: a rule and a page comment, or
+    the comment and an anchor (`page_breaks`)."""
+    if page_breaks == "anchor":
+        lines = [page_anchor(page.index + 1)]
+    else:
+        lines = [] if first else ["---"]
+        lines.append(f"<!-- page {page.index + 1} -->")
     verdict = (page.quality or {}).get("verdict", "ok")
     if verdict != "ok":
         lines.append(f"<!-- ocrvl: page {page.index + 1} {verdict}: "
