@@ -10,6 +10,7 @@ import errno
 import math
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,52 @@ def make_layout_pdf(path: Path, pages: int, *, seed: int = 0) -> Path:
     images[0].save(path, "PDF", save_all=True, append_images=images[1:],
                    resolution=float(LAYOUT_DPI))
     return path
+
+
+TEXT_FONT_PX = 30  # `make_text_pdf`'s body text: 15 pt at LAYOUT_DPI
+TEXT_MARGIN = 110
+
+
+def make_text_pdf(path: Path, pages: Sequence[Sequence[str]]) -> Path:
+    """A scanned-like raster PDF of real words: page i holds the paragraphs `pages[i]`, each
+    wrapped to the page's width, a blank line between paragraphs (so a reader can tell them
+    apart) and none at a page's end (a paragraph may run on, even mid-word: `docu-`). A
+    paragraph starting with `# ` is a heading, drawn larger without the mark."""
+    from PIL import ImageFont
+
+    body = ImageFont.load_default(size=TEXT_FONT_PX)
+    heading = ImageFont.load_default(size=TEXT_FONT_PX * 3 // 2)
+    width = LAYOUT_PAGE[0] - 2 * TEXT_MARGIN
+    images: list[Image.Image] = []
+    for paragraphs in pages:
+        img = Image.new("RGB", LAYOUT_PAGE, "white")
+        draw = ImageDraw.Draw(img)
+        y = TEXT_MARGIN
+        for paragraph in paragraphs:
+            font, size = ((heading, TEXT_FONT_PX * 3 // 2) if paragraph.startswith("# ")
+                          else (body, TEXT_FONT_PX))
+            line_height = round(size * 1.35)
+            for line in _wrap(paragraph.removeprefix("# "), draw, font, width):
+                if y + line_height > LAYOUT_PAGE[1] - TEXT_MARGIN:
+                    raise ValueError(f"page {len(images) + 1} is full at {line!r}")
+                draw.text((TEXT_MARGIN, y), line, fill="black", font=font)
+                y += line_height
+            y += line_height
+        images.append(img)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, "PDF", save_all=True, append_images=images[1:],
+                   resolution=float(LAYOUT_DPI))
+    return path
+
+
+def _wrap(text: str, draw: ImageDraw.ImageDraw, font: Any, width: int) -> list[str]:
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
 RED_MARK = (110, 0, 0)  # dark enough to be ink for the stand-in layout model, and red
