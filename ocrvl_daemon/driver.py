@@ -215,8 +215,9 @@ class Converter:
                 self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
+        formats = self.config.output.formats
         started = jobs.start_job(self.store, job, self.recipe.key, self.place,
-                                 json_output="json" in self.config.output.formats)
+                                 json_output="json" in formats, searchable="pdf" in formats)
         if started is not None:
             self.active[started.job_id] = started
 
@@ -378,6 +379,7 @@ class Converter:
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.recipe.key),
                 json_output="json" in self.config.output.formats,
+                searchable="pdf" in self.config.output.formats,
                 place=self.place,
                 page_breaks=self.config.output.page_breaks,
                 book=self._book(job),

@@ -1,6 +1,6 @@
 """Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`, and with
 `output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout blocks; its
-JSON Schema is `data/document.schema.json`).
+JSON Schema is `data/document.schema.json`), with `pdf` `<stem>.ocr.pdf` (`searchable_pdf`).
 
 They go next to the PDF, or under `output.dir` mirroring the inbox's sub-folders
 (`OutputPlace`); every rule below holds in both places.
@@ -30,6 +30,12 @@ from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, w
 from ocrvl_daemon.book import Book, PageBreaks, page_anchor
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
+from ocrvl_daemon.searchable_pdf import (
+    SEARCHABLE_SUFFIX,
+    PageText,
+    is_ours,
+    write_searchable_pdf,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +120,11 @@ def json_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
     return place.base(pdf).with_suffix(".json")
 
 
+def searchable_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
+    """The searchable PDF that belongs to `pdf` (`output.formats: [..., pdf]`)."""
+    return place.base(pdf).with_suffix(SEARCHABLE_SUFFIX)
+
+
 def _is_our_json(path: Path) -> bool:
     try:
         with path.open("r", encoding="utf-8", errors="replace") as f:
@@ -165,16 +176,17 @@ def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path, *, json_output: bool = False,
+def check_writable(pdf: Path, *, json_output: bool = False, searchable: bool = False,
                    place: OutputPlace = NEXT_TO_PDF) -> None:
     """Refuse early when the output cannot be written: a read-only folder, or an output
     ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf, place)
     data = json_for(pdf, place)
+    layered = searchable_for(pdf, place)
     limit = _name_limit(place.base(pdf))
     # Every output named exactly after the PDF, before anything looks one up (a name too
     # long for the filesystem fails even a lookup).
-    for fixed in (md, data) if json_output else (md,):
+    for fixed in (md, *[data] * json_output, *[layered] * searchable):
         if name_bytes(fixed.name) > limit:
             raise NameTooLongError(
                 f"{fixed.name} would be {name_bytes(fixed.name)} bytes long; this filesystem "
@@ -186,6 +198,11 @@ def check_writable(pdf: Path, *, json_output: bool = False,
     if json_output and data.exists() and not _is_our_json(data):
         raise NotOursError(
             f"{data} already exists and was not written by ocrvl; it is left untouched.",
+            "move or rename it",
+        )
+    if searchable and layered.exists() and not is_ours(layered):
+        raise NotOursError(
+            f"{layered} already exists and was not written by ocrvl; it is left untouched.",
             "move or rename it",
         )
     if md.exists() and read_header(md) is None:
@@ -209,12 +226,14 @@ def write_document(
     size_hint: int = 0,
     *,
     json_output: bool = False,
+    searchable: bool = False,
     place: OutputPlace = NEXT_TO_PDF,
     page_breaks: PageBreaks = "rule",
     book: Book | None = None,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
-    `json_output` `<stem>.json` too (renamed in just before the Markdown).
+    `json_output` `<stem>.json` too, with `searchable` `<stem>.ocr.pdf` (`pdf` with a text
+    layer of the pages' blocks; both renamed in just before the Markdown).
 
     `page_breaks` says how a page's start is marked (`rule`: a rule and a page comment;
     `anchor`: the comment and an anchor, no rule); `book` (`book.restructure`) gives each
@@ -232,14 +251,19 @@ def write_document(
     tmp_dir = temporary(images_dir)
     data = json_for(pdf, place)
     tmp_json = temporary(data)
+    layered = searchable_for(pdf, place)
+    tmp_layered = temporary(layered)
+    texts: list[PageText] = []  # the pages' blocks for the text layer (no images)
     link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
-        check_writable(pdf, json_output=json_output, place=place)
+        check_writable(pdf, json_output=json_output, searchable=searchable, place=place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         remove_temporaries(md)
         remove_temporaries(images_dir)
         if json_output:
             remove_temporaries(data)
+        if searchable:
+            remove_temporaries(layered)
         with contextlib.ExitStack() as files:
             out = files.enter_context(tmp_md.open("w", encoding="utf-8"))
             js = files.enter_context(tmp_json.open("w", encoding="utf-8")) if json_output else None
@@ -269,6 +293,9 @@ def write_document(
                 if js is not None:
                     js.write(separator + json.dumps(_page_json(page, image_paths, book)))
                     separator = ",\n"
+                if searchable and page.layout and page.layout.get("size"):
+                    texts.append(PageText(page.index, tuple(page.layout["size"]),
+                                          page.layout.get("blocks") or []))
             if js is not None:
                 joins = [] if book is None else [join.to_json() for join in book.joins]
                 js.write(f"\n],\n\"joins\": {json.dumps(joins)}}}\n")
@@ -276,6 +303,7 @@ def write_document(
                 if written is not None:
                     written.flush()
                     os.fsync(written.fileno())
+        searchable = searchable and _write_layered(pdf, tmp_layered, texts, sha256)
         if tmp_dir.exists():
             fsync_dir(tmp_dir)
         if images_dir.exists():
@@ -286,15 +314,32 @@ def write_document(
             os.replace(tmp_dir, images_dir)
         if json_output:
             os.replace(tmp_json, data)
+        if searchable:
+            os.replace(tmp_layered, layered)
         os.replace(tmp_md, md)
         fsync_dir(md.parent)
     except OSError as exc:
         raise _output_error(md, exc) from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        for tmp in (tmp_md, tmp_json):
+        for tmp in (tmp_md, tmp_json, tmp_layered):
             with contextlib.suppress(OSError):  # never there, or the folder is read-only
                 tmp.unlink()
+
+
+def _write_layered(pdf: Path, target: Path, texts: list[PageText], sha256: str) -> bool:
+    """Write the searchable PDF to `target` (synced); False, with the reason logged, for a
+    PDF whose structure qpdf cannot read (PDFium drew its pages: the Markdown still comes)."""
+    import pikepdf
+
+    try:
+        write_searchable_pdf(pdf, target, texts, sha256)
+    except pikepdf.PdfError as exc:
+        log.warning("%s: no searchable PDF: its structure cannot be read (%s)", pdf.name, exc)
+        return False
+    with target.open("rb") as written:
+        os.fsync(written.fileno())
+    return True
 
 
 def _page_json(page: Page, image_paths: list[str], book: Book | None) -> dict[str, Any]:

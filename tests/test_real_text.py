@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pypdf
 import pypdfium2
 import pytest
 
@@ -56,7 +57,7 @@ def reading_server() -> Iterator[FakeServerProcess]:
 def convert(tmp_path: Path, server: FakeServerProcess, **output: object) -> tuple[str, dict]:
     pdf = make_text_pdf(tmp_path / "book.pdf", PAGES)
     config = write_config(tmp_path / "config.yaml",
-                          output={"formats": ["markdown", "json"], **output})
+                          output={"formats": ["markdown", "json", "pdf"], **output})
     result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, pdf)
     assert result.returncode == 0, result.stderr
     markdown = (tmp_path / "book.md").read_text("utf-8").split("\n", 1)[1]
@@ -90,6 +91,10 @@ def test_a_book_reads_back_word_for_word_with_its_page_breaks_mended(
     assert [j["kind"] for j in data["joins"]] == ["paragraph", "hyphen"]
     assert [p["blocks"][0]["text"].split("\n") for p in data["pages"]] == PAGES, (
         "the JSON's blocks are not each page's words as recognised")
+    searchable = pypdf.PdfReader(tmp_path / "book.ocr.pdf")
+    assert [page.extract_text().split() for page in searchable.pages] == [
+        " ".join(page).split() for page in PAGES], (
+        "book.ocr.pdf does not have each page's words, in order, on that page")
 
 
 def test_page_by_page_layout_keeps_every_word_where_it_was_printed(
