@@ -124,9 +124,11 @@ class _PaddleBlock:
     """A block as PaddleX's book-level functions read it (`PaddleOCRVLBlock`'s fields)."""
 
     def __init__(self, number: int, block: dict[str, Any]) -> None:
-        self.label = str(block.get("label", ""))
-        self.bbox = [int(v) for v in block.get("bbox") or (0, 0, 0, 0)]
         self.content = str(block.get("text", ""))
+        self.label = str(block.get("label", ""))
+        if self.label == "table" and "<tr" not in self.content.lower():
+            self.label = "table_text"  # no rows to merge: PaddleX would drop its text
+        self.bbox = [int(v) for v in block.get("bbox") or (0, 0, 0, 0)]
         self.image = None
         self.global_block_id = self.global_group_id = number
 

@@ -196,3 +196,11 @@ def test_rule_without_restructuring_is_todays_layout(tmp_path: Path) -> None:
     assert markdown == ("\n<!-- page 1 -->\n\nA sentence runs on\n"
                         "\n---\n\n<!-- page 2 -->\n\nacross pages.\n")
     assert data["joins"] == []
+
+
+@pytest.mark.quick
+def test_a_table_read_as_plain_text_is_never_merged_away(tmp_path: Path) -> None:
+    pages = [[("table", [100, 400, 900, 1200], "Name Qty apple 1")],
+             [("table", [100, 100, 900, 600], "Name Qty pear 2")]]
+    markdown, data = written(tmp_path, book_pages(pages))
+    assert "apple" in markdown and "pear" in markdown and data["joins"] == []
