@@ -152,6 +152,51 @@ def make_text_pdf(path: Path, pages: Sequence[Sequence[str]]) -> Path:
     return path
 
 
+def flow_pages(paragraphs: Sequence[str], *, hyphenate: bool = True) -> list[list[str]]:
+    """`paragraphs` (body text, `# ` headings) set on `make_text_pdf` pages as a book sets
+    them: a paragraph that does not fit runs on to the next page, and with `hyphenate` a long
+    word at the break is cut (`docu-` / `ment`). Returns each page's paragraphs."""
+    from PIL import ImageFont
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    body = ImageFont.load_default(size=TEXT_FONT_PX)
+    width = LAYOUT_PAGE[0] - 2 * TEXT_MARGIN
+    room = LAYOUT_PAGE[1] - 2 * TEXT_MARGIN
+    body_line = round(TEXT_FONT_PX * 1.35)
+    heading_line = round(TEXT_FONT_PX * 3 // 2 * 1.35)
+    pages: list[list[str]] = [[]]
+    used = 0
+    for paragraph in paragraphs:
+        if paragraph.startswith("# "):
+            if used + 2 * heading_line + 2 * body_line > room:  # never a heading at a foot
+                pages.append([])
+                used = 0
+            pages[-1].append(paragraph)
+            used += 2 * heading_line
+            continue
+        lines = _wrap(paragraph, draw, body, width)
+        while lines:
+            fit = (room - used) // body_line
+            if fit >= len(lines):
+                pages[-1].append(" ".join(lines))
+                used += (len(lines) + 1) * body_line
+                break
+            if fit >= 1:
+                here, lines = lines[:fit], lines[fit:]
+                words = lines[0].split()
+                cut = len(words[0]) // 2
+                piece = f" {words[0][:cut]}-"
+                if (hyphenate and len(words[0]) >= 8 and words[0].isalpha()
+                        and draw.textlength(here[-1] + piece, font=body) <= width):
+                    here[-1] += piece
+                    lines[0] = " ".join([words[0][cut:], *words[1:]])
+                    lines = _wrap(" ".join(lines), draw, body, width)
+                pages[-1].append(" ".join(here))
+            pages.append([])
+            used = 0
+    return [page for page in pages if page]
+
+
 def _wrap(text: str, draw: ImageDraw.ImageDraw, font: Any, width: int) -> list[str]:
     lines: list[str] = []
     for word in text.split():

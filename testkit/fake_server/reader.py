@@ -39,15 +39,23 @@ def read_text(image: bytes) -> str:
         result = _engine()(pixels)
     if result.boxes is None or not result.txts:
         return ""
-    lines = sorted(((float(box[:, 1].min()), float(box[:, 1].max()), float(box[:, 0].min()), text)
-                    for box, text in zip(np.asarray(result.boxes), result.txts, strict=True)),
-                   key=lambda line: (round(line[0] / max(1.0, line[1] - line[0])), line[2]))
+    # The model finds pieces of lines: a piece whose middle lies within the line above's
+    # height is on that line.
+    pieces = sorted((float(box[:, 1].min()), float(box[:, 1].max()), float(box[:, 0].min()),
+                     text.strip())
+                    for box, text in zip(np.asarray(result.boxes), result.txts, strict=True))
+    lines: list[list[Any]] = []  # [top, bottom, [(left, text), ...]]
+    for top, bottom, left, text in pieces:
+        if lines and lines[-1][0] <= (top + bottom) / 2 <= lines[-1][1]:
+            lines[-1][1] = max(lines[-1][1], bottom)
+            lines[-1][2].append((left, text))
+        else:
+            lines.append([top, bottom, [(left, text)]])
     paragraphs: list[list[str]] = []
-    bottom = None
-    for top, low, _, text in lines:
-        height = low - top
-        if bottom is None or top - bottom > PARAGRAPH_GAP * height:
+    below = None
+    for top, bottom, texts in lines:
+        if below is None or top - below > PARAGRAPH_GAP * (bottom - top):
             paragraphs.append([])
-        paragraphs[-1].append(text.strip())
-        bottom = low
+        paragraphs[-1].append(" ".join(text for _, text in sorted(texts)))
+        below = bottom
     return "\n".join(" ".join(p) for p in paragraphs)
