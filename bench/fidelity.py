@@ -88,6 +88,35 @@ def generated_book(pages: int, seed: int = 7) -> list[str]:
     return paragraphs
 
 
+def born_digital_book(path: Path, paragraphs: list[str]) -> Path:
+    """A born-digital PDF of `paragraphs` (fpdf2, Helvetica: a real text layer, the truth),
+    set as a word processor sets it: paragraphs run on across pages, a table in between."""
+    from fpdf import FPDF
+
+    pdf = FPDF(format="letter")
+    pdf.set_auto_page_break(auto=True, margin=25)
+    pdf.add_page()
+    for i, paragraph in enumerate(paragraphs):
+        if paragraph.startswith("# "):
+            pdf.set_font("Helvetica", "B", 18)
+            pdf.multi_cell(0, 10, paragraph[2:], new_x="LMARGIN", new_y="NEXT")
+        else:
+            pdf.set_font("Helvetica", size=12)
+            pdf.multi_cell(0, 6.5, paragraph, new_x="LMARGIN", new_y="NEXT")
+        pdf.ln(4)
+        if i == 3:  # a table of a few rows
+            pdf.set_font("Helvetica", size=11)
+            with pdf.table() as rows:
+                for r in range(6):
+                    cells = rows.row()
+                    for c in range(3):
+                        cells.cell(VOCABULARY[(r * 3 + c) * 5 % len(VOCABULARY)])
+            pdf.ln(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pdf.output(str(path))
+    return path
+
+
 def first_pages(pdf: Path, copy: Path, count: int) -> None:
     """The first `count` pages of `pdf` as a new PDF `copy`."""
     source = pypdfium2.PdfDocument(pdf)
@@ -107,7 +136,9 @@ def splits(pages: list[str]) -> list[tuple[str, str]]:
     page's text does not end a sentence and the next page's starts in lower case."""
     found = []
     for before, after in itertools.pairwise(pages):
-        end, start = before.split(), after.split()
+        # the page's last line and the next page's first (a paragraph's, in the truth)
+        end = before.strip().splitlines()[-1].split() if before.strip() else []
+        start = after.strip().splitlines()[0].split() if after.strip() else []
         if end and start and not _FINISHED.search(end[-1]) and start[0][:1].islower():
             found.append((" ".join(end[-3:]), " ".join(start[:3])))
     return found
@@ -192,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         documents: list[tuple[Path, list[str]]] = []
         pages = flow_pages(generated_book(args.pages))[:args.pages]
         book = make_text_pdf(work / "generated-book" / "book.pdf", pages)
-        documents.append((book, [" ".join(p).replace("# ", "") for p in pages]))
+        documents.append((book, ["\n".join(p).replace("# ", "") for p in pages]))
+        typeset = work / "born-digital-book" / "book.pdf"
+        typeset.parent.mkdir()
+        first_pages(born_digital_book(work / "typeset.pdf", generated_book(args.pages)),
+                    typeset, args.pages)
+        documents.append((typeset, truth_of(typeset, args.pages)))
         for pdf in sorted(args.pdfs.glob("*.pdf")) if args.pdfs else []:
             (work / pdf.stem).mkdir()
             copy = work / pdf.stem / pdf.name

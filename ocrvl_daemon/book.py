@@ -45,6 +45,9 @@ _FINISHED = re.compile(r"[.!?。！？…:：;；]['\"”’)\]）」』]*$")
 _HYPHENATED = re.compile(r"[^\W\d_]-$")  # a letter, then a hyphen: a word cut in two
 _STARTS_LOWER = re.compile(r"^['\"“‘(\[]?[^\W\d_]")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
+# A page number as printed (with layout detection off it is in the page's text): 12, xii.
+_PAGE_NUMBER = re.compile(
+    r"^(\d+|(?=[mdclxvi])m*(c[md]|d?c{0,3})(x[cl]|l?x{0,3})(i[xv]|v?i{0,3}))$", re.IGNORECASE)
 # What is not running text: Markdown structure, HTML, formulas, list items.
 _NOT_PROSE = re.compile(r"^(#|<|\||!\[|\$|>|[-*+] |\d+[.)] )")
 
@@ -252,10 +255,9 @@ def _is_text(page: BookPage, block: int | None) -> bool:
 
 
 def _prose(paragraph: str) -> bool:
-    """Running text, not a heading, table, image, formula, list item or lone number."""
-    return bool(paragraph) and not _NOT_PROSE.match(paragraph) and (
-        len(paragraph.split()) >= 3 or _HYPHENATED.search(paragraph) is not None
-        or _CJK.search(paragraph) is not None)
+    """Running text, not a heading, table, image, formula, list item or page number."""
+    return (bool(paragraph) and not _NOT_PROSE.match(paragraph)
+            and not _PAGE_NUMBER.match(paragraph.strip("-–—. ")))
 
 
 def _continues(before: str, after: str) -> Literal["paragraph", "hyphen"] | None:

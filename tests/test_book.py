@@ -204,3 +204,18 @@ def test_a_table_read_as_plain_text_is_never_merged_away(tmp_path: Path) -> None
              [("table", [100, 100, 900, 600], "Name Qty pear 2")]]
     markdown, data = written(tmp_path, book_pages(pages))
     assert "apple" in markdown and "pear" in markdown and data["joins"] == []
+
+
+@pytest.mark.quick
+def test_a_short_continuation_after_a_hyphen_is_joined(tmp_path: Path) -> None:
+    markdown, _ = written(tmp_path, whole_pages("The clerk found the corresp-",
+                                                "ondence with.\n\nOver the hills."))
+    assert f"the correspondence{page_anchor(2)} with." in markdown, markdown
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("number", ["xii", "- 17 -", "IV."])
+def test_a_page_number_read_with_the_text_stays_apart(tmp_path: Path, number: str) -> None:
+    markdown, data = written(tmp_path, whole_pages(f"A sentence that runs on\n\n{number}",
+                                                   "and on."))
+    assert data["joins"] == [], markdown
