@@ -26,10 +26,12 @@ import argparse
 import difflib
 import itertools
 import json
+import os
 import random
 import re
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.write:
-        RESULTS.write_text(f"# Fidelity (`python -m bench.fidelity`)\n\n{text}\n", "utf-8")
+        RESULTS.write_text(
+            f"# Fidelity (`python -m bench.fidelity --pages {args.pages}`)\n\n"
+            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; the stand-in server reads "
+            "with PP-OCRv6 (rapidocr), layout detection off; see README.md, Fidelity.\n\n"
+            f"{text}\n", "utf-8")
     return 0
 
 
