@@ -433,11 +433,16 @@ class Converter:
         out = self.config.output
         if not out.restructure:
             return None
-        return restructure(
-            (BookPage(p.page, p.markdown, (p.layout or {}).get("blocks"),
-                      flagged=p.failed or p.note is not None or p.verdict not in (None, "ok"))
-             for p in self.store.iter_pages(job.sha256, self.recipe.key, images=False)),
-            join_paragraphs=out.page_breaks == "anchor")
+        try:
+            return restructure(
+                (BookPage(p.page, p.markdown, (p.layout or {}).get("blocks"),
+                          flagged=p.failed or p.note is not None or p.verdict not in (None, "ok"))
+                 for p in self.store.iter_pages(job.sha256, self.recipe.key, images=False)),
+                join_paragraphs=out.page_breaks == "anchor")
+        except Exception:  # the pages as recognised are still the book: never lose it for this
+            log.exception("%s: book-level structure failed; its pages are written as "
+                          "recognised", job.path.name, extra=_fields(job))
+            return None
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):

@@ -63,17 +63,21 @@ def write_searchable_pdf(source: Path, target: Path, pages: Iterable[PageText],
     with pikepdf.open(source) as pdf:
         pdf.docinfo[OURS_KEY] = sha256
         boxes = [pikepdf.Rectangle(page.cropbox) for page in pdf.pages]
+        turns = [int(page.obj.get("/Rotate", 0)) % 360 for page in pdf.pages]
         layers = [(page.index, tree) for page in pages
-                  if page.index < len(boxes) and (tree := _page_tree(page, boxes[page.index]))]
+                  if page.index < len(boxes) and (tree := _page_tree(page))]
         if layers:
             text_file = target.with_name(target.name + ".text")
             try:
                 Fpdf2MultiPageRenderer(
-                    [(index, tree, 72.0 * tree.bbox.width / float(boxes[index].width))
+                    [(index, tree, 72.0 * tree.bbox.width / _shown_width(boxes[index],
+                                                                         turns[index]))
                      for index, tree in layers],
                     MultiFontManager(), invisible_text=True).render(text_file)
                 with pikepdf.open(text_file) as text:
                     for (index, _), layer in zip(layers, text.pages, strict=True):
+                        # The blocks are where the page is shown (its /Rotate applied); qpdf
+                        # places a form upright on a rotated page, so the layer turns with it.
                         pdf.pages[index].add_overlay(layer, boxes[index])
                     pdf.save(target)
             finally:
@@ -82,7 +86,12 @@ def write_searchable_pdf(source: Path, target: Path, pages: Iterable[PageText],
             pdf.save(target)
 
 
-def _page_tree(page: PageText, box: Any) -> Any:
+def _shown_width(box: Any, turn: int) -> float:
+    """The width of a page as shown, its rotation applied (what ocrvl rendered)."""
+    return float(box.height if turn in (90, 270) else box.width)
+
+
+def _page_tree(page: PageText) -> Any:
     """The page's blocks as OCRmyPDF's element tree (page > paragraph > line > word), in the
     page image's pixels; None when there is no text to place."""
     from ocrmypdf.models.ocr_element import BoundingBox, OcrClass, OcrElement

@@ -87,3 +87,37 @@ def test_an_inbox_never_takes_a_searchable_pdf_in() -> None:
     assert wanted_name("book.pdf", InboxConfig())
     assert not wanted_name("book.ocr.pdf", InboxConfig()), (
         "ocrvl's own searchable PDF would be converted again, forever")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("turn", [90, 180, 270])
+def test_on_a_turned_page_the_words_lie_where_the_page_shows_them(tmp_path: Path,
+                                                                   turn: int) -> None:
+    """A page with /Rotate is rendered (and its blocks found) as shown: a block in the shown
+    page's top-left quarter gets its words there, reading left to right."""
+    import ctypes
+
+    import pypdfium2
+    import pypdfium2.raw as pdfium
+
+    book = make_text_pdf(tmp_path / "book.pdf", [PAGES[0]])
+    with pikepdf.open(book, allow_overwriting_input=True) as pdf:
+        pdf.pages[0].obj.Rotate = turn
+        pdf.save(book)
+    width, height = pypdfium2.PdfDocument(book)[0].render(scale=2).to_pil().size
+    page = Page(0, "", layout={"size": [width, height], "blocks": [
+        {"label": "text", "bbox": [0, 0, width // 2, height // 2], "text": PAGES[0][0]}]})
+    write_document(book, "sha", "model", 1, [page], searchable=True)
+    shown = pypdfium2.PdfDocument(searchable_for(book))[0]
+    text = shown.get_textpage()
+    assert text.get_text_range().split() == PAGES[0][0].split()
+    centres = []
+    for i in range(text.count_chars()):
+        left, bottom, right, top = text.get_charbox(i)
+        x, y = ctypes.c_int(), ctypes.c_int()
+        pdfium.FPDF_PageToDevice(shown.raw, 0, 0, width, height, 0, (left + right) / 2,
+                                 (bottom + top) / 2, ctypes.byref(x), ctypes.byref(y))
+        centres.append((x.value, y.value))
+    assert all(x <= width / 2 and y <= height / 2 for x, y in centres), (
+        f"the words are not in the shown page's top-left quarter: {centres[:5]}")
+    assert centres[0][0] < centres[4][0], "the first word does not read left to right"
