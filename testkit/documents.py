@@ -120,11 +120,13 @@ TEXT_FONT_PX = 30  # `make_text_pdf`'s body text: 15 pt at LAYOUT_DPI
 TEXT_MARGIN = 110
 
 
-def make_text_pdf(path: Path, pages: Sequence[Sequence[str]]) -> Path:
+def make_text_pdf(path: Path, pages: Sequence[Sequence[str]], *,
+                  numbered: bool = False) -> Path:
     """A scanned-like raster PDF of real words: page i holds the paragraphs `pages[i]`, each
     wrapped to the page's width, a blank line between paragraphs (so a reader can tell them
     apart) and none at a page's end (a paragraph may run on, even mid-word: `docu-`). A
-    paragraph starting with `# ` is a heading, drawn larger without the mark."""
+    paragraph starting with `# ` is a heading, drawn larger without the mark. `numbered`:
+    "Page N" at each page's foot, where the stand-in layout model labels it `number`."""
     from PIL import ImageFont
 
     body = ImageFont.load_default(size=TEXT_FONT_PX)
@@ -145,6 +147,10 @@ def make_text_pdf(path: Path, pages: Sequence[Sequence[str]]) -> Path:
                 draw.text((TEXT_MARGIN, y), line, fill="black", font=font)
                 y += line_height
             y += line_height
+        if numbered:
+            # "Page N": a lone "1" is too thin for the stand-in server's OCR model to read
+            draw.text((LAYOUT_PAGE[0] // 2, 1500), f"Page {len(images) + 1}", fill="black",
+                      font=body, anchor="mt")
         images.append(img)
     path.parent.mkdir(parents=True, exist_ok=True)
     images[0].save(path, "PDF", save_all=True, append_images=images[1:],

@@ -33,13 +33,15 @@ PAGES = [
     ["northern pier where the fishermen were mending their nets before the market.",
      "Nobody in the town had ever seen such a strange docu-"],
     ["ment before that day, and the clerk kept it locked away.",
-     "Years later the ferry stopped running."],
+     "Years later the ferry stopped running, and the harbour town slowly forgot the strange "
+     "paper that had once kept its clerk awake at night for many years."],
 ]
 TEXT = ("The first chapter opens on a quiet morning in the harbour town. Rain fell over the old "
          "roofs while the ferry crossed the grey water toward the northern pier where the "
          "fishermen were mending their nets before the market. Nobody in the town had ever seen "
          "such a strange document before that day, and the clerk kept it locked away. Years "
-         "later the ferry stopped running.")
+         "later the ferry stopped running, and the harbour town slowly forgot the strange paper "
+         "that had once kept its clerk awake at night for many years.")
 TRUTH = TEXT.split()
 
 
@@ -103,3 +105,23 @@ def test_page_by_page_layout_keeps_every_word_where_it_was_printed(
     printed = [w for page in PAGES for paragraph in page for w in paragraph.split()]
     assert words(markdown) == printed
     assert markdown.count("\n---\n") == 2 and "docu-" in markdown and data["joins"] == []
+
+
+def test_with_layout_detection_page_numbers_stay_out_and_the_text_still_joins(
+        tmp_path: Path, reading_server: FakeServerProcess, layout_cache: Path) -> None:
+    """Layout on (the stand-in layout model labels each page's foot line `number`): the
+    numbers are read but kept out of the text, and the joins look past them."""
+    pdf = make_text_pdf(tmp_path / "book.pdf", PAGES, numbered=True)
+    config = write_config(tmp_path / "config.yaml", output={"formats": ["markdown", "json"]},
+                          pipeline={"use_layout_detection": True, "layout_device": "cpu"})
+    result = run_ocrvl("convert", "--config", config, "--server-url", reading_server.api_url,
+                       pdf, PADDLE_PDX_CACHE_HOME=str(layout_cache))
+    assert result.returncode == 0, result.stderr[-3000:]
+    markdown = (tmp_path / "book.md").read_text("utf-8").split("\n", 1)[1]
+    data = json.loads((tmp_path / "book.json").read_text("utf-8"))
+    labels = [[(b["label"], b["text"]) for b in page["blocks"]] for page in data["pages"]]
+    assert all(page[-1][0] == "number" for page in labels), labels
+    assert words(markdown) == TRUTH, (
+        f"page numbers in the text, or words lost or moved:\n{markdown}\n{labels}")
+    assert f"toward the {page_anchor(2)}northern pier" in markdown, markdown
+    assert f"strange document{page_anchor(3)} before that day" in markdown, markdown
