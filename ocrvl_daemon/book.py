@@ -146,10 +146,12 @@ def _paddlex(module: str) -> ModuleType:
     name = f"_ocrvl_paddlex_{module.rpartition('/')[2]}"
     if name not in sys.modules:
         spec = importlib.util.find_spec("paddlex")
-        assert spec is not None and spec.submodule_search_locations, "paddlex is not installed"
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("paddlex is not installed", name="paddlex")
         path = Path(next(iter(spec.submodule_search_locations))) / f"{module}.py"
         loaded = importlib.util.spec_from_file_location(name, path)
-        assert loaded is not None and loaded.loader is not None, path
+        if loaded is None or loaded.loader is None or not path.is_file():
+            raise ModuleNotFoundError(f"paddlex has no {path}", name=name)
         sys.modules[name] = importlib.util.module_from_spec(loaded)
         loaded.loader.exec_module(sys.modules[name])
     return sys.modules[name]
@@ -184,18 +186,21 @@ def _merge_tables(pages: list[BookPage], blocks: list[list[_PaddleBlock]], book:
             groups.setdefault(b.global_group_id, [numbered[b.global_group_id]]).append((p, j, b))
     table = _formats().format_table_center
     for members in groups.values():
-        (head_page, _, head), *continued = members
-        texts = {head_page: _replace_once(book.text(head_page, pages[head_page].markdown),
-                                          table(_Written(written[id(head)])), table(head))}
+        (first, _, head), *continued = members
+        head_page = pages[first]
+        texts = {head_page.index: _replace_once(book.text(head_page.index, head_page.markdown),
+                                                table(_Written(written[id(head)])), table(head))}
         for p, _, b in continued:
-            texts[p] = _cut(texts.get(p) or book.text(p, pages[p].markdown),
-                            table(_Written(written[id(b)])))
+            page = pages[p]
+            texts[page.index] = _cut(texts[page.index] if page.index in texts
+                                     else book.text(page.index, page.markdown),
+                                     table(_Written(written[id(b)])))
         if any(text is None for text in texts.values()):
-            log.debug("page %d: a table is not where the pipeline wrote it", head_page + 1)
+            log.debug("page %d: a table is not where the pipeline wrote it", head_page.index + 1)
             continue
         book.texts.update({p: text for p, text in texts.items() if text is not None})
         for (_, before, _), (p, after, _) in itertools.pairwise(members):
-            book.joins.append(Join("table", p, before, after))
+            book.joins.append(Join("table", pages[p].index, before, after))
 
 
 class _Written:
@@ -233,10 +238,11 @@ def _relevel_headings(pages: list[BookPage], blocks: list[list[_PaddleBlock]],
             old, new = formats.format_title(block), formats.format_para_title(block)
             if old == new:
                 continue
-            text = _replace_once(book.text(p, pages[p].markdown), old, new)
+            index = pages[p].index
+            text = _replace_once(book.text(index, pages[p].markdown), old, new)
             if text is not None:
-                book.texts[p] = text
-                book.levels[(p, j)] = int(level) + 1
+                book.texts[index] = text
+                book.levels[(index, j)] = int(level) + 1
 
 
 # --- paragraphs and words across a page break -----------------------------------------------

@@ -219,3 +219,16 @@ def test_a_page_number_read_with_the_text_stays_apart(tmp_path: Path, number: st
     markdown, data = written(tmp_path, whole_pages(f"A sentence that runs on\n\n{number}",
                                                    "and on."))
     assert data["joins"] == [], markdown
+
+
+@pytest.mark.quick
+def test_a_table_over_three_pages_is_one_with_every_row_once(tmp_path: Path) -> None:
+    rows = ["apple", "pear", "plum"]
+    pages = [[("table", [100, 100, 900, 1200],
+               f"<table><tr><td>Name</td></tr><tr><td>{fruit}</td></tr></table>")]
+             for fruit in rows]
+    markdown, data = written(tmp_path, book_pages(pages))
+    assert markdown.count("<table") == 1, markdown
+    assert re.findall(r">(\w+)<", markdown) == ["Name", *rows], markdown
+    assert [(j["from"]["page"], j["to"]["page"]) for j in data["joins"]] == [(1, 2), (2, 3)]
+    assert markdown.index(page_anchor(2)) > markdown.index("plum"), "the page anchors moved"
