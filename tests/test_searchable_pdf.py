@@ -8,17 +8,20 @@ streams compared byte for byte).
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pikepdf
 import pypdf
 import pytest
+import yaml
 
 from ocrvl_daemon.config import InboxConfig
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.inbox.scan import wanted_name
 from ocrvl_daemon.output import Page, searchable_for, write_document
 from testkit.documents import LAYOUT_PAGE, make_text_pdf
+from testkit.inbox_daemon import Setup, wait_for_markdown
 
 PAGES = [["Alpha bravo charlie delta echo.", "Foxtrot golf hotel india"],
          ["Juliet kilo lima mike november.", "Oscar papa quebec"]]
@@ -121,3 +124,24 @@ def test_on_a_turned_page_the_words_lie_where_the_page_shows_them(tmp_path: Path
     assert all(x <= width / 2 and y <= height / 2 for x, y in centres), (
         f"the words are not in the shown page's top-left quarter: {centres[:5]}")
     assert centres[0][0] < centres[4][0], "the first word does not read left to right"
+
+
+@pytest.mark.slow
+def test_the_daemon_writes_it_into_the_inbox_and_never_takes_it_in(tmp_path: Path) -> None:
+    setup = Setup(tmp_path, "--read-text")
+    config = yaml.safe_load(setup.config.read_text("utf-8"))
+    config["output"] = {"formats": ["markdown", "pdf"]}
+    setup.config.write_text(yaml.safe_dump(config), "utf-8")
+    book, later = (make_text_pdf(tmp_path / name, PAGES) for name in ("book.pdf", "later.pdf"))
+    with setup.daemon() as daemon:
+        daemon.wait_ready()
+        shutil.move(book, setup.inbox / "book.pdf")
+        wait_for_markdown(setup.inbox / "book.pdf")
+        assert page_words(setup.inbox / "book.ocr.pdf") == [" ".join(p).split() for p in PAGES]
+        # Dropped after the searchable PDF was written: by the time it is done, the watcher
+        # has long seen book.ocr.pdf (and would have queued it first).
+        shutil.move(later, setup.inbox / "later.pdf")
+        wait_for_markdown(setup.inbox / "later.pdf")
+        taken = sorted(Path(d["path"]).name for d in setup.status()["documents"])
+    assert taken == ["book.pdf", "later.pdf"], f"ocrvl took its own output in: {taken}"
+    assert not (setup.inbox / "book.ocr.md").exists()
