@@ -45,9 +45,10 @@ _FINISHED = re.compile(r"[.!?。！？…:：;；]['\"”’)\]）」』]*$")
 _HYPHENATED = re.compile(r"[^\W\d_]-$")  # a letter, then a hyphen: a word cut in two
 _STARTS_LOWER = re.compile(r"^['\"“‘(\[]?[^\W\d_]")
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]")
-# A page number as printed (with layout detection off it is in the page's text): 12, xii.
-_PAGE_NUMBER = re.compile(
-    r"^(\d+|(?=[mdclxvi])m*(c[md]|d?c{0,3})(x[cl]|l?x{0,3})(i[xv]|v?i{0,3}))$", re.IGNORECASE)
+# A page number as printed (with layout detection off it is in the page's text): 12, xii,
+# Page 12, p. 12.
+_PAGE_NUMBER = re.compile(r"^((page|p\.)\s*)?(\d+|(?=[mdclxvi])m*(c[md]|d?c{0,3})(x[cl]|l?x{0,3})"
+                          r"(i[xv]|v?i{0,3}))$", re.IGNORECASE)
 # What is not running text: Markdown structure, HTML, formulas, list items.
 _NOT_PROSE = re.compile(r"^(#|<|\||!\[|\$|>|[-*+] |\d+[.)] )")
 

@@ -214,7 +214,7 @@ def test_a_short_continuation_after_a_hyphen_is_joined(tmp_path: Path) -> None:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("number", ["xii", "- 17 -", "IV."])
+@pytest.mark.parametrize("number", ["xii", "- 17 -", "IV.", "Page 12", "p. 3"])
 def test_a_page_number_read_with_the_text_stays_apart(tmp_path: Path, number: str) -> None:
     markdown, data = written(tmp_path, whole_pages(f"A sentence that runs on\n\n{number}",
                                                    "and on."))
