@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +39,10 @@ from pathlib import Path
 
 import pypdfium2
 
+from ocrvl_daemon.book import IGNORED_LABELS
 from testkit.documents import flow_pages, make_text_pdf
 from testkit.harness import free_port, start_fake_server
-from testkit.runner import run_ocrvl, write_config
+from testkit.runner import ocrvl_env, run_ocrvl, write_config
 
 RESULTS = Path(__file__).with_name("FIDELITY.md")
 _FINISHED = re.compile(r"[.!?:;]['\")\]]*$")
@@ -173,31 +175,42 @@ def score(name: str, contender: str, truth: list[str], answered: list[str], mark
                len(page_splits), sum(rejoined(markdown, s) for s in page_splits))
 
 
-def run_ocrvl_convert(pdf: Path, url: str, work: Path) -> tuple[str, list[str], int]:
-    """ocrvl's Markdown, each page's answered text (its JSON's blocks) and its hyphen joins."""
-    config = write_config(work / "config.yaml", output={"formats": ["markdown", "json"]})
-    result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf, timeout=1800)
+def pipeline_settings(layout: bool) -> dict[str, object]:
+    """The `pipeline:` section both contenders run with (layout on: the stand-in layout model
+    on the CPU, from $PADDLE_PDX_CACHE_HOME)."""
+    return {"use_layout_detection": True, "layout_device": "cpu"} if layout else {
+        "use_layout_detection": False}
+
+
+def run_ocrvl_convert(pdf: Path, url: str, layout: bool) -> tuple[str, list[str], int]:
+    """ocrvl's Markdown, each page's answered text (its JSON's blocks, those PaddleOCR-VL
+    leaves out of the Markdown left out here too) and its hyphen joins."""
+    config = write_config(pdf.parent / "config.yaml", output={"formats": ["markdown", "json"]},
+                          pipeline=pipeline_settings(layout))
+    result = run_ocrvl("convert", "--config", config, "--server-url", url, pdf, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"ocrvl convert failed on {pdf.name}:\n{result.stderr}")
     markdown = pdf.with_suffix(".md").read_text("utf-8").split("\n", 1)[1]
     data = json.loads(pdf.with_suffix(".json").read_text("utf-8"))
-    answered = [" ".join(b["text"] for b in page["blocks"]) for page in data["pages"]]
+    answered = [" ".join(b["text"] for b in page["blocks"] if b["label"] not in IGNORED_LABELS)
+                for page in data["pages"]]
     return markdown, answered, sum(j["kind"] == "hyphen" for j in data["joins"])
 
 
-def run_paddleocr(pdf: Path, url: str, limit: int) -> tuple[str, list[str]]:
+def run_paddleocr(pdf: Path, url: str, limit: int, layout: bool) -> tuple[str, list[str]]:
     """PaddleOCR's own book: `predict` on ocrvl's page images, then `restructure_pages`."""
     from ocrvl_daemon.config import Config
     from ocrvl_daemon.pdf import page_count, render_page
     from ocrvl_daemon.worker.main import pipeline_kwargs
     from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 
-    config = Config.model_validate({"pipeline": {"use_layout_detection": False}})
+    config = Config.model_validate({"pipeline": pipeline_settings(layout)})
     pipeline = import_paddleocr_vl()(**pipeline_kwargs(config, url))
     images = [render_page(pdf, i, config.pipeline.render_scale, config.pipeline.page_pixel_limit)
               for i in range(min(limit, page_count(pdf)))]
     results = [res for image in images for res in pipeline.predict(image)]
-    answered = [" ".join(str(b.content) for b in r["parsing_res_list"]) for r in results]
+    answered = [" ".join(str(b.content) for b in r["parsing_res_list"]
+                         if b.label not in IGNORED_LABELS) for r in results]
     (book,) = pipeline.restructure_pages(results, merge_tables=True, relevel_titles=True,
                                          concatenate_pages=True)
     return book.markdown["markdown_texts"], answered
@@ -216,15 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdfs", type=Path, help="a folder of born-digital PDFs (truth: their "
                         "text layer)")
     parser.add_argument("--pages", type=int, default=8, help="pages of each (default 8)")
-    parser.add_argument("--write", action="store_true", help=f"write the table to {RESULTS.name}")
+    parser.add_argument("--layout", action="store_true", help="layout detection on (the test "
+                        "kit's stand-in layout model, on the CPU; page numbers on the generated "
+                        "book's pages)")
+    parser.add_argument("--write", action="store_true", help=f"write the table to {RESULTS.name} "
+                        "(the section of this layout setting)")
     args = parser.parse_args(argv)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="ocrvl-fidelity-") as tmp, \
             start_fake_server(free_port(), "--read-text") as server:
         work = Path(tmp)
+        if args.layout:  # read by `ocrvl convert` and by PaddleX in this process alike
+            os.environ["PADDLE_PDX_CACHE_HOME"] = str(write_layout_model(work / "paddlex"))
         documents: list[tuple[Path, list[str]]] = []
         pages = flow_pages(generated_book(args.pages))[:args.pages]
-        book = make_text_pdf(work / "generated-book" / "book.pdf", pages)
+        book = make_text_pdf(work / "generated-book" / "book.pdf", pages, numbered=args.layout)
         documents.append((book, ["\n".join(p).replace("# ", "") for p in pages]))
         typeset = work / "born-digital-book" / "book.pdf"
         typeset.parent.mkdir()
@@ -239,21 +258,38 @@ def main(argv: list[str] | None = None) -> int:
         for pdf, truth in documents:
             name = pdf.parent.name
             page_splits = splits(truth)
-            markdown, answered, hyphens = run_ocrvl_convert(pdf, server.api_url, pdf.parent)
+            markdown, answered, hyphens = run_ocrvl_convert(pdf, server.api_url, args.layout)
             rows.append(score(name, "ocrvl", truth, answered, markdown, page_splits, hyphens))
-            markdown, answered = run_paddleocr(pdf, server.api_url, args.pages)
+            markdown, answered = run_paddleocr(pdf, server.api_url, args.pages, args.layout)
             rows.append(score(name, "PaddleOCR predict + restructure_pages", truth, answered,
                               markdown, page_splits, 0))
             print(table(rows[-2:]).split("\n", 2)[2], file=sys.stderr, flush=True)
     text = table(rows)
     print(text)
     if args.write:
-        RESULTS.write_text(
-            f"# Fidelity (`python -m bench.fidelity --pages {args.pages}`)\n\n"
-            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; the stand-in server reads "
-            "with PP-OCRv6 (rapidocr), layout detection off; see README.md, Fidelity.\n\n"
-            f"{text}\n", "utf-8")
+        write_section(f"Layout detection {'on' if args.layout else 'off'}", (
+            f"`python -m bench.fidelity --pages {args.pages}{' --layout' * args.layout}`, "
+            f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; the stand-in server "
+            f"reads with PP-OCRv6 (rapidocr).\n\n{text}\n"))
     return 0
+
+
+def write_layout_model(cache: Path) -> Path:
+    """The test kit's small stand-in PP-DocLayoutV3 where PaddleX looks for the real one."""
+    subprocess.run([sys.executable, "-m", "testkit.layout_model", str(cache), "--small"],
+                   env=ocrvl_env(), check=True, capture_output=True, timeout=600)
+    return cache
+
+
+def write_section(title: str, body: str) -> None:
+    """Put `## title` with `body` into RESULTS, replacing that section if it is there."""
+    text = RESULTS.read_text("utf-8") if RESULTS.exists() else (
+        "# Fidelity (`python -m bench.fidelity`; see README.md, Fidelity)\n")
+    sections = re.split(r"(?m)^(?=## )", text)
+    kept = [s for s in sections[1:] if not s.startswith(f"## {title}\n")]
+    RESULTS.write_text("".join([sections[0].rstrip("\n") + "\n\n", *kept,
+                                f"## {title}\n\n{body}\n"]).replace("\n\n\n", "\n\n"),
+                       "utf-8")
 
 
 if __name__ == "__main__":
