@@ -444,16 +444,23 @@ class HooksConfig(_Section):
 class OutputConfig(_Section):
     """What is written, and where."""
 
-    # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks).
-    formats: list[Literal["markdown", "json"]] = ["markdown"]  # pydantic copies it
+    # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks);
+    # pdf: also <stem>.ocr.pdf (the original pages with an invisible text layer).
+    formats: list[Literal["markdown", "json", "pdf"]] = ["markdown"]  # pydantic copies it
     dir: Path | None = None
+    # How a page's start is marked in the Markdown: anchor (a comment and `<a id="page-N">`,
+    # inside a paragraph that runs on) or rule (`---` and the comment: each page apart).
+    page_breaks: Literal["anchor", "rule"] = "anchor"
+    # Book-level structure (book.py): tables merged and headings relevelled across pages,
+    # and with page_breaks: anchor paragraphs and hyphenated words joined across them.
+    restructure: bool = True
 
     @field_validator("formats")
     @classmethod
     def _markdown_first(cls, value: list[str]) -> list[str]:
         if "markdown" not in value:
             raise ValueError("must include markdown (the Markdown is always written); "
-                             "use [markdown] or [markdown, json]")
+                             "use [markdown], or add json and/or pdf: [markdown, json, pdf]")
         return value
 
     @field_validator("dir")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from ocrvl_daemon import jobs, output, pdf
+from ocrvl_daemon.book import Book, BookPage, restructure
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.decide import (
     Action,
@@ -223,8 +224,9 @@ class Converter:
                 self._fail(job, _unexpected(exc))
 
     def _start_job(self, job: Job) -> None:
+        formats = self.config.output.formats
         started = jobs.start_job(self.store, job, self.recipe.key, self.place,
-                                 json_output="json" in self.config.output.formats)
+                                 json_output="json" in formats, searchable="pdf" in formats)
         if started is not None:
             self.active[started.job_id] = started
 
@@ -415,7 +417,10 @@ class Converter:
                 self._pages(job),
                 size_hint=self.store.pages_size(job.sha256, self.recipe.key),
                 json_output="json" in self.config.output.formats,
+                searchable="pdf" in self.config.output.formats,
                 place=self.place,
+                page_breaks=self.config.output.page_breaks,
+                book=self._book(job),
             )
         except StateFullError:
             raise
@@ -475,6 +480,23 @@ class Converter:
         if not same:
             self._source_moved(doc, changed=True)
         return same
+
+    def _book(self, job: Job) -> Book | None:
+        """The document's book-level structure, made from its stored pages' text (None when
+        `output.restructure` is off)."""
+        out = self.config.output
+        if not out.restructure:
+            return None
+        try:
+            return restructure(
+                (BookPage(p.page, p.markdown, (p.layout or {}).get("blocks"),
+                          flagged=p.failed or p.note is not None or p.verdict not in (None, "ok"))
+                 for p in self.store.iter_pages(job.sha256, self.recipe.key, images=False)),
+                join_paragraphs=out.page_breaks == "anchor")
+        except Exception:  # the pages as recognised are still the book: never lose it for this
+            log.exception("%s: book-level structure failed; its pages are written as "
+                          "recognised", job.path.name, extra=_fields(job))
+            return None
 
     def _pages(self, job: Job) -> Iterator[output.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):

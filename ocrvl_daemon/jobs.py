@@ -70,7 +70,7 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
 
 
 def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
-              json_output: bool) -> Document | None:
+              json_output: bool, searchable: bool = False) -> Document | None:
     """Mark queued `job` running: its active document, with the job (identified again if its
     file changed) and its pages still to do. None when its file is gone (it is dropped) or
     this version is not queued. An unusable file or output place raises, as OcrvlError or
@@ -90,7 +90,7 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
         job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
         if job.state is not JobState.QUEUED:
             return None
-    output.check_writable(path, json_output=json_output, place=place)
+    output.check_writable(path, json_output=json_output, searchable=searchable, place=place)
     count = pdf.page_count(path)
     done = store.done_pages(job.sha256, key)
     store.set_running(job.id, count)

@@ -1,6 +1,6 @@
 """Writing results: `<stem>.md`, `<stem>_images/`, `<stem>.ocrvl-error.txt`, and with
 `output.formats: [markdown, json]` `<stem>.json` (pages, their quality and layout blocks; its
-JSON Schema is `data/document.schema.json`).
+JSON Schema is `data/document.schema.json`), with `pdf` `<stem>.ocr.pdf` (`searchable_pdf`).
 
 They go next to the PDF, or under `output.dir` mirroring the inbox's sub-folders
 (`OutputPlace`); every rule below holds in both places.
@@ -27,8 +27,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, write_atomic
+from ocrvl_daemon.book import Book, PageBreaks, page_anchor
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
 from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
+from ocrvl_daemon.searchable_pdf import (
+    SEARCHABLE_SUFFIX,
+    PageText,
+    is_ours,
+    write_searchable_pdf,
+)
 from ocrvl_daemon.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -115,6 +122,11 @@ def json_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
     return place.base(pdf).with_suffix(".json")
 
 
+def searchable_for(pdf: Path, place: OutputPlace = NEXT_TO_PDF) -> Path:
+    """The searchable PDF that belongs to `pdf` (`output.formats: [..., pdf]`)."""
+    return place.base(pdf).with_suffix(SEARCHABLE_SUFFIX)
+
+
 def _is_our_json(path: Path) -> bool:
     try:
         with path.open("r", encoding="utf-8", errors="replace") as f:
@@ -166,16 +178,17 @@ def is_current(pdf: Path, sha256: str, model: str, place: OutputPlace = NEXT_TO_
     return header is not None and header.get("sha256") == sha256 and header.get("model") == model
 
 
-def check_writable(pdf: Path, *, json_output: bool = False,
+def check_writable(pdf: Path, *, json_output: bool = False, searchable: bool = False,
                    place: OutputPlace = NEXT_TO_PDF) -> None:
     """Refuse early when the output cannot be written: a read-only folder, or an output
     ocrvl must not replace in the way."""
     md, images, _ = outputs_for(pdf, place)
     data = json_for(pdf, place)
+    layered = searchable_for(pdf, place)
     limit = _name_limit(place.base(pdf))
     # Every output named exactly after the PDF, before anything looks one up (a name too
     # long for the filesystem fails even a lookup).
-    for fixed in (md, data) if json_output else (md,):
+    for fixed in (md, *[data] * json_output, *[layered] * searchable):
         if name_bytes(fixed.name) > limit:
             raise NameTooLongError(
                 f"{fixed.name} would be {name_bytes(fixed.name)} bytes long; this filesystem "
@@ -187,6 +200,11 @@ def check_writable(pdf: Path, *, json_output: bool = False,
     if json_output and data.exists() and not _is_our_json(data):
         raise NotOursError(
             f"{data} already exists and was not written by ocrvl; it is left untouched.",
+            "move or rename it",
+        )
+    if searchable and layered.exists() and not is_ours(layered):
+        raise NotOursError(
+            f"{layered} already exists and was not written by ocrvl; it is left untouched.",
             "move or rename it",
         )
     if md.exists() and read_header(md) is None:
@@ -210,10 +228,18 @@ def write_document(
     size_hint: int = 0,
     *,
     json_output: bool = False,
+    searchable: bool = False,
     place: OutputPlace = NEXT_TO_PDF,
+    page_breaks: PageBreaks = "rule",
+    book: Book | None = None,
 ) -> None:
     """Write `<stem>.md` and `<stem>_images/` from `pages` (in order), atomically, and with
-    `json_output` `<stem>.json` too (renamed in just before the Markdown).
+    `json_output` `<stem>.json` too, with `searchable` `<stem>.ocr.pdf` (`pdf` with a text
+    layer of the pages' blocks; both renamed in just before the Markdown).
+
+    `page_breaks` says how a page's start is marked (`rule`: a rule and a page comment;
+    `anchor`: the comment and an anchor, no rule); `book` (`book.restructure`) gives each
+    page's restructured Markdown, the pages that start inside a paragraph and the joins.
 
     Pages are streamed: a 10,000-page book never sits in memory whole. The image folder is
     swapped in first and the Markdown renamed last, so the Markdown never links to images
@@ -227,14 +253,19 @@ def write_document(
     tmp_dir = temporary(images_dir)
     data = json_for(pdf, place)
     tmp_json = temporary(data)
+    layered = searchable_for(pdf, place)
+    tmp_layered = temporary(layered)
+    texts: list[PageText] = []  # the pages' blocks for the text layer (no images)
     link_base = quote(os.fsencode(images_dir.name))  # a viewer finds the raw-byte name
     try:
-        check_writable(pdf, json_output=json_output, place=place)
+        check_writable(pdf, json_output=json_output, searchable=searchable, place=place)
         # A killed run leaves its temporaries under its own pid; they are useless now.
         remove_temporaries(md)
         remove_temporaries(images_dir)
         if json_output:
             remove_temporaries(data)
+        if searchable:
+            remove_temporaries(layered)
         with contextlib.ExitStack() as files:
             out = files.enter_context(tmp_md.open("w", encoding="utf-8"))
             js = files.enter_context(tmp_json.open("w", encoding="utf-8")) if json_output else None
@@ -249,23 +280,32 @@ def write_document(
                     + ',\n"pages": [')
             separator = "\n"
             for page in pages:
-                text = page.markdown
+                text = page.markdown if book is None else book.text(page.index, page.markdown)
                 image_paths = []
                 for name, image in sorted(page.images.items()):
                     new_name = f"p{page.index + 1:04d}_{Path(name).name}"
                     _write_image(tmp_dir, new_name, image)
                     text = text.replace(name, f"{link_base}/{quote(new_name)}")
                     image_paths.append(f"{shown(images_dir.name)}/{new_name}")
-                out.write(_page_block(page, text, first=page.index == 0))
+                if book is not None and page.index in book.inline:
+                    out.write(f"\n{text.strip()}\n" if text.strip() else "")
+                else:
+                    out.write(_page_block(page, text, first=page.index == 0,
+                                          page_breaks=page_breaks))
                 if js is not None:
-                    js.write(separator + json.dumps(_page_json(page, image_paths)))
+                    js.write(separator + json.dumps(_page_json(page, image_paths, book)))
                     separator = ",\n"
+                if searchable and page.layout and page.layout.get("size"):
+                    texts.append(PageText(page.index, tuple(page.layout["size"]),
+                                          page.layout.get("blocks") or []))
             if js is not None:
-                js.write("\n]}\n")
+                joins = [] if book is None else [join.to_json() for join in book.joins]
+                js.write(f"\n],\n\"joins\": {json.dumps(joins)}}}\n")
             for written in (out, js):
                 if written is not None:
                     written.flush()
                     os.fsync(written.fileno())
+        searchable = searchable and _write_layered(pdf, tmp_layered, texts, sha256)
         if tmp_dir.exists():
             fsync_dir(tmp_dir)
         if images_dir.exists():
@@ -276,19 +316,37 @@ def write_document(
             os.replace(tmp_dir, images_dir)
         if json_output:
             os.replace(tmp_json, data)
+        if searchable:
+            os.replace(tmp_layered, layered)
         os.replace(tmp_md, md)
         fsync_dir(md.parent)
     except OSError as exc:
         raise _output_error(md, exc) from exc
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        for tmp in (tmp_md, tmp_json):
+        for tmp in (tmp_md, tmp_json, tmp_layered):
             with contextlib.suppress(OSError):  # never there, or the folder is read-only
                 tmp.unlink()
 
 
-def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
-    """One page of the JSON output (see data/document.schema.json)."""
+def _write_layered(pdf: Path, target: Path, texts: list[PageText], sha256: str) -> bool:
+    """Write the searchable PDF to `target` (synced); False, with the reason logged, for a
+    PDF whose structure qpdf cannot read (PDFium drew its pages: the Markdown still comes)."""
+    import pikepdf
+
+    try:
+        write_searchable_pdf(pdf, target, texts, sha256)
+    except pikepdf.PdfError as exc:
+        log.warning("%s: no searchable PDF: its structure cannot be read (%s)", pdf.name, exc)
+        return False
+    with target.open("rb") as written:
+        os.fsync(written.fileno())
+    return True
+
+
+def _page_json(page: Page, image_paths: list[str], book: Book | None) -> dict[str, Any]:
+    """One page of the JSON output (see data/document.schema.json): the pipeline's blocks and
+    Markdown, a heading's level across the book added to its block."""
     quality = dict(page.quality or {})
     verdict, reason = quality.pop("verdict", None), quality.pop("reason", None)
     if verdict is None:  # a placeholder, or a page recorded before quality records
@@ -298,15 +356,22 @@ def _page_json(page: Page, image_paths: list[str]) -> dict[str, Any]:
     blocks = layout.get("blocks")
     if blocks is None:  # recorded before layouts were kept: the page as one block
         blocks = [{"label": "text", "bbox": None, "text": page.markdown}]
+    elif book is not None:
+        blocks = [{**block, "level": book.levels[(page.index, i)]}
+                  if (page.index, i) in book.levels else block for i, block in enumerate(blocks)]
     return {"number": page.index + 1, "verdict": verdict, "reason": reason,
             "signals": quality or None, "note": page.note, "size": layout.get("size"),
             "blocks": blocks, "markdown": page.markdown, "images": image_paths}
 
 
-def _page_block(page: Page, text: str, *, first: bool) -> str:
-    """A page's Markdown, preceded by a visible boundary (a rule and a page comment)."""
-    lines = [] if first else ["---"]
-    lines.append(f"<!-- page {page.index + 1} -->")
+def _page_block(page: Page, text: str, *, first: bool, page_breaks: PageBreaks) -> str:
+    """A page's Markdown, preceded by a visible boundary: a rule and a page comment, or
+    the comment and an anchor (`page_breaks`)."""
+    if page_breaks == "anchor":
+        lines = [page_anchor(page.index + 1)]
+    else:
+        lines = [] if first else ["---"]
+        lines.append(f"<!-- page {page.index + 1} -->")
     verdict = (page.quality or {}).get("verdict", "ok")
     if verdict != "ok":
         lines.append(f"<!-- ocrvl: page {page.index + 1} {verdict}: "

@@ -394,8 +394,10 @@ class Store:
                         [(sha256, model, p) for p in pages],
                     )
 
-    def iter_pages(self, sha256: str, model: str) -> Iterator[StoredPage]:
-        """Checkpointed pages in order, a batch at a time (a 10,000-page book stays small)."""
+    def iter_pages(self, sha256: str, model: str, *, images: bool = True
+                   ) -> Iterator[StoredPage]:
+        """Checkpointed pages in order, a batch at a time (a 10,000-page book stays small);
+        without their images unless `images`."""
         last = -1
         while True:
             rows = self._db.execute(
@@ -406,15 +408,15 @@ class Store:
             if not rows:
                 return
             for row in rows:
-                images = {
+                kept = {
                     r[0]: r[1]
                     for r in self._db.execute(
                         "SELECT name, data FROM page_images WHERE sha256=? AND model=? AND page=?",
                         (sha256, model, row["page"]),
                     )
-                }
+                } if images else {}
                 yield StoredPage(
-                    row["page"], row["markdown"], row["note"], bool(row["failed"]), images,
+                    row["page"], row["markdown"], row["note"], bool(row["failed"]), kept,
                     _json_or_none(row["quality"]), _json_or_none(row["layout"]),
                 )
             last = rows[-1]["page"]

@@ -10,6 +10,7 @@ import errno
 import math
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,103 @@ def make_layout_pdf(path: Path, pages: int, *, seed: int = 0) -> Path:
     images[0].save(path, "PDF", save_all=True, append_images=images[1:],
                    resolution=float(LAYOUT_DPI))
     return path
+
+
+TEXT_FONT_PX = 30  # `make_text_pdf`'s body text: 15 pt at LAYOUT_DPI
+TEXT_MARGIN = 110
+
+
+def make_text_pdf(path: Path, pages: Sequence[Sequence[str]], *,
+                  numbered: bool = False) -> Path:
+    """A scanned-like raster PDF of real words: page i holds the paragraphs `pages[i]`, each
+    wrapped to the page's width, a blank line between paragraphs (so a reader can tell them
+    apart) and none at a page's end (a paragraph may run on, even mid-word: `docu-`). A
+    paragraph starting with `# ` is a heading, drawn larger without the mark. `numbered`:
+    "Page N" at each page's foot, where the stand-in layout model labels it `number`."""
+    from PIL import ImageFont
+
+    body = ImageFont.load_default(size=TEXT_FONT_PX)
+    heading = ImageFont.load_default(size=TEXT_FONT_PX * 3 // 2)
+    width = LAYOUT_PAGE[0] - 2 * TEXT_MARGIN
+    images: list[Image.Image] = []
+    for paragraphs in pages:
+        img = Image.new("RGB", LAYOUT_PAGE, "white")
+        draw = ImageDraw.Draw(img)
+        y = TEXT_MARGIN
+        for paragraph in paragraphs:
+            font, size = ((heading, TEXT_FONT_PX * 3 // 2) if paragraph.startswith("# ")
+                          else (body, TEXT_FONT_PX))
+            line_height = round(size * 1.35)
+            for line in _wrap(paragraph.removeprefix("# "), draw, font, width):
+                if y + line_height > LAYOUT_PAGE[1] - TEXT_MARGIN:
+                    raise ValueError(f"page {len(images) + 1} is full at {line!r}")
+                draw.text((TEXT_MARGIN, y), line, fill="black", font=font)
+                y += line_height
+            y += line_height
+        if numbered:
+            # "Page N": a lone "1" is too thin for the stand-in server's OCR model to read
+            draw.text((LAYOUT_PAGE[0] // 2, 1500), f"Page {len(images) + 1}", fill="black",
+                      font=body, anchor="mt")
+        images.append(img)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, "PDF", save_all=True, append_images=images[1:],
+                   resolution=float(LAYOUT_DPI))
+    return path
+
+
+def flow_pages(paragraphs: Sequence[str], *, hyphenate: bool = True) -> list[list[str]]:
+    """`paragraphs` (body text, `# ` headings) set on `make_text_pdf` pages as a book sets
+    them: a paragraph that does not fit runs on to the next page, and with `hyphenate` a long
+    word at the break is cut (`docu-` / `ment`). Returns each page's paragraphs."""
+    from PIL import ImageFont
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    body = ImageFont.load_default(size=TEXT_FONT_PX)
+    width = LAYOUT_PAGE[0] - 2 * TEXT_MARGIN
+    room = LAYOUT_PAGE[1] - 2 * TEXT_MARGIN
+    body_line = round(TEXT_FONT_PX * 1.35)
+    heading_line = round(TEXT_FONT_PX * 3 // 2 * 1.35)
+    pages: list[list[str]] = [[]]
+    used = 0
+    for paragraph in paragraphs:
+        if paragraph.startswith("# "):
+            if used + 2 * heading_line + 2 * body_line > room:  # never a heading at a foot
+                pages.append([])
+                used = 0
+            pages[-1].append(paragraph)
+            used += 2 * heading_line
+            continue
+        lines = _wrap(paragraph, draw, body, width)
+        while lines:
+            fit = (room - used) // body_line
+            if fit >= len(lines):
+                pages[-1].append(" ".join(lines))
+                used += (len(lines) + 1) * body_line
+                break
+            if fit >= 1:
+                here, lines = lines[:fit], lines[fit:]
+                words = lines[0].split()
+                cut = len(words[0]) // 2
+                piece = f" {words[0][:cut]}-"
+                if (hyphenate and len(words[0]) >= 8 and words[0].isalpha()
+                        and draw.textlength(here[-1] + piece, font=body) <= width):
+                    here[-1] += piece
+                    lines[0] = " ".join([words[0][cut:], *words[1:]])
+                    lines = _wrap(" ".join(lines), draw, body, width)
+                pages[-1].append(" ".join(here))
+            pages.append([])
+            used = 0
+    return [page for page in pages if page]
+
+
+def _wrap(text: str, draw: ImageDraw.ImageDraw, font: Any, width: int) -> list[str]:
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines
 
 
 RED_MARK = (110, 0, 0)  # dark enough to be ink for the stand-in layout model, and red

@@ -40,7 +40,8 @@ def pages_done(setup: Setup, digest: str) -> int:
 
 
 def page_count(md: Path) -> int:
-    return len(re.findall(r"^<!-- page \d+ -->$", md.read_text("utf-8"), re.MULTILINE))
+    """Pages marked in `md` (a page that continues a paragraph is marked inside it)."""
+    return len(re.findall(r"<!-- page \d+ -->", md.read_text("utf-8")))
 
 
 def settled(setup: Setup, corpus: list[BadInput]) -> dict[str, dict] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -109,9 +110,11 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
     block = shell_block(readme(), "testkit.fake_server") + shell_block(readme(),
                                                                       "testkit.layout_model")
     port = free_port()
+    requests = tmp_path / "requests.jsonl"  # the image sizes the server was sent
     script = (block.replace("/tmp/ocrvl-try", str(tmp_path / "try"))
               .replace("8118", str(port))
-              .replace(".venv/bin/", f"{Path(sys.executable).parent}/"))
+              .replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+              .replace("--read-text", f"--read-text --request-log {requests}"))
     make_pdf(tmp_path / "your.pdf", 2)
     env = ocrvl_env(HOME=str(tmp_path / "home"), **{gpu.NO_NVML_ENV: "1",
                                                      gpu.NVIDIA_SMI_ENV: str(NO_GPU)})
@@ -125,11 +128,13 @@ def test_trying_ocrvl_without_a_gpu_works_as_documented(tmp_path):
         terminate_group(shell.pid, 10, "README commands", reap=shell.poll)
     assert shell.returncode == 0, f"README's commands failed:\n{output}"
     markdown = (tmp_path / "try" / "book.md").read_text(encoding="utf-8")
-    assert "<!-- page 2 -->" in markdown and "fake-ocr OCR" in markdown, markdown
+    assert "<!-- page 2 -->" in markdown and "page 2 of your.pdf" in markdown, (
+        f"the PDF's own words are not in book.md:\n{markdown}")
     # The second block: layout detection on, through the stand-in layout model.
-    sent = [int(w) * int(h) for w, h in re.findall(r"fake-ocr \w+ (\d+)x(\d+)", markdown)]
-    assert sent and all(pixels < MAX_IMAGE_PIXELS / 4 for pixels in sent), (
-        f"with layout detection on, whole pages were sent, not their blocks:\n{markdown}")
+    sent = [json.loads(line) for line in requests.read_text("utf-8").splitlines()]
+    pages = sum(r["w"] * r["h"] > MAX_IMAGE_PIXELS / 4 for r in sent)
+    assert pages == 2 and len(sent) > pages, (
+        f"with layout detection on, whole pages were sent, not their blocks: {sent}")
     assert "Nothing blocks conversion" in output, "doctor finds a problem in the documented set-up"
     assert "none needed here" in output, "doctor did not run without a GPU"
 

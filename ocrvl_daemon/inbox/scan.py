@@ -18,11 +18,13 @@ from ocrvl_daemon.atomic_file import TMP_MARK
 from ocrvl_daemon.config import InboxConfig
 from ocrvl_daemon.names import is_pdf_name
 from ocrvl_daemon.output import ERROR_SUFFIX, IMAGES_SUFFIX
+from ocrvl_daemon.searchable_pdf import SEARCHABLE_SUFFIX
 
 log = logging.getLogger(__name__)
 
-# ocrvl's own output must never trigger work: Markdown, image folders, error notes, temp files.
-OWN_FILE_PATTERNS = ("*.md", f"*{ERROR_SUFFIX}", f"*{TMP_MARK}*")
+# ocrvl's own output must never trigger work: Markdown, searchable PDFs, image folders, error
+# notes, temp files.
+OWN_FILE_PATTERNS = ("*.md", f"*{SEARCHABLE_SUFFIX}", f"*{ERROR_SUFFIX}", f"*{TMP_MARK}*")
 OWN_DIR_PATTERNS = (f"*{IMAGES_SUFFIX}", f"*{TMP_MARK}*")
 
 

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-marked", action="store_true",
                    help="images with a red mark on them (a block of a laid-out page) loop "
                    "unless the request breaks loops")
+    p.add_argument("--read-text", action="store_true",
+                   help="answer with the words on the image, read by a real OCR model (rapidocr's "
+                   "PP-OCRv6 on onnxruntime, CPU; the test extra): one paragraph a line, a "
+                   "word a token")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
     return p
 
@@ -135,6 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         empty_widths=ns.empty_widths,
         refused_prompts=tuple(p for p in ns.refused_prompts.split(",") if p),
         loop_marked=ns.loop_marked,
+        read_text=ns.read_text,
         access_log=not ns.disable_uvicorn_access_log,
         ignored_args=tuple(unknown),
     )

@@ -45,6 +45,7 @@ class FakeServerConfig:
     empty_widths: frozenset[int] = frozenset()
     refused_prompts: tuple[str, ...] = ()  # requests whose prompt starts so get an HTTP 400
     loop_marked: bool = False  # images with a red mark loop, like loop_widths
+    read_text: bool = False  # answer with the image's real words (reader.py)
     access_log: bool = True
     ignored_args: tuple[str, ...] = ()
 

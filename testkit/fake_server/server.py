@@ -38,6 +38,7 @@ import http
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -69,6 +70,7 @@ from testkit.fake_server.batching import PREFILL_UNIT_TOKENS, BatchSimulator, Si
 from testkit.fake_server.config import FakeServerConfig
 from testkit.fake_server.console import emit, vllm_line
 from testkit.fake_server.metrics import Activity, VllmMetrics, fake_stats
+from testkit.fake_server.reader import read_text
 from testkit.fake_server.startup import (
     plan_startup,
     print_failure,
@@ -382,8 +384,11 @@ class FakeServer:
         # A loop never ends by itself: it runs to the limit.
         looping = cfg.looping_answers or (
             (info.width in cfg.loop_widths or info.marked) and not chat.breaks_loops)
+        words = await self._read(chat)
         drawn = self.lengths.draw(info.digest)
-        if looping or info.width in cfg.cut_widths:
+        if words is not None:  # the image's own words: the made-up answers' modes do not apply
+            drawn, looping = len(words), False
+        elif looping or info.width in cfg.cut_widths:
             drawn = max_tokens + 1
         elif info.width in cfg.empty_widths:
             drawn = 0
@@ -394,7 +399,8 @@ class FakeServer:
                     cfg.prepare_ms_per_image * img_tokens / PREFILL_UNIT_TOKENS / 1000)
         record["engine"] = time.time()
         answer = _Answer(
-            chat, reply_pieces(prompt_kind(chat.prompt), info, produced, looping),
+            chat, (reply_pieces(prompt_kind(chat.prompt), info, produced, looping)
+                   if words is None else words[:produced]),
             "length" if drawn > max_tokens else "stop",
             {"prompt_tokens": prompt_tokens, "completion_tokens": produced,
              "total_tokens": prompt_tokens + produced},
@@ -511,6 +517,14 @@ class FakeServer:
             raise RequestError(400, "absolute aspect ratio must be smaller than "
                                     f"{MAX_IMAGE_ASPECT}, got {aspect}", "BadRequestError")
         return info, image_tokens(info.width, info.height, chat.max_pixels)
+
+    async def _read(self, chat: ChatRequest) -> list[str] | None:
+        """With `--read-text`, the words on the request's image, a piece each (the first
+        without, the others with the space or line break before them); None otherwise."""
+        if not self.cfg.read_text or chat.image is None:
+            return None
+        text = await asyncio.to_thread(read_text, chat.image)
+        return re.findall(r"\s*\S+", text)
 
     async def _hang(self, record: dict[str, Any]) -> None:
         """Never answer (until the engine dies or the server stops: then 500)."""
