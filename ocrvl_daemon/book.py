@@ -291,6 +291,12 @@ def _join(before: BookPage, holder: BookPage, after: BookPage, book: Book) -> bo
     head = book.text(holder.index, holder.markdown).rstrip()
     tail = book.text(after.index, after.markdown).lstrip()
     start, sep, end = head.rpartition("\n\n")
+    number = ""
+    if sep and _PAGE_NUMBER.match(end.strip().strip("-–—. ")):
+        # The printed page number read with the page's text (layout detection off): it stays
+        # a paragraph of its own, after the one it would otherwise cut in two.
+        number = end.strip()
+        start, sep, end = start.rpartition("\n\n")
     opening, _, rest = tail.partition("\n\n")
     kind = _continues(end.strip(), opening.strip())
     if kind is None:
@@ -305,7 +311,7 @@ def _join(before: BookPage, holder: BookPage, after: BookPage, book: Book) -> bo
     else:
         joined = f"{end} {anchor}{opening}"
     book.texts[holder.index] = start + sep + joined
-    book.texts[after.index] = rest
+    book.texts[after.index] = f"{number}\n\n{rest}" if number else rest
     book.inline.add(after.index)
     book.joins.append(Join(kind, after.index, last, first))
     return True

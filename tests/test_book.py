@@ -118,7 +118,7 @@ def test_a_paragraph_over_three_pages_is_one(tmp_path: Path) -> None:
     ("A paragraph without a stop", "# Chapter Two"),  # a heading starts the page
     ("A paragraph without a stop", "<table><tr><td>1</td></tr></table>"),
     ("A paragraph without a stop", "Capitalised New Paragraph starts"),
-    ("text then a lone page number\n\n12", "the next page"),  # layout off: a number, not prose
+    ("A finished sentence.\n\n12", "the next page"),  # layout off: its page number, then
 ])
 def test_what_a_page_break_really_ends_stays_apart(tmp_path: Path, end: str, start: str) -> None:
     markdown, data = written(tmp_path, whole_pages(end, start))
@@ -216,9 +216,15 @@ def test_a_short_continuation_after_a_hyphen_is_joined(tmp_path: Path) -> None:
 @pytest.mark.quick
 @pytest.mark.parametrize("number", ["xii", "- 17 -", "IV.", "Page 12", "p. 3"])
 def test_a_page_number_read_with_the_text_stays_apart(tmp_path: Path, number: str) -> None:
+    """With layout detection off the printed page number ends the page's text (pdflatex's
+    "1" under the last line): the sentence is joined across it, the number kept apart."""
     markdown, data = written(tmp_path, whole_pages(f"A sentence that runs on\n\n{number}",
-                                                   "and on."))
-    assert data["joins"] == [], markdown
+                                                   "and on.\n\nThe next one."))
+    assert [j["kind"] for j in data["joins"]] == ["paragraph"], markdown
+    assert f"A sentence that runs on {page_anchor(2)}and on." in markdown, markdown
+    paragraphs = [p.strip() for p in markdown.split("\n\n")]
+    assert number in paragraphs, f"the page number {number!r} was glued into a paragraph"
+    assert words(markdown)[-3:] == ["The", "next", "one"], "the page's text is out of order"
 
 
 @pytest.mark.quick
