@@ -116,7 +116,7 @@ def restructure(pages: Iterable[BookPage], *, join_paragraphs: bool) -> Book:
             if (holder is not None and after.index == before.index + 1
                     and not (before.flagged or after.flagged)
                     and _join(before, holder, after, book)
-                    and not book.texts[after.index].strip()):
+                    and _page_numbers_only(book.texts[after.index])):
                 continue  # all of `after` went into the paragraph: it goes on in `holder`
             holder = after
     return book
@@ -263,8 +263,16 @@ def _is_text(page: BookPage, block: int | None) -> bool:
 
 def _prose(paragraph: str) -> bool:
     """Running text, not a heading, table, image, formula, list item or page number."""
-    return (bool(paragraph) and not _NOT_PROSE.match(paragraph)
-            and not _PAGE_NUMBER.match(paragraph.strip("-–—. ")))
+    return bool(paragraph) and not _NOT_PROSE.match(paragraph) and not _is_page_number(paragraph)
+
+
+def _page_numbers_only(text: str) -> bool:
+    """Whether `text` holds nothing but printed page numbers (or nothing at all)."""
+    return all(_is_page_number(p) for p in text.split("\n\n") if p.strip())
+
+
+def _is_page_number(paragraph: str) -> bool:
+    return _PAGE_NUMBER.match(paragraph.strip().strip("-–—. ")) is not None
 
 
 def _continues(before: str, after: str) -> Literal["paragraph", "hyphen"] | None:
@@ -292,7 +300,7 @@ def _join(before: BookPage, holder: BookPage, after: BookPage, book: Book) -> bo
     tail = book.text(after.index, after.markdown).lstrip()
     start, sep, end = head.rpartition("\n\n")
     number = ""
-    if sep and _PAGE_NUMBER.match(end.strip().strip("-–—. ")):
+    if sep and _is_page_number(end):
         # The printed page number read with the page's text (layout detection off): it stays
         # a paragraph of its own, after the one it would otherwise cut in two.
         number = end.strip()

@@ -238,3 +238,17 @@ def test_a_table_over_three_pages_is_one_with_every_row_once(tmp_path: Path) -> 
     assert re.findall(r">(\w+)<", markdown) == ["Name", *rows], markdown
     assert [(j["from"]["page"], j["to"]["page"]) for j in data["joins"]] == [(1, 2), (2, 3)]
     assert markdown.index(page_anchor(2)) > markdown.index("plum"), "the page anchors moved"
+
+
+@pytest.mark.quick
+def test_a_paragraph_over_numbered_pages_is_one_and_keeps_every_number(tmp_path: Path) -> None:
+    """pdflatex's pages with layout detection off: each page's text is one paragraph running
+    on, its printed number under it. The paragraph is one across all three pages."""
+    markdown, data = written(tmp_path, whole_pages(
+        "It runs from the first page\n\n1", "over the whole second page\n\n2",
+        "onto the third and ends.\n\n3"))
+    assert [j["kind"] for j in data["joins"]] == ["paragraph", "paragraph"], markdown
+    assert (f"It runs from the first page {page_anchor(2)}over the whole second page "
+            f"{page_anchor(3)}onto the third and ends.") in markdown, markdown
+    paragraphs = [p.strip() for p in markdown.split("\n\n")]
+    assert all(n in paragraphs for n in "123"), "a page number was lost or glued into the text"
