@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pypdfium2
 
-from ocrvl_daemon.book import IGNORED_LABELS
+from ocrvl_daemon.book import IGNORED_LABELS, is_page_number
 from testkit.documents import flow_pages, make_text_pdf
 from testkit.harness import free_port, start_fake_server
 from testkit.runner import ocrvl_env, run_ocrvl, write_config
@@ -130,9 +130,17 @@ def first_pages(pdf: Path, copy: Path, count: int) -> None:
 
 
 def truth_of(pdf: Path, limit: int) -> list[str]:
-    """Each page's text from the PDF's own text layer (PDFium)."""
+    """Each page's running text from the PDF's own text layer (PDFium): its printed page
+    number, a line of its own, is page furniture, as the layout model labels it."""
     document = pypdfium2.PdfDocument(pdf)
-    return [document[i].get_textpage().get_text_bounded() for i in range(min(limit, len(document)))]
+    return ["\n".join(line for line in document[i].get_textpage().get_text_bounded().splitlines()
+                      if not is_page_number(line))
+            for i in range(min(limit, len(document)))]
+
+
+def running_text(markdown: str) -> str:
+    """`markdown` without the paragraphs that are a printed page number alone."""
+    return "\n\n".join(p for p in markdown.split("\n\n") if not is_page_number(p))
 
 
 def splits(pages: list[str]) -> list[tuple[str, str]]:
@@ -164,7 +172,7 @@ def dehyphenate(text: str) -> str:
 def score(name: str, contender: str, truth: list[str], answered: list[str], markdown: str,
           page_splits: list[tuple[str, str]], hyphen_joins: int) -> Row:
     """One row: the output against the truth, and against what the model answered."""
-    out, expected = words(markdown), words(dehyphenate(" ".join(truth)))
+    out, expected = words(running_text(markdown)), words(dehyphenate(" ".join(truth)))
     said = Counter(words(" ".join(answered)))
     got = Counter(out)
     # A word made whole from two pieces: the pieces were answered, the word is written.

@@ -263,15 +263,16 @@ def _is_text(page: BookPage, block: int | None) -> bool:
 
 def _prose(paragraph: str) -> bool:
     """Running text, not a heading, table, image, formula, list item or page number."""
-    return bool(paragraph) and not _NOT_PROSE.match(paragraph) and not _is_page_number(paragraph)
+    return bool(paragraph) and not _NOT_PROSE.match(paragraph) and not is_page_number(paragraph)
 
 
 def _page_numbers_only(text: str) -> bool:
     """Whether `text` holds nothing but printed page numbers (or nothing at all)."""
-    return all(_is_page_number(p) for p in text.split("\n\n") if p.strip())
+    return all(is_page_number(p) for p in text.split("\n\n") if p.strip())
 
 
-def _is_page_number(paragraph: str) -> bool:
+def is_page_number(paragraph: str) -> bool:
+    """Whether `paragraph` is a printed page number (12, xii, - 12 -, Page 12, p. 12)."""
     return _PAGE_NUMBER.match(paragraph.strip().strip("-–—. ")) is not None
 
 
@@ -300,7 +301,7 @@ def _join(before: BookPage, holder: BookPage, after: BookPage, book: Book) -> bo
     tail = book.text(after.index, after.markdown).lstrip()
     start, sep, end = head.rpartition("\n\n")
     number = ""
-    if sep and _is_page_number(end):
+    if sep and is_page_number(end):
         # The printed page number read with the page's text (layout detection off): it stays
         # a paragraph of its own, after the one it would otherwise cut in two.
         number = end.strip()
