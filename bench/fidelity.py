@@ -133,14 +133,13 @@ def truth_of(pdf: Path, limit: int) -> list[str]:
     """Each page's running text from the PDF's own text layer (PDFium): its printed page
     number, a line of its own, is page furniture, as the layout model labels it."""
     document = pypdfium2.PdfDocument(pdf)
-    return ["\n".join(line for line in document[i].get_textpage().get_text_bounded().splitlines()
-                      if not is_page_number(line))
+    return [running_text(document[i].get_textpage().get_text_bounded())
             for i in range(min(limit, len(document)))]
 
 
-def running_text(markdown: str) -> str:
-    """`markdown` without the paragraphs that are a printed page number alone."""
-    return "\n\n".join(p for p in markdown.split("\n\n") if not is_page_number(p))
+def running_text(text: str) -> str:
+    """`text` without the lines that are a printed page number alone."""
+    return "\n".join(line for line in text.splitlines() if not is_page_number(line))
 
 
 def splits(pages: list[str]) -> list[tuple[str, str]]:
@@ -173,7 +172,7 @@ def score(name: str, contender: str, truth: list[str], answered: list[str], mark
           page_splits: list[tuple[str, str]], hyphen_joins: int) -> Row:
     """One row: the output against the truth, and against what the model answered."""
     out, expected = words(running_text(markdown)), words(dehyphenate(" ".join(truth)))
-    said = Counter(words(" ".join(answered)))
+    said = Counter(words(running_text("\n".join(answered))))
     got = Counter(out)
     # A word made whole from two pieces: the pieces were answered, the word is written.
     lost = sum((said - got).values()) - 2 * hyphen_joins
