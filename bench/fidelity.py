@@ -71,10 +71,12 @@ class Row:
     rejoined: int
 
 
+_EDGES = ".,;:!?\"'()[]“”‘’«»„"  # typographic quotes too: a reader makes no difference
+
+
 def words(text: str) -> list[str]:
     """Words as compared: markup, comments and anchors out, case and edge punctuation off."""
-    return [w.strip(".,;:!?\"'()[]").lower() for w in _MARKUP.sub(" ", text).split()
-            if w.strip(".,;:!?\"'()[]")]
+    return [w.strip(_EDGES).lower() for w in _MARKUP.sub(" ", text).split() if w.strip(_EDGES)]
 
 
 def generated_book(pages: int, seed: int = 7) -> list[str]:
