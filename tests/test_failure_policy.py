@@ -204,7 +204,7 @@ def test_a_full_disk_pauses_output_and_retries_by_itself(
     assert book.with_suffix(".md").exists() and not output.outputs_for(book)[2].exists()
 
 
-def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(policy: Policy):
+def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped_or_gone(policy: Policy):
     gone = make_pdf(policy.folder / "gone.pdf", 1)
     enqueue_file(policy.store, gone, policy.config.recipe)
     gone.unlink()  # deleted while queued
@@ -216,7 +216,11 @@ def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped(polic
     policy.send()
     moving.unlink()  # deleted while converting: the engine reports an input error
     policy.answer(job, 0, "moving.pdf disappeared", kind=Failure.INPUT)
-    assert policy.store.job_for_path(moving) is None and not output.outputs_for(moving)[2].exists()
+    dropped = policy.store.job_for_path(moving)
+    assert dropped is not None and dropped.state is JobState.GONE, (
+        "a PDF deleted while it converted is not shown as gone")
+    assert "deleted while it was being converted" in (dropped.last_error or "")
+    assert not output.outputs_for(moving)[2].exists(), "an error note was left beside it"
 
     touched = make_pdf(policy.folder / "touched.pdf", 1)
     job = policy.queue(touched)
