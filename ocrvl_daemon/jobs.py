@@ -76,12 +76,13 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
     this version is not queued. An unusable file or output place raises, as OcrvlError or
     OSError."""
     path = job.path
-    source = pdf.FileStamp.of(path)
-    if source is None:
+    try:
+        stat = path.stat()
+    except OSError:
         log.info("%s is gone; dropping it from the queue", path)
         store.forget(job.id)
         return None
-    stat = path.stat()
+    source = pdf.FileStamp.from_stat(stat)
     # No hash yet (unreadable when found, or changed while it converted), another version or
     # another recipe (a reload changed it): identify it again.
     if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)

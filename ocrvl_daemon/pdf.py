@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,13 @@ class FileStamp:
     def of(cls, path: Path) -> FileStamp | None:
         """The stamp of the file at `path` now; None when there is none."""
         try:
-            st = path.stat()
+            return cls.from_stat(path.stat())
         except OSError:
             return None
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> FileStamp:
+        """The stamp a stat result gives."""
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
