@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pypdfium2
 
-from ocrvl_daemon.book import IGNORED_LABELS, is_page_number
+from ocrvl_daemon.output.book import IGNORED_LABELS, is_page_number
 from testkit.documents import flow_pages, make_text_pdf
 from testkit.harness import free_port, start_fake_server
 from testkit.runner import ocrvl_env, run_ocrvl, write_config
@@ -208,8 +208,8 @@ def run_ocrvl_convert(pdf: Path, url: str, layout: bool) -> tuple[str, list[str]
 
 def run_paddleocr(pdf: Path, url: str, limit: int, layout: bool) -> tuple[str, list[str]]:
     """PaddleOCR's own book: `predict` on ocrvl's page images, then `restructure_pages`."""
-    from ocrvl_daemon.config import Config
-    from ocrvl_daemon.pdf import page_count, render_page
+    from ocrvl_daemon.config.model import Config
+    from ocrvl_daemon.files.pdf import page_count, render_page
     from ocrvl_daemon.worker.main import pipeline_kwargs
     from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 

@@ -139,8 +139,8 @@ def layout_alone(cache: Path, pdf: Path, engine: str, threads: int, pages: int,
 
 def render_seconds(pdf: Path) -> float:
     """Seconds to render every page as ocrvl does with layout on (its page pixel limit)."""
-    from ocrvl_daemon.config import PipelineConfig
-    from ocrvl_daemon.pdf import page_count, render_page
+    from ocrvl_daemon.config.model import PipelineConfig
+    from ocrvl_daemon.files.pdf import page_count, render_page
 
     config = PipelineConfig(use_layout_detection=True)
     started = time.perf_counter()

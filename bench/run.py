@@ -47,7 +47,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.loadgen import images, measure, replay  # noqa: E402
-from ocrvl_daemon.config import PipelineConfig  # noqa: E402
+from ocrvl_daemon.config.model import PipelineConfig  # noqa: E402
 from testkit.documents import make_pdf  # noqa: E402
 from testkit.harness import free_port, start_fake_server, wait_until  # noqa: E402
 from testkit.runner import ocrvl_argv, ocrvl_env, write_config  # noqa: E402

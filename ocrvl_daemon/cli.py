@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon import __version__
-from ocrvl_daemon.config import Config, openai_base_url
-from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.config.file import load_config
+from ocrvl_daemon.config.model import Config, openai_base_url
 from ocrvl_daemon.errors import ExitCode, OcrvlError
 from ocrvl_daemon.server import vllm_release
 
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _setup_fallback_logging() -> None:
-    from ocrvl_daemon.logs import basic_logging
+    from ocrvl_daemon.observe.logs import basic_logging
 
     basic_logging(logging.INFO, "ocrvl: %(message)s")
 
@@ -209,7 +209,7 @@ def _load(
 
 
 def _logging(config: Config) -> None:
-    from ocrvl_daemon.logs import setup_logging
+    from ocrvl_daemon.observe.logs import setup_logging
 
     setup_logging(config.log_level)
 
@@ -285,7 +285,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_install_service(args: argparse.Namespace) -> int:
     """`ocrvl install-service`."""
     from ocrvl_daemon.commands.install_service import install_service
-    from ocrvl_daemon.config_file import resolve_config_path
+    from ocrvl_daemon.config.file import resolve_config_path
 
     _setup_fallback_logging()
     _load(args)  # refuse to install a unit that would fail on an invalid config

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ocrvl_daemon.document import Document
-from ocrvl_daemon.model_registry import DEFAULT_MODEL
-from ocrvl_daemon.store import Job, JobState
+from ocrvl_daemon.config.models import DEFAULT_MODEL
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.storage.store import Job, JobState
 
 URL = "http://127.0.0.1:8118/v1"
 

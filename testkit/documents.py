@@ -17,8 +17,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from ocrvl_daemon.config import PipelineConfig
-from ocrvl_daemon.pdf import render_scale
+from ocrvl_daemon.config.model import PipelineConfig
+from ocrvl_daemon.files.pdf import render_scale
 
 
 def page_width(index: int) -> int:

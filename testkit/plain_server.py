@@ -10,7 +10,7 @@ import json
 import threading
 from collections.abc import Iterator
 
-from ocrvl_daemon.model_registry import DEFAULT_MODEL
+from ocrvl_daemon.config.models import DEFAULT_MODEL
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon.commands import status
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.driver import Converter, ServerHandle
-from ocrvl_daemon.jobs import enqueue_file, open_store
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.converter import Converter, ServerHandle
+from ocrvl_daemon.engine.pool import WORKER_RESTART_SECONDS, EnginePool
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
-from ocrvl_daemon.store import Job, Store
+from ocrvl_daemon.storage.jobs import enqueue_file, open_store
+from ocrvl_daemon.storage.store import Job, Store
 from ocrvl_daemon.worker.messages import Failure, GateLimit, PageResult, PageTask, RequestSent
-from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool
 
 
 class StandInWorker:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import atomic_file
-from ocrvl_daemon.atomic_file import TMP_MARK, write_atomic
+from ocrvl_daemon.files import atomic
+from ocrvl_daemon.files.atomic import TMP_MARK, write_atomic
 
 SIZE = 4 * 1024 * 1024  # big enough that a write takes a while, so a kill lands inside one
 DEADLINE = 60.0
@@ -21,7 +21,7 @@ DEADLINE = 60.0
 WRITER = """
 import sys
 from pathlib import Path
-from ocrvl_daemon.atomic_file import write_atomic
+from ocrvl_daemon.files.atomic import write_atomic
 target, size = Path(sys.argv[1]), int(sys.argv[2])
 i = 0
 while True:
@@ -84,7 +84,7 @@ def test_a_failing_write_keeps_the_old_content_and_leaves_no_temporary(
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(atomic_file.os, "fsync", full)
+    monkeypatch.setattr(atomic.os, "fsync", full)
     with pytest.raises(OSError, match="No space left"):
         write_atomic(target, "new: 2\n")
     monkeypatch.undo()

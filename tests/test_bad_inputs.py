@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.output import outputs_for, read_header
+from ocrvl_daemon.output.document_files import outputs_for, read_header
 from testkit.documents import (
     BadInput,
     make_bad_input_corpus,

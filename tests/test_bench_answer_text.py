@@ -21,7 +21,7 @@ from bench.gpu.answer_lengths import LognormalAnswerLengths, MoveDirectionality
 from bench.gpu.dummy_model import write_model_dir
 from bench.gpu.lengths import ENV, SHORTEST, AnswerLengths
 from bench.gpu.loop_pages import LoopingAnswerLengths
-from ocrvl_daemon.page_quality import (
+from ocrvl_daemon.core.quality import (
     LOOP_COMPRESSION_RATIO,
     LOOP_WINDOW_CHARS,
     bad_char_share,

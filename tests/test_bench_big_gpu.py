@@ -245,7 +245,7 @@ def test_layout_on_the_gpu_keeps_the_layout_workers_memory_from_the_replicas() -
     """The daemon's own workers run layout off, so its own plan would give the replicas the
     memory ocrvl convert's layout workers need: layout on the GPU, the daemon gets the
     utilization of ocrvl's plan with layout on (the whole card's; it splits it itself)."""
-    from ocrvl_daemon.config import Config
+    from ocrvl_daemon.config.model import Config
     from ocrvl_daemon.server import autotune
     from ocrvl_daemon.server.autotune import UTILIZATION
     from ocrvl_daemon.worker.layout_engine import Installed

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.decide import Checkpoint, FailJob, Rules, SendAgain, decide, release_held
-from ocrvl_daemon.document import Document
-from ocrvl_daemon.page_quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.decide import Checkpoint, FailJob, Rules, SendAgain, decide, release_held
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.worker import main as worker_main
 from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult, PageTask
 from ocrvl_daemon.worker.streaming import LOOP

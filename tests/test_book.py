@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from ocrvl_daemon.book import BookPage, page_anchor, restructure
-from ocrvl_daemon.output import Page, json_for, outputs_for, write_document
+from ocrvl_daemon.output.book import BookPage, page_anchor, restructure
+from ocrvl_daemon.output.document_files import Page, json_for, outputs_for, write_document
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
 IGNORED = ["number", "footnote", "header", "header_image", "footer", "footer_image", "aside_text"]

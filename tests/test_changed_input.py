@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ocrvl_daemon.output import read_header
+from ocrvl_daemon.output.document_files import read_header
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown

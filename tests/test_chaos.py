@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ocrvl_daemon.process.group import GroupRecord
 from ocrvl_daemon.server.managed import PIDFILE_NAME
-from ocrvl_daemon.server.process_group import GroupRecord
 from testkit.documents import make_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ocrvl_daemon.concurrency import ConcurrencyController, feed_margin
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.engine.concurrency import ConcurrencyController, feed_margin
 from ocrvl_daemon.server.metrics_poller import MetricsPoller
 from ocrvl_daemon.server.probe import ServerMetrics, ServerProbe, parse_metrics
 

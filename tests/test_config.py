@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config_file import load_config, validate_config
-from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.model_registry import (
+from ocrvl_daemon.config.file import load_config, validate_config
+from ocrvl_daemon.config.models import (
     DEFAULT_MAX_NEW_TOKENS,
     IMAGE_TOKEN_BUDGET,
     PROMPT_TOKEN_BUDGET,
 )
+from ocrvl_daemon.errors import ConfigError, ExitCode
 from ocrvl_daemon.server import gpu
 from ocrvl_daemon.server.autotune import engine_workers
 from ocrvl_daemon.worker import layout_engine

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config import PipelineConfig
-from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.config.file import load_config
+from ocrvl_daemon.config.model import PipelineConfig
+from ocrvl_daemon.config.models import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
 from ocrvl_daemon.errors import ExitCode
-from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT, MAX_IMAGE_PIXELS
-from ocrvl_daemon.output import read_header
+from ocrvl_daemon.output.document_files import read_header
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from testkit.documents import (
     make_blank_pages_pdf,

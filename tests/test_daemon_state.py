@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.daemon_state import (
+from ocrvl_daemon.observe.daemon_state import (
     DaemonState,
     EndpointState,
     ServerView,
@@ -17,8 +17,8 @@ from ocrvl_daemon.daemon_state import (
     read_runtime_file,
     write_runtime_file,
 )
-from ocrvl_daemon.stages import StageLoad
-from ocrvl_daemon.units import format_duration
+from ocrvl_daemon.observe.stages import StageLoad
+from ocrvl_daemon.observe.units import format_duration
 
 pytestmark = pytest.mark.quick
 

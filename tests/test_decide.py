@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from ocrvl_daemon.decide import (
+from ocrvl_daemon.core.decide import (
     SERVER_ERROR_LONGEST_WAIT,
     Checkpoint,
     FailJob,
@@ -19,9 +19,9 @@ from ocrvl_daemon.decide import (
     page_failed,
     release_held,
 )
-from ocrvl_daemon.document import Document
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.quality import LOOP_PENALTIES, Redo, Verdict
 from ocrvl_daemon.errors import ExitCode, InputVanishedError, PagesFailedError
-from ocrvl_daemon.page_quality import LOOP_PENALTIES, Redo, Verdict
 from ocrvl_daemon.worker.messages import Failure, PageResult
 from testkit.core import URL, document, send_all
 

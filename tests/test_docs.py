@@ -14,12 +14,12 @@ import yaml
 
 from ocrvl_daemon.cli import COMMANDS, build_parser
 from ocrvl_daemon.commands.run import DRAIN_SECONDS
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
-from ocrvl_daemon.model_registry import MAX_IMAGE_PIXELS
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.models import MAX_IMAGE_PIXELS
+from ocrvl_daemon.process.group import terminate_group
 from ocrvl_daemon.server import gpu
 from ocrvl_daemon.server.launchers import vllm_serve_command
-from ocrvl_daemon.server.process_group import terminate_group
 from testkit.documents import make_pdf
 from testkit.harness import free_port
 from testkit.runner import ocrvl_env

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ocrvl_daemon.document import SMALL_DOCUMENT_PAGES, SentPage, pages_per_endpoint
-from ocrvl_daemon.page_quality import WHOLE_PAGE, CutBlock, Held
+from ocrvl_daemon.core.document import SMALL_DOCUMENT_PAGES, SentPage, pages_per_endpoint
+from ocrvl_daemon.core.quality import WHOLE_PAGE, CutBlock, Held
 from testkit.core import URL, document
 
 

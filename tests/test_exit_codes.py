@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from ocrvl_daemon.errors import ExitCode
-from ocrvl_daemon.pdf import file_identity
-from ocrvl_daemon.store import Store
+from ocrvl_daemon.files.pdf import file_identity
+from ocrvl_daemon.storage.store import Store
 from testkit import fake_server_env
 from testkit.documents import (
     make_encrypted_pdf,

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ocrvl_daemon import jobs, output
 from ocrvl_daemon.commands import retry, status
+from ocrvl_daemon.core.quality import looks_like_a_loop
 from ocrvl_daemon.errors import InputFileError
-from ocrvl_daemon.jobs import enqueue_file
-from ocrvl_daemon.page_quality import looks_like_a_loop
-from ocrvl_daemon.store import Job, JobState
+from ocrvl_daemon.output import document_files
+from ocrvl_daemon.storage import jobs
+from ocrvl_daemon.storage.jobs import enqueue_file
+from ocrvl_daemon.storage.store import Job, JobState
 from ocrvl_daemon.worker.messages import Failure, PageResult
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until
@@ -39,7 +40,7 @@ def policy(tmp_path: Path):
 
 
 def note_of(pdf: Path) -> str:
-    return output.outputs_for(pdf)[2].read_text("utf-8")
+    return document_files.outputs_for(pdf)[2].read_text("utf-8")
 
 
 def test_a_one_page_document_is_logged_as_one_page(policy: Policy,
@@ -47,7 +48,7 @@ def test_a_one_page_document_is_logged_as_one_page(policy: Policy,
     letter = make_pdf(policy.folder / "letter.pdf", 1)
     job = policy.queue(letter)
     policy.send()
-    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.driver"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine.converter"):
         policy.answer(job, 0)
     assert "letter.pdf: done, 1 page -> letter.md" in caplog.text, caplog.text
 
@@ -184,7 +185,7 @@ def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
     policy.converter.retry = jobs.RetryPolicy(0.0, 0.0)
     usage = shutil.disk_usage(policy.folder)
-    monkeypatch.setattr(output.shutil, "disk_usage", lambda _: usage._replace(free=1024))
+    monkeypatch.setattr(document_files.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)
     job = policy.queue(book)
     policy.send()
@@ -201,7 +202,7 @@ def test_a_full_disk_pauses_output_and_retries_by_itself(
     assert policy.send() == [], "checkpointed pages were recognised again"
     policy.tick()
     assert policy.job(job).state is JobState.DONE  # type: ignore[union-attr]
-    assert book.with_suffix(".md").exists() and not output.outputs_for(book)[2].exists()
+    assert book.with_suffix(".md").exists() and not document_files.outputs_for(book)[2].exists()
 
 
 def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped_or_gone(policy: Policy):
@@ -220,7 +221,7 @@ def test_transient_input_trouble_is_retried_and_vanished_files_are_dropped_or_go
     assert dropped is not None and dropped.state is JobState.GONE, (
         "a PDF deleted while it converted is not shown as gone")
     assert "deleted while it was being converted" in (dropped.last_error or "")
-    assert not output.outputs_for(moving)[2].exists(), "an error note was left beside it"
+    assert not document_files.outputs_for(moving)[2].exists(), "an error note was left beside it"
 
     touched = make_pdf(policy.folder / "touched.pdf", 1)
     job = policy.queue(touched)
@@ -373,7 +374,7 @@ def test_a_reload_that_changes_how_pages_are_read_converts_that_way_from_the_fir
         "one way")
     policy.answer(job, 0)
     policy.answer(job, 1)
-    header = output.read_header(book.with_suffix(".md"))
+    header = document_files.read_header(book.with_suffix(".md"))
     assert header["model"] == reloaded.model.name, (
         f"the Markdown names {header['model']}, not the model the reload set: the next start "
         "would convert the file again")

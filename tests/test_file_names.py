@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.names import fit_name, name_max, shell_quote, shown
-from ocrvl_daemon.output import outputs_for
+from ocrvl_daemon.files.names import fit_name, name_max, shell_quote, shown
+from ocrvl_daemon.output.document_files import outputs_for
 from testkit.documents import make_encrypted_pdf, make_pdf
 from testkit.harness import FakeServerProcess, free_port, wait_until
 from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server import autotune, gpu
 from ocrvl_daemon.server.autotune import (
     BATCHED_TOKENS,

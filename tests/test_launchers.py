@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.launchers import (

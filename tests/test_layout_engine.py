@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import DependencyError
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import GpuReading

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ocrvl_daemon.config import PipelineConfig
-from ocrvl_daemon.pdf import render_page
+from ocrvl_daemon.config.model import PipelineConfig
+from ocrvl_daemon.files.pdf import render_page
 from testkit.documents import make_layout_pdf
 from testkit.layout_ink import COLUMNS, INPUT_SIZE, LABELS, ink_blocks, ops_for
 from testkit.runner import ocrvl_env

@@ -33,8 +33,8 @@ DETECT = """
 import json, sys
 import numpy as np
 from paddleocr import LayoutDetection
-from ocrvl_daemon.config import PipelineConfig
-from ocrvl_daemon.pdf import page_count, render_page
+from ocrvl_daemon.config.model import PipelineConfig
+from ocrvl_daemon.files.pdf import page_count, render_page
 from pathlib import Path
 pdf = Path(sys.argv[1])
 config = PipelineConfig(use_layout_detection=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ocrvl_daemon.daemon_state import read_runtime_file
+from ocrvl_daemon.observe.daemon_state import read_runtime_file
 from testkit.documents import BLOCKS_PAGE_LINES, LAYOUT_PAGE, make_blocks_pdf, make_layout_pdf
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.runner import DaemonProcess, run_ocrvl, write_config

@@ -13,9 +13,9 @@ from typing import IO, Any
 
 import pytest
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.logs import PriorityFormatter, doc_fields, set_level, setup_logging
-from ocrvl_daemon.worker.client import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.worker_handle import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.observe.logs import PriorityFormatter, doc_fields, set_level, setup_logging
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.plain_server import plain_openai_server

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.config_file import validate_config
-from ocrvl_daemon.daemon_state import read_runtime_file
+from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.stages import SATURATED
+from ocrvl_daemon.observe.daemon_state import read_runtime_file
+from ocrvl_daemon.observe.stages import SATURATED
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import (

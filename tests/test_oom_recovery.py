@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server.autotune import (
     BATCHED_TOKENS,
     MAX_MODEL_LEN,
@@ -27,7 +28,6 @@ from ocrvl_daemon.server.autotune import (
 )
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.server.managed import ManagedServer
-from ocrvl_daemon.server.process_group import group_members
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus, ServerSupervisor
 from testkit.harness import free_port, wait_until
 from testkit.runner import managed_fake_server

@@ -17,12 +17,13 @@ from urllib.parse import unquote_to_bytes
 
 import pytest
 
-from ocrvl_daemon import output, pdf
-from ocrvl_daemon.atomic_file import TMP_MARK
 from ocrvl_daemon.errors import InputFileError, NameTooLongError, NotOursError, OutputError
-from ocrvl_daemon.names import name_max
-from ocrvl_daemon.output import Page, outputs_for, read_header, write_document
-from ocrvl_daemon.store import Store
+from ocrvl_daemon.files import pdf
+from ocrvl_daemon.files.atomic import TMP_MARK
+from ocrvl_daemon.files.names import name_max
+from ocrvl_daemon.output import document_files
+from ocrvl_daemon.output.document_files import Page, outputs_for, read_header, write_document
+from ocrvl_daemon.storage.store import Store
 from testkit.documents import deny_reading, make_gigantic_page_pdf, make_pdf
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
@@ -56,7 +57,7 @@ def test_a_complete_write_has_header_pages_and_images(book: Path) -> None:
                                "pages": "3"}
     assert re.findall(r"<!-- page (\d+) -->", text) == ["1", "2", "3"]
     assert sorted(p.name for p in images.iterdir()) == [
-        output.IMAGES_MARKER, "p0001_img_0.jpg", "p0003_img_2.jpg"]
+        document_files.IMAGES_MARKER, "p0001_img_0.jpg", "p0003_img_2.jpg"]
     assert "book_images/p0003_img_2.jpg" in text
     assert not leftovers(book.parent)
 
@@ -76,7 +77,7 @@ def test_a_failing_disk_leaves_no_partial_file_and_is_retried(
     def fail(*args: object) -> None:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(output.os, where, fail)
+    monkeypatch.setattr(document_files.os, where, fail)
     with pytest.raises(OutputError) as caught:
         write_document(book, "new", MODEL, 50, pages(50, image_every=5))
     monkeypatch.undo()
@@ -90,8 +91,8 @@ def test_a_failing_disk_leaves_no_partial_file_and_is_retried(
 def test_low_free_space_pauses_output_before_writing_anything(
         book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = shutil.disk_usage(book.parent)
-    monkeypatch.setattr(output.shutil, "disk_usage",
-                        lambda _: usage._replace(free=output.room_needed(10_000) - 1))
+    monkeypatch.setattr(document_files.shutil, "disk_usage",
+                        lambda _: usage._replace(free=document_files.room_needed(10_000) - 1))
     with pytest.raises(OutputError, match="Output is paused") as caught:
         write_document(book, "x", MODEL, 1, pages(1), size_hint=10_000)
     assert not caught.value.permanent
@@ -103,7 +104,7 @@ def test_a_small_result_fits_a_folder_with_a_few_megabytes_free(
         book: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 100 KB result with 2.9 MB free is written, not paused for 16 MiB it does not need."""
     usage = shutil.disk_usage(book.parent)
-    monkeypatch.setattr(output.shutil, "disk_usage",
+    monkeypatch.setattr(document_files.shutil, "disk_usage",
                         lambda _: usage._replace(free=2_900_000))
     write_document(book, "x", MODEL, 1, pages(1), size_hint=100_000, json_output=True)
     assert outputs_for(book)[0].exists(), "a 100 KB result did not fit in 2.9 MB free"
@@ -179,13 +180,13 @@ def test_names_that_look_like_shell_or_paths_are_written_beside_the_pdf(tmp_path
 
 @pytest.mark.quick
 def test_error_notes_say_what_to_do_and_go_away(book: Path) -> None:
-    output.write_error_note(book, "it is broken.", "fix it", redo=f"ocrvl retry {book}")
+    document_files.write_error_note(book, "it is broken.", "fix it", redo=f"ocrvl retry {book}")
     text = outputs_for(book)[2].read_text("utf-8")
     assert "What went wrong: it is broken." in text and "What to do: fix it" in text
     assert f"After fixing it, run: ocrvl retry {book}" in text
-    output.write_error_note(book, "disk full.", "free space", redo="-", retry_in=60)
+    document_files.write_error_note(book, "disk full.", "free space", redo="-", retry_in=60)
     assert "tries again by itself in about 60 s" in outputs_for(book)[2].read_text("utf-8")
-    output.remove_error_note(book)
+    document_files.remove_error_note(book)
     assert not outputs_for(book)[2].exists() and not leftovers(book.parent)
 
 
@@ -208,7 +209,7 @@ def test_a_name_that_is_not_utf8_keeps_its_raw_stem_and_its_links_resolve(
     assert links == [b"\xff\xfebook_images/p0001_img_0.jpg", b"\xff\xfebook_images/p0003_img_2.jpg"]
     assert all(os.path.exists(os.fsencode(tmp_path) + b"/" + link) for link in links)
     assert read_header(md)["source"] == "\\xff\\xfebook.pdf"
-    output.write_error_note(book, f"{book} is broken.", None, redo=pdf.retry_command(book))
+    document_files.write_error_note(book, f"{book} is broken.", None, redo=pdf.retry_command(book))
     assert b"\xff\xfebook.ocrvl-error.txt" in os.listdir(os.fsencode(tmp_path))
     note = outputs_for(book)[2].read_text("utf-8")
     assert "\\xff\\xfebook.pdf is broken" in note
@@ -229,10 +230,10 @@ def test_companions_too_long_for_the_filesystem_get_a_short_name_and_still_work(
     assert [tmp_path / os.fsdecode(link) for link in image_links(md)] == [
         images / "p0001_img_0.jpg", images / "p0003_img_2.jpg"]
     assert not leftovers(tmp_path)
-    output.write_error_note(book, "it is broken.", None, redo=pdf.retry_command(book))
+    document_files.write_error_note(book, "it is broken.", None, redo=pdf.retry_command(book))
     assert note.exists() and note.name.endswith(".ocrvl-error.txt")
     assert f"limit of {limit} bytes" in note.read_text("utf-8")
-    assert images.name in (output.shortened_names(book) or "")
+    assert images.name in (document_files.shortened_names(book) or "")
 
 
 @pytest.mark.quick
@@ -252,7 +253,7 @@ def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
     """NTFS under WSL2 counts characters, so it may hold more or fewer bytes than it says."""
     book = tmp_path / ("日本語" * 10 + ".pdf")  # 94 bytes
     book.write_bytes(b"%PDF-1.4\n")
-    monkeypatch.setattr(output, "name_max", lambda folder: 40)
+    monkeypatch.setattr(document_files, "name_max", lambda folder: 40)
     write_document(book, "x", MODEL, 1, pages(1, image_every=1))
     md, images, _ = outputs_for(book)
     assert md.name == book.stem + ".md" and images.is_dir() and "~" in images.name
@@ -260,7 +261,7 @@ def test_a_filesystem_that_misreports_its_name_limit_gets_a_clear_failure(
     def too_long(*args: object) -> None:
         raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
 
-    monkeypatch.setattr(output.os, "replace", too_long)
+    monkeypatch.setattr(document_files.os, "replace", too_long)
     with pytest.raises(NameTooLongError, match="name is too long") as caught:
         write_document(book, "y", MODEL, 1, pages(1))
     assert caught.value.permanent, "retrying cannot make a name fit"

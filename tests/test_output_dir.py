@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.errors import ConfigError
-from ocrvl_daemon.output import OutputPlace, outputs_for, read_header
+from ocrvl_daemon.output.document_files import OutputPlace, outputs_for, read_header
 from testkit.documents import make_html_as_pdf, make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import (

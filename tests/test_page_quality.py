@@ -20,9 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ocrvl_daemon.errors import NotOursError
-from ocrvl_daemon.output import Page, write_document
-from ocrvl_daemon.page_quality import (
+from ocrvl_daemon.core.quality import (
     LOOP_PENALTIES,
     REDO_SHARE,
     KeptBecause,
@@ -32,6 +30,8 @@ from ocrvl_daemon.page_quality import (
     Verdict,
     assess,
 )
+from ocrvl_daemon.errors import NotOursError
+from ocrvl_daemon.output.document_files import Page, write_document
 from ocrvl_daemon.worker.main import has_ink
 from ocrvl_daemon.worker.messages import PageResult
 from testkit.documents import make_pdf, sent_width
@@ -167,7 +167,7 @@ def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
     book = make_pdf(policy.folder / "book.pdf", 1)
     job = policy.queue(book)
     policy.send()
-    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.driver"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine.converter"):
         policy.deliver(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
     fields = [(getattr(r, "OCRVL_PAGE", None), getattr(r, "OCRVL_VERDICT", None),
                getattr(r, "OCRVL_REASON", None)) for r in caplog.records]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.document import SMALL_DOCUMENT_PAGES, Document
-from ocrvl_daemon.jobs import enqueue_file
-from ocrvl_daemon.plan import SHORT_EXTRA, EndpointRoom, Plan, plan, ready_margin, yield_room
+from ocrvl_daemon.core.document import SMALL_DOCUMENT_PAGES, Document
+from ocrvl_daemon.core.plan import SHORT_EXTRA, EndpointRoom, Plan, plan, ready_margin, yield_room
+from ocrvl_daemon.storage.jobs import enqueue_file
 from ocrvl_daemon.worker.messages import GateLimit, PageResult
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 from testkit.core import URL, document

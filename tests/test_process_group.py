@@ -14,8 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.server.process_group import (
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.pool import EnginePool
+from ocrvl_daemon.engine.worker_handle import EngineWorker
+from ocrvl_daemon.process.group import (
     TOKEN_ENV,
     GroupRecord,
     ProcessGroup,
@@ -23,8 +25,6 @@ from ocrvl_daemon.server.process_group import (
     group_members,
     kill_leftover,
 )
-from ocrvl_daemon.worker.client import EngineWorker
-from ocrvl_daemon.worker.pool import EnginePool
 from testkit.harness import wait_until
 
 # A leader that starts a grandchild in its own group, prints both PIDs, then waits.
@@ -63,7 +63,7 @@ def spawn(groups: list[int], mode: str = "normal", pidfile: Path | None = None
 
 def test_spawn_records_group_and_stop_ends_all_of_it(
         tmp_path: Path, groups: list[int], caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "ocrvl_daemon.server.process_group")
+    caplog.set_level(logging.INFO, "ocrvl_daemon.process.group")
     pidfile = tmp_path / "server.pid"
     group, grandchild = spawn(groups, pidfile=pidfile)
     assert os.getpgid(group.pid) == group.pid == os.getsid(group.pid)
@@ -85,7 +85,7 @@ def test_spawn_records_group_and_stop_ends_all_of_it(
 
 
 def test_stop_escalates_to_sigkill(groups: list[int], caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "ocrvl_daemon.server.process_group")
+    caplog.set_level(logging.INFO, "ocrvl_daemon.process.group")
     group, _ = spawn(groups, mode="ignore-term")
     assert group.stop(timeout=0.3)
     assert not group_alive(group.pid)
@@ -137,7 +137,7 @@ def test_group_ends_when_the_spawning_process_is_sigkilled(groups: list[int]) ->
     # The parent-death signal reaches the leader, which (like vLLM) ends its children.
     script = textwrap.dedent(f"""
         import os, sys, time
-        from ocrvl_daemon.server.process_group import ProcessGroup
+        from ocrvl_daemon.process.group import ProcessGroup
         group = ProcessGroup.spawn({leader_argv()!r}, dict(os.environ))
         print(group.pid, flush=True)
         time.sleep(120)
@@ -163,7 +163,7 @@ def test_the_engine_worker_leads_its_own_group_and_a_stuck_one_is_killed(
         tmp_path: Path, groups: list[int], caplog: pytest.LogCaptureFixture) -> None:
     """A worker that does not end when its input closes (stopped with SIGSTOP here, like one
     stuck in a library call) is ended like the server: its whole group, TERM, then KILL."""
-    caplog.set_level(logging.INFO, "ocrvl_daemon.server.process_group")
+    caplog.set_level(logging.INFO, "ocrvl_daemon.process.group")
     config = Config.model_validate({"state_dir": str(tmp_path / "state"),
                                     "pipeline": {"use_layout_detection": False}})
     worker = EngineWorker(config, "http://127.0.0.1:9/v1")

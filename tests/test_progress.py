@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.progress import progress_line
-from ocrvl_daemon.rate import RATE_MIN_SPAN, RateMeter
+from ocrvl_daemon.observe.progress import progress_line
+from ocrvl_daemon.observe.rate import RATE_MIN_SPAN, RateMeter
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, wait_until
 from testkit.runner import (

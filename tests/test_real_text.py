@@ -18,7 +18,7 @@ import pypdf
 import pypdfium2
 import pytest
 
-from ocrvl_daemon.book import page_anchor
+from ocrvl_daemon.output.book import page_anchor
 from testkit.documents import make_text_pdf
 from testkit.harness import FakeServerProcess, chat_payload, free_port, start_fake_server
 from testkit.runner import run_ocrvl, write_config

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.worker.client import EngineWorker
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.worker_handle import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width

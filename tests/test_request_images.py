@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT
+from ocrvl_daemon.config.models import MAX_IMAGE_ASPECT
 from ocrvl_daemon.worker.request_images import PADDED_ASPECT, within_aspect
 
 pytestmark = pytest.mark.quick

@@ -16,10 +16,10 @@ import pypdf
 import pytest
 import yaml
 
-from ocrvl_daemon.config import InboxConfig
+from ocrvl_daemon.config.model import InboxConfig
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.inbox.scan import wanted_name
-from ocrvl_daemon.output import Page, searchable_for, write_document
+from ocrvl_daemon.output.document_files import Page, searchable_for, write_document
 from testkit.documents import LAYOUT_PAGE, make_text_pdf
 from testkit.inbox_daemon import Setup, wait_for_markdown
 

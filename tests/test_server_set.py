@@ -21,13 +21,13 @@ from typing import Any
 import psutil
 import pytest
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
+from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading, read_gpus
 from ocrvl_daemon.server.managed import BackoffPolicy
-from ocrvl_daemon.server.process_group import group_members
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from testkit.documents import make_pdf

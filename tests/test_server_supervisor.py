@@ -19,14 +19,14 @@ import psutil
 import pytest
 import yaml
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import validate_config
+from ocrvl_daemon.config.file import validate_config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
 from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer
-from ocrvl_daemon.server.process_group import group_members
 from ocrvl_daemon.server.supervisor import (
     ServerState,
     ServerStatus,
@@ -348,7 +348,7 @@ def test_stop_leaves_no_process_of_the_group(tmp_path: Path, supervise: Any) -> 
 
 SUPERVISOR_SCRIPT = textwrap.dedent("""
     import sys, time
-    from ocrvl_daemon.config_file import load_config
+    from ocrvl_daemon.config.file import load_config
     from ocrvl_daemon.server.managed import ManagedServer
     sup = ManagedServer(load_config(sys.argv[1])[0])
     sup.start()

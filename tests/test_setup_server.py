@@ -24,8 +24,8 @@ from ocrvl_daemon.commands.setup_server import (
     set_config_key,
     setup_server,
 )
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.config_file import load_config
+from ocrvl_daemon.config.file import load_config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import DependencyError, ExitCode
 from ocrvl_daemon.server import gpu, vllm_release
 from ocrvl_daemon.server.gpu import GpuReading

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ocrvl_daemon.shutdown import StopSignals
+from ocrvl_daemon.process.shutdown import StopSignals
 from testkit.harness import wait_until
 
 

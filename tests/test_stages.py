@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import driver
-from ocrvl_daemon.rate import RATE_WINDOW
-from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
+from ocrvl_daemon.engine import converter
+from ocrvl_daemon.observe.rate import RATE_WINDOW
+from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.worker import layout_engine
 from testkit.stand_in_worker import Policy
 
@@ -107,9 +107,9 @@ def test_a_layout_model_on_the_cpu_that_the_gpu_could_take_is_logged_once_with_t
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         why: str, warned: bool):
     choice = layout_engine.LayoutChoice("PP-DocLayoutV3", "paddle", "cpu", 2, 1, why)
-    monkeypatch.setattr(driver, "layout_choice", lambda config: choice)
+    monkeypatch.setattr(converter, "layout_choice", lambda config: choice)
     policy = Policy(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.driver"):
+    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.engine.converter"):
         for now in (1.0, 2.0):
             load = policy.converter.stage_load(now)
     assert (load.layout_device, load.layout_why) == ("cpu", why)

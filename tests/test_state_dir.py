@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.errors import ExitCode
-from ocrvl_daemon.output import read_header
+from ocrvl_daemon.output.document_files import read_header
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import (

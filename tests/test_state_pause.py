@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon import state_pause
 from ocrvl_daemon.errors import StateFullError
-from ocrvl_daemon.state_pause import RESUME_FREE_BYTES, RETRY_SECONDS, StatePause
+from ocrvl_daemon.storage import disk_pause
+from ocrvl_daemon.storage.disk_pause import RESUME_FREE_BYTES, RETRY_SECONDS, StatePause
 
 FULL = StateFullError("The disk holding the state folder is full.")
 
@@ -35,4 +35,4 @@ def test_a_disk_that_stays_full_keeps_the_daemon_paused_without_claiming_space_a
 
 @pytest.mark.quick
 def test_the_real_free_space_of_the_state_folder_is_read(tmp_path: Path) -> None:
-    assert state_pause.free_bytes(tmp_path) > 0
+    assert disk_pause.free_bytes(tmp_path) > 0

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench.loop_savings import convert
-from ocrvl_daemon.page_quality import LOOP_PENALTIES, LOOP_WINDOW_CHARS
+from ocrvl_daemon.core.quality import LOOP_PENALTIES, LOOP_WINDOW_CHARS
 from ocrvl_daemon.worker.streaming import (
     CHECK_EVERY_TOKENS,
     LOOP,

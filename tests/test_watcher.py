@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ocrvl_daemon.config import InboxConfig
+from ocrvl_daemon.config.model import InboxConfig
 from ocrvl_daemon.inbox.filesystems import filesystem_type, needs_polling, parse_mountinfo
 from ocrvl_daemon.inbox.watcher import InboxWatcher, opens_as_pdf
 from testkit.harness import wait_until

@@ -3,7 +3,7 @@ so work that cannot change a page's result is not done."""
 
 from __future__ import annotations
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.worker.main import pipeline_kwargs
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server import gpu
 from ocrvl_daemon.worker import layout_engine
 from ocrvl_daemon.worker.main import pipeline_kwargs

@@ -73,7 +73,7 @@ from bench.gpu.replicas import ReplicaDaemon, ServersFailed, gpu_memory_used_mib
 from bench.gpu.run import PAGE_HEIGHT, Bench, add_layout_model_args, gpu_name, log, warm_up
 from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, model_dir_parser, version
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.autotune import ReplicaRule
 from ocrvl_daemon.server.gpu import GpuReading, read_gpus

@@ -61,7 +61,7 @@ from bench.gpu.run import (
     write_json,
 )
 from bench.loadgen import send_all
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.worker.layout_engine import cpu_layout_plan
 from testkit.documents import make_layout_pdf
 from testkit.runner import ocrvl_env
@@ -124,7 +124,7 @@ def build_pipeline(config: Config, url: str) -> Any:
 
 def render(config: Config, pdf: Path, pages: list[int]) -> list[Any]:
     """`pages` of `pdf` as ocrvl's worker renders them (BGR arrays)."""
-    from ocrvl_daemon.pdf import render_page
+    from ocrvl_daemon.files.pdf import render_page
 
     p = config.pipeline
     return [render_page(pdf, i, p.render_scale, p.page_pixel_limit) for i in pages]

@@ -50,7 +50,7 @@ from bench.gpu.run import (
 from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, managed_vllm, model_dir_parser, version
 from bench.run import Ocrvl, drop, md_done
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server.autotune import engine_workers
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until

@@ -73,13 +73,13 @@ from bench.run import (  # noqa: E402
     solo_times,
     start_daemon,
 )
-from ocrvl_daemon.config import PipelineConfig  # noqa: E402
-from ocrvl_daemon.model_registry import (  # noqa: E402
+from ocrvl_daemon.config.model import PipelineConfig  # noqa: E402
+from ocrvl_daemon.config.models import (  # noqa: E402
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
     MAX_IMAGE_PIXELS,
 )
-from ocrvl_daemon.pdf import page_count, render_page  # noqa: E402
+from ocrvl_daemon.files.pdf import page_count, render_page  # noqa: E402
 from ocrvl_daemon.worker.streaming import STREAM_OPTIONS  # noqa: E402
 from testkit.documents import make_pdf  # noqa: E402
 from testkit.harness import chat_payload, free_port, wait_until  # noqa: E402

@@ -58,7 +58,7 @@ from bench.gpu.run import (
 )
 from bench.gpu.teardown import process_name, stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from testkit.documents import make_layout_pdf, make_pdf

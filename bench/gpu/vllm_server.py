@@ -21,9 +21,9 @@ import httpx
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
-from ocrvl_daemon.model_registry import DEFAULT_MODEL
+from ocrvl_daemon.config.models import DEFAULT_MODEL
+from ocrvl_daemon.process.group import stop_process_group
 from ocrvl_daemon.server.probe import parse_metrics
-from ocrvl_daemon.server.process_group import stop_process_group
 from testkit.harness import answers_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,26 +18,27 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ocrvl_daemon import output, pdf
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.driver import Converter
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.converter import Converter
+from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
-from ocrvl_daemon.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
-from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.names import is_pdf_name
-from ocrvl_daemon.progress import (
+from ocrvl_daemon.files import pdf
+from ocrvl_daemon.files.names import is_pdf_name
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.observe.progress import (
     ProgressBars,
     ProgressLog,
     ProgressView,
     RunTally,
     shows_bars,
 )
+from ocrvl_daemon.output import document_files
+from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from ocrvl_daemon.server.managed import BackoffPolicy
 from ocrvl_daemon.server.replicas import ServerSet
-from ocrvl_daemon.shutdown import StopSignals
-from ocrvl_daemon.store import JobState, Store
-from ocrvl_daemon.worker.pool import EnginePool
+from ocrvl_daemon.storage.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
+from ocrvl_daemon.storage.store import JobState, Store
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,11 @@ def convert_files(
     store = Store(config.state_dir / ONESHOT_DB)
     failures: dict[Path, OcrvlError] = {}
     jobs: dict[int, Path] = {}
-    place = output.output_place(config)
+    place = document_files.output_place(config)
     claimed: dict[Path, Path] = {}  # output -> the PDF it is for
     try:
         for path in paths:
-            md = output.outputs_for(path, place)[0]
+            md = document_files.outputs_for(path, place)[0]
             if claimed.setdefault(md, path) != path:
                 failures[path] = InputFileError(
                     f"{path} would be written to {md}, like {claimed[md]} (output.dir keeps "
@@ -98,10 +99,10 @@ def convert_files(
             except OcrvlError as exc:
                 failures[path] = exc
                 continue
-            current = output.is_current(path, job.sha256, config.model.name, place)
+            current = document_files.is_current(path, job.sha256, config.model.name, place)
             if path not in redo and job.state is JobState.DONE and current:
                 log.info("%s is already converted: %s", path.name,
-                         output.outputs_for(path, place)[0], extra=doc_fields(path))
+                         document_files.outputs_for(path, place)[0], extra=doc_fields(path))
                 continue
             jobs[job.id] = path
             if path in redo:
@@ -229,10 +230,10 @@ def _settled(store: Store, job_id: int) -> bool:
     return job.state is JobState.QUEUED and job.attempts >= MAX_ATTEMPTS
 
 
-def _reason(store: Store, job_id: int, place: output.OutputPlace) -> str:
+def _reason(store: Store, job_id: int, place: document_files.OutputPlace) -> str:
     job = store.job(job_id)
     if job is None:
         return "the file disappeared while it was being converted"
-    if job.state is JobState.DONE and not output.outputs_for(job.path, place)[0].exists():
+    if job.state is JobState.DONE and not document_files.outputs_for(job.path, place)[0].exists():
         return "converted, but the Markdown file is missing"
     return job.last_error or "not converted"

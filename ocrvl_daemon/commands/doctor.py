@@ -25,14 +25,14 @@ from typing import Any, Literal
 import httpx
 from packaging.version import InvalidVersion, Version
 
-from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import CONFIG_ENV, load_config, resolve_config_path
+from ocrvl_daemon.config.file import CONFIG_ENV, load_config, resolve_config_path
+from ocrvl_daemon.config.model import Config, folder_problem
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
+from ocrvl_daemon.process.group import GroupRecord, group_members
 from ocrvl_daemon.server import autotune, driver_check, gpu, launchers, mps, vllm_release
 from ocrvl_daemon.server.launchers import server_env
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
-from ocrvl_daemon.server.process_group import GroupRecord, group_members
 from ocrvl_daemon.server.replicas import PIDFILE_GLOB
 from ocrvl_daemon.worker import layout_engine, layout_model
 from ocrvl_daemon.worker.layout_engine import LayoutChoice

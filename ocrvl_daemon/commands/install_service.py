@@ -22,9 +22,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ocrvl_daemon.atomic_file import write_atomic
-from ocrvl_daemon.config_file import advice_command
+from ocrvl_daemon.config.file import advice_command
 from ocrvl_daemon.errors import OutputError, ServiceManagerError, UnitEditedError
+from ocrvl_daemon.files.atomic import write_atomic
 from ocrvl_daemon.server.gpu import is_wsl
 
 UNIT_NAME = "ocrvl.service"

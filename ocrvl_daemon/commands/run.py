@@ -25,17 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import advice_command, load_config
-from ocrvl_daemon.daemon_state import (
-    DaemonState,
-    EndpointState,
-    GpuView,
-    ServerView,
-    format_status,
-    write_runtime_file,
-)
-from ocrvl_daemon.driver import Converter
+from ocrvl_daemon.config.file import advice_command, load_config
+from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.errors import (
     ConfigError,
     ExitCode,
@@ -44,18 +36,26 @@ from ocrvl_daemon.errors import (
     StateFullError,
 )
 from ocrvl_daemon.inbox.watcher import InboxWatcher
-from ocrvl_daemon.jobs import enqueue_file, open_store
-from ocrvl_daemon.logs import set_level
-from ocrvl_daemon.metrics import MetricsEndpoint
-from ocrvl_daemon.progress import ProgressLog
-from ocrvl_daemon.sd_notify import Notifier
+from ocrvl_daemon.observe.daemon_state import (
+    DaemonState,
+    EndpointState,
+    GpuView,
+    ServerView,
+    format_status,
+    write_runtime_file,
+)
+from ocrvl_daemon.observe.logs import set_level
+from ocrvl_daemon.observe.metrics import MetricsEndpoint
+from ocrvl_daemon.observe.progress import ProgressLog
+from ocrvl_daemon.observe.sd_notify import Notifier
+from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.gpu import GpuMonitor
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
-from ocrvl_daemon.shutdown import StopSignals
-from ocrvl_daemon.state_lock import StateLock
-from ocrvl_daemon.state_pause import StatePause
-from ocrvl_daemon.store import JobState
+from ocrvl_daemon.storage.disk_pause import StatePause
+from ocrvl_daemon.storage.jobs import enqueue_file, open_store
+from ocrvl_daemon.storage.lock import StateLock
+from ocrvl_daemon.storage.store import JobState
 
 log = logging.getLogger(__name__)
 

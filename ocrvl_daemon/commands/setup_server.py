@@ -38,10 +38,10 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
-from ocrvl_daemon.atomic_file import write_atomic
-from ocrvl_daemon.config import Config, expand_path
-from ocrvl_daemon.config_file import DEFAULT_CONFIG_PATH
+from ocrvl_daemon.config.file import DEFAULT_CONFIG_PATH
+from ocrvl_daemon.config.model import Config, expand_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
+from ocrvl_daemon.files.atomic import write_atomic
 from ocrvl_daemon.server import driver_check, vllm_release
 from ocrvl_daemon.server.gpu import GpuReading, driver_cuda, is_wsl, read_gpu
 from ocrvl_daemon.server.launchers import external_server_setup

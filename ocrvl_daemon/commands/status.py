@@ -14,25 +14,25 @@ from typing import Any
 import psutil
 
 from ocrvl_daemon.commands.install_service import start_command
-from ocrvl_daemon.config import Config, folder_problem
-from ocrvl_daemon.config_file import advice_command
-from ocrvl_daemon.daemon_state import GpuView, read_runtime_file
-from ocrvl_daemon.document import MAX_ACTIVE_DOCUMENTS
+from ocrvl_daemon.config.file import advice_command
+from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.core.document import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.errors import OcrvlError
-from ocrvl_daemon.jobs import open_store
-from ocrvl_daemon.names import shell_quote, shown
-from ocrvl_daemon.output import (
+from ocrvl_daemon.files.names import shell_quote, shown
+from ocrvl_daemon.files.pdf import page_count, repair_fix, retry_command
+from ocrvl_daemon.observe.daemon_state import GpuView, read_runtime_file
+from ocrvl_daemon.observe.stages import StageLoad
+from ocrvl_daemon.observe.units import format_duration
+from ocrvl_daemon.output.document_files import (
     OutputPlace,
     output_place,
     outputs_for,
     read_header,
     shortened_names,
 )
-from ocrvl_daemon.pdf import page_count, repair_fix, retry_command
-from ocrvl_daemon.stages import StageLoad
-from ocrvl_daemon.state_lock import paused_note
-from ocrvl_daemon.store import Job, JobState, PageFailure, Store
-from ocrvl_daemon.units import format_duration
+from ocrvl_daemon.storage.jobs import open_store
+from ocrvl_daemon.storage.lock import paused_note
+from ocrvl_daemon.storage.store import Job, JobState, PageFailure, Store
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ocrvl_daemon.atomic_file import TMP_MARK
-from ocrvl_daemon.config import InboxConfig
-from ocrvl_daemon.names import is_pdf_name
-from ocrvl_daemon.output import ERROR_SUFFIX, IMAGES_SUFFIX
-from ocrvl_daemon.searchable_pdf import SEARCHABLE_SUFFIX
+from ocrvl_daemon.config.model import InboxConfig
+from ocrvl_daemon.files.atomic import TMP_MARK
+from ocrvl_daemon.files.names import is_pdf_name
+from ocrvl_daemon.output.document_files import ERROR_SUFFIX, IMAGES_SUFFIX
+from ocrvl_daemon.output.searchable_pdf import SEARCHABLE_SUFFIX
 
 log = logging.getLogger(__name__)
 

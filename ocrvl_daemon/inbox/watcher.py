@@ -27,10 +27,10 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from ocrvl_daemon.config import InboxConfig
+from ocrvl_daemon.config.model import InboxConfig
+from ocrvl_daemon.files.names import is_pdf_name
 from ocrvl_daemon.inbox.filesystems import filesystem_type, needs_polling
 from ocrvl_daemon.inbox.scan import Listing, ignored_dir, outermost, walk, wanted_name
-from ocrvl_daemon.names import is_pdf_name
 
 log = logging.getLogger(__name__)
 

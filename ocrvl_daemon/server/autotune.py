@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ocrvl_daemon.atomic_file import write_atomic
-from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.config.model import AUTO, Config
+from ocrvl_daemon.config.models import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
 from ocrvl_daemon.errors import DependencyError
-from ocrvl_daemon.model_registry import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
+from ocrvl_daemon.files.atomic import write_atomic
 from ocrvl_daemon.server import gpu as gpus
 from ocrvl_daemon.server import vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading

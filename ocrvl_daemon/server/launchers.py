@@ -27,9 +27,9 @@ from typing import Any
 import yaml
 from packaging.version import InvalidVersion, Version
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
-from ocrvl_daemon.sd_notify import child_env
+from ocrvl_daemon.observe.sd_notify import child_env
 from ocrvl_daemon.server import vllm_release
 from ocrvl_daemon.server.autotune import TunedArgs, plan_vllm_args
 from ocrvl_daemon.server.gpu import GpuReading, is_wsl

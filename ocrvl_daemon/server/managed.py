@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerError
+from ocrvl_daemon.process.group import ProcessGroup, kill_leftover
 from ocrvl_daemon.server import autotune, launchers, vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from ocrvl_daemon.server.probe import ServerProbe
-from ocrvl_daemon.server.process_group import ProcessGroup, kill_leftover
 from ocrvl_daemon.server.supervisor import (
     STARTUP_POLL,
     UNHEALTHY_PROBES,

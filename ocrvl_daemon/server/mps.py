@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.config.model import AUTO, Config
 from ocrvl_daemon.errors import ServerConfigError
 from ocrvl_daemon.server import launchers
 

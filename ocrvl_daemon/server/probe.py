@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.models import MODELS
 from ocrvl_daemon.errors import ServerConfigError
-from ocrvl_daemon.model_registry import MODELS
 
 log = logging.getLogger(__name__)
 

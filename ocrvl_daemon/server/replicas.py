@@ -21,13 +21,13 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlparse
 
-from ocrvl_daemon.config import AUTO, Config
+from ocrvl_daemon.config.model import AUTO, Config
 from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
+from ocrvl_daemon.process.group import kill_leftover
 from ocrvl_daemon.server import autotune, launchers, mps
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu, read_gpus, visible_devices
 from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer, pidfile_name
-from ocrvl_daemon.server.process_group import kill_leftover
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus, ServerSupervisor
 
 log = logging.getLogger(__name__)

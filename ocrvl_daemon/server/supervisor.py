@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ServerError
 from ocrvl_daemon.server.metrics_poller import DEFAULT_INTERVAL, FETCH_TIMEOUT, MetricsPoller
 from ocrvl_daemon.server.probe import PROBE_SECONDS, ServerMetrics, ServerProbe

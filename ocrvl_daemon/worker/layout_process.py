@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ocrvl_daemon.worker.client import _Channel, child_channel, relay_record, start_child
+from ocrvl_daemon.engine.worker_handle import _Channel, child_channel, relay_record, start_child
 from ocrvl_daemon.worker.messages import LogRecord
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def serve() -> None:
         return
     config_json, server_url = setup
     try:
-        from ocrvl_daemon.config import Config
+        from ocrvl_daemon.config.model import Config
         from ocrvl_daemon.worker.main import (
             inner_pipeline,
             library_logs_to_daemon,

@@ -30,12 +30,12 @@ from typing import Any, TypeAlias
 import httpx
 import numpy as np
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.logs import PrintableFormatter, doc_fields
-from ocrvl_daemon.page_quality import Redo, repetition
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.quality import Redo, repetition
+from ocrvl_daemon.engine.worker_handle import _Channel, child_channel
+from ocrvl_daemon.observe.logs import PrintableFormatter, doc_fields
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.probe import bearer_header
-from ocrvl_daemon.worker.client import _Channel, child_channel
 from ocrvl_daemon.worker.layout_process import LayoutProcess
 from ocrvl_daemon.worker.messages import (
     Block,
@@ -611,7 +611,7 @@ def _run_page(
     pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
 ) -> None:
     from ocrvl_daemon.errors import OcrvlError, PageDamagedError
-    from ocrvl_daemon.pdf import PDFIUM_LOCK, check_unchanged, render_page
+    from ocrvl_daemon.files.pdf import PDFIUM_LOCK, check_unchanged, render_page
 
     started = time.monotonic()
     result = PageResult(task.job_id, task.page, url=task.url)

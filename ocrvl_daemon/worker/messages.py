@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ocrvl_daemon.page_quality import Redo, looks_like_a_loop
+from ocrvl_daemon.core.quality import Redo, looks_like_a_loop
 from ocrvl_daemon.worker.request_gate import YieldCap
 from ocrvl_daemon.worker.streaming import LOOP
 

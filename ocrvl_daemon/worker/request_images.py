@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT
+from ocrvl_daemon.config.models import MAX_IMAGE_ASPECT
 
 # Well inside the limit once the server rounds each side to its 28-pixel patches.
 PADDED_ASPECT = 100

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from ocrvl_daemon.page_quality import LOOP_WINDOW_CHARS, looks_like_a_loop
+from ocrvl_daemon.core.quality import LOOP_WINDOW_CHARS, looks_like_a_loop
 
 log = logging.getLogger(__name__)
 

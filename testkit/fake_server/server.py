@@ -53,7 +53,7 @@ from aiohttp import web
 from PIL import UnidentifiedImageError
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ocrvl_daemon.model_registry import MAX_IMAGE_ASPECT
+from ocrvl_daemon.config.models import MAX_IMAGE_ASPECT
 from testkit.fake_server.answers import (
     ChatRequest,
     ImageInfo,

@@ -5,7 +5,7 @@ never crosses filesystems), is fsynced, renamed over the target with `os.replace
 folder is fsynced so the rename itself survives a power cut. A crash at any moment leaves
 the target with its old content or its new one, never a part of either; the temporary that
 a killed writer leaves behind is removed by the next write of the same target. The hidden
-names (`temporary`, `remove_temporaries`) are shared with output.py's commit of a Markdown
+names (`temporary`, `remove_temporaries`) are shared with output/document_files.py's commit of a Markdown
 file together with its image folder.
 """
 
@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ocrvl_daemon.names import fit_name, name_max
+from ocrvl_daemon.files.names import fit_name, name_max
 
 TMP_MARK = ".ocrvl-tmp"
 # What a temporary name adds to the name it stands for: a dot, "-new-" or "-old-", a pid.

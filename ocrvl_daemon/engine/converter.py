@@ -17,10 +17,8 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-from ocrvl_daemon import jobs, output, pdf
-from ocrvl_daemon.book import Book, BookPage, restructure
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.decide import (
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.decide import (
     Action,
     Checkpoint,
     FailJob,
@@ -32,28 +30,32 @@ from ocrvl_daemon.decide import (
     page_failed,
     release_held,
 )
-from ocrvl_daemon.dispatch import Dispatcher, EndpointLoad, ServerHandle
-from ocrvl_daemon.document import (
+from ocrvl_daemon.core.document import (
     MAX_ACTIVE_DOCUMENTS,
     Document,
     pages_of_worker,
     pages_per_endpoint,
 )
+from ocrvl_daemon.core.plan import EndpointRoom, isolation_bound, plan
+from ocrvl_daemon.core.quality import Redo
+from ocrvl_daemon.engine.endpoints import Dispatcher, EndpointLoad, ServerHandle
+from ocrvl_daemon.engine.pool import EnginePool, StoppedWorker
 from ocrvl_daemon.errors import InputVanishedError, OcrvlError, StateFullError
-from ocrvl_daemon.hooks import DocumentHooks
-from ocrvl_daemon.jobs import DAEMON_RETRY, RetryPolicy
-from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.page_quality import Redo
-from ocrvl_daemon.plan import EndpointRoom, isolation_bound, plan
-from ocrvl_daemon.progress import DocumentProgress, Progress
-from ocrvl_daemon.rate import RateMeter
+from ocrvl_daemon.files import pdf
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.observe.progress import DocumentProgress, Progress
+from ocrvl_daemon.observe.rate import RateMeter
+from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
+from ocrvl_daemon.observe.units import counted
+from ocrvl_daemon.output import document_files
+from ocrvl_daemon.output.book import Book, BookPage, restructure
+from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.stages import BusyMeter, Stage, StageLoad
-from ocrvl_daemon.store import Job, JobState, PageFailure, Store
-from ocrvl_daemon.units import counted
+from ocrvl_daemon.storage import jobs
+from ocrvl_daemon.storage.jobs import DAEMON_RETRY, RetryPolicy
+from ocrvl_daemon.storage.store import Job, JobState, PageFailure, Store
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
-from ocrvl_daemon.worker.pool import EnginePool, StoppedWorker
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class Converter:
         self.dispatcher = Dispatcher(config, servers)
         self.only = only
         self.recipe = config.recipe
-        self.place = output.output_place(config)
+        self.place = document_files.output_place(config)
         self.hooks = DocumentHooks(store)
         self.rules = Rules.from_config(config, again)
         self.active: dict[int, Document] = {}  # by job id
@@ -409,7 +411,7 @@ class Converter:
         if self._source_moved(doc) or not self._same_content(doc):
             return
         try:
-            output.write_document(
+            document_files.write_document(
                 job.path,
                 job.sha256,
                 self.recipe.model,
@@ -437,8 +439,8 @@ class Converter:
             log.warning("%s changed as it was written; converting its new content",
                         job.path.name, extra=_fields(job))
             return
-        output.remove_error_note(job.path, self.place)
-        md, images, _ = output.outputs_for(job.path, self.place)
+        document_files.remove_error_note(job.path, self.place)
+        md, images, _ = document_files.outputs_for(job.path, self.place)
         redone = ""
         if redone_pages := ledger.redos.keys() | ledger.block_redos.keys():
             redone = (f"; redoing {len(redone_pages)} cut-off, looping or empty page(s) took "
@@ -459,10 +461,10 @@ class Converter:
             redone,
             extra=fields,
         )
-        short = output.shortened_names(job.path, self.place)
+        short = document_files.shortened_names(job.path, self.place)
         if short:
             log.info("%s: %s", job.path.name, short, extra=_fields(job))
-        data = output.json_for(job.path, self.place)
+        data = document_files.json_for(job.path, self.place)
         self.hooks.run(self.config.hooks, "on_done", job, md=str(md), pages=doc.page_count,
                        images=str(images) if images.is_dir() else "",
                        json=str(data) if "json" in self.config.output.formats else "")
@@ -498,9 +500,9 @@ class Converter:
                           "recognised", job.path.name, extra=_fields(job))
             return None
 
-    def _pages(self, job: Job) -> Iterator[output.Page]:
+    def _pages(self, job: Job) -> Iterator[document_files.Page]:
         for page in self.store.iter_pages(job.sha256, self.recipe.key):
-            yield output.Page(page.page, page.markdown, page.images, page.note,
+            yield document_files.Page(page.page, page.markdown, page.images, page.note,
                               page.quality, page.layout)
 
     def reconfigure(self, config: Config) -> None:
@@ -512,7 +514,7 @@ class Converter:
         self.config = config
         self.rules = Rules.from_config(config, self.again)
         self.engines.reconfigure(config)
-        self.place = output.output_place(config)
+        self.place = document_files.output_place(config)
         self.dispatcher.reconfigure(config)
         self._layout = None
         if config.recipe != self.recipe:

@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from ocrvl_daemon.page_quality import RedoLedger
-from ocrvl_daemon.pdf import FileStamp
-from ocrvl_daemon.store import Job
+from ocrvl_daemon.core.quality import RedoLedger
+from ocrvl_daemon.files.pdf import FileStamp
+from ocrvl_daemon.storage.store import Job
 
 # Documents converted at once, sharing the server; the queue behind them waits for a slot.
 MAX_ACTIVE_DOCUMENTS = 64

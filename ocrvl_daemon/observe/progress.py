@@ -19,10 +19,10 @@ from typing import IO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.names import shown
-from ocrvl_daemon.rate import RateMeter
-from ocrvl_daemon.units import format_duration, format_rate
+from ocrvl_daemon.files.names import shown
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.observe.rate import RateMeter
+from ocrvl_daemon.observe.units import format_duration, format_rate
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ocrvl_daemon.errors import ConfigError, StateFullError
-from ocrvl_daemon.names import shown
-from ocrvl_daemon.store_schema import apply_schema
+from ocrvl_daemon.files.names import shown
+from ocrvl_daemon.storage.schema import apply_schema
 
 SQLITE_FULL = 13  # "database or disk is full"
 # Pages read per query when assembling a document.

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
-from ocrvl_daemon.config import Config
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.worker_handle import EngineWorker
 from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
+from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.server.autotune import engine_workers
-from ocrvl_daemon.units import counted
-from ocrvl_daemon.worker.client import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import sdnotify
 
-from ocrvl_daemon.names import shown
+from ocrvl_daemon.files.names import shown
 
 log = logging.getLogger(__name__)
 

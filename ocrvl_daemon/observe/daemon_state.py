@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ocrvl_daemon.stages import StageLoad
-from ocrvl_daemon.units import format_duration, format_rate
+from ocrvl_daemon.observe.stages import StageLoad
+from ocrvl_daemon.observe.units import format_duration, format_rate
 
 # The runtime file, in the state_dir beside the job store.
 RUNTIME_FILE = "daemon.json"

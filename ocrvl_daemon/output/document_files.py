@@ -26,22 +26,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from ocrvl_daemon.atomic_file import fsync_dir, remove_temporaries, temporary, write_atomic
-from ocrvl_daemon.book import Book, PageBreaks, page_anchor
 from ocrvl_daemon.errors import NameTooLongError, NotOursError, OutputError
-from ocrvl_daemon.names import fit_name, name_bytes, name_max, shown
-from ocrvl_daemon.searchable_pdf import (
+from ocrvl_daemon.files.atomic import fsync_dir, remove_temporaries, temporary, write_atomic
+from ocrvl_daemon.files.names import fit_name, name_bytes, name_max, shown
+from ocrvl_daemon.observe.units import format_bytes
+from ocrvl_daemon.output.book import Book, PageBreaks, page_anchor
+from ocrvl_daemon.output.searchable_pdf import (
     SEARCHABLE_SUFFIX,
     PageText,
     is_ours,
     write_searchable_pdf,
 )
-from ocrvl_daemon.units import format_bytes
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from ocrvl_daemon.config import Config
+    from ocrvl_daemon.config.model import Config
 
 IMAGES_MARKER = ".ocrvl-images"
 IMAGES_SUFFIX = "_images"

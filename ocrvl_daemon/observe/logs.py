@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from ocrvl_daemon.names import one_line, shown
+from ocrvl_daemon.files.names import one_line, shown
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,14 @@ from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
-from ocrvl_daemon import output, pdf
-from ocrvl_daemon.config import Config, Recipe
-from ocrvl_daemon.document import Document
+from ocrvl_daemon.config.model import Config, Recipe
+from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
-from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.store import Job, JobState, Store
-from ocrvl_daemon.units import counted
+from ocrvl_daemon.files import pdf
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.observe.units import counted
+from ocrvl_daemon.output import document_files
+from ocrvl_daemon.storage.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
     return jobs[:limit]
 
 
-def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
+def start_job(store: Store, job: Job, key: str, place: document_files.OutputPlace,
               json_output: bool, searchable: bool = False) -> Document | None:
     """Mark queued `job` running: its active document, with the job (identified again if its
     file changed) and its pages still to do. None when its file is gone (it is dropped) or
@@ -91,7 +92,7 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
         job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
         if job.state is not JobState.QUEUED:
             return None
-    output.check_writable(path, json_output=json_output, searchable=searchable, place=place)
+    document_files.check_writable(path, json_output=json_output, searchable=searchable, place=place)
     count = pdf.page_count(path)
     done = store.done_pages(job.sha256, key)
     store.set_running(job.id, count)
@@ -108,7 +109,7 @@ def start_job(store: Store, job: Job, key: str, place: output.OutputPlace,
 
 
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
-                   place: output.OutputPlace, retry: RetryPolicy = DAEMON_RETRY) -> bool:
+                   place: document_files.OutputPlace, retry: RetryPolicy = DAEMON_RETRY) -> bool:
     """Record why `job` failed: in the store, the log and a note beside its output; a job
     whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
     due); a transient failure is tried again as `retry` says (`again`: see `enqueue_file`).
@@ -124,7 +125,7 @@ def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
         tries = "" if exc.permanent else f" ({attempts} attempts)"
         log.error("%s failed%s: %s (after fixing it: %s)", job.path, tries, exc, redo,
                   extra=fields)
-        output.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=place)
+        document_files.write_error_note(job.path, exc.message, exc.fix, redo=redo, place=place)
         store.set_failed(job.id, str(exc), permanent=True)
         return True
     delay = retry.delay(attempts)
@@ -136,7 +137,7 @@ def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
         delay,
         extra=fields,
     )
-    output.write_error_note(job.path, exc.message, exc.fix,
+    document_files.write_error_note(job.path, exc.message, exc.fix,
                             redo=pdf.retry_command(job.path, again=again),
                             retry_in=delay, place=place)
     store.set_failed(job.id, str(exc), permanent=False, retry_in=delay)
@@ -144,7 +145,7 @@ def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
 
 
 def _record_unreadable(store: Store, path: Path, key: str, exc: InputFileError,
-                       again: str, place: output.OutputPlace) -> None:
+                       again: str, place: document_files.OutputPlace) -> None:
     """Give a file that cannot even be hashed a failed job, so status and a note explain it."""
     try:
         st = path.stat()
@@ -153,12 +154,12 @@ def _record_unreadable(store: Store, path: Path, key: str, exc: InputFileError,
     job = store.enqueue(path, "", st.st_size, st.st_mtime, key)
     if job.state is not JobState.FAILED:
         store.set_failed(job.id, str(exc), permanent=True)
-        output.write_error_note(path, exc.message, exc.fix,
+        document_files.write_error_note(path, exc.message, exc.fix,
                                 redo=pdf.retry_command(path, again=again), place=place)
 
 
 def enqueue_file(store: Store, path: Path, recipe: Recipe, again: str = "ocrvl retry",
-                 place: output.OutputPlace = output.NEXT_TO_PDF) -> Job:
+                 place: document_files.OutputPlace = document_files.NEXT_TO_PDF) -> Job:
     """Identify `path` and queue it, unless this content is already handled (`again`: the
     command that redoes a document, for the advice in notes: see `pdf.retry_command`).
 
@@ -183,10 +184,10 @@ def enqueue_file(store: Store, path: Path, recipe: Recipe, again: str = "ocrvl r
         raise
     job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, recipe.key)
     if (job.state is not JobState.DONE
-            and output.is_current(path, ident.sha256, recipe.model, place)):
+            and document_files.is_current(path, ident.sha256, recipe.model, place)):
         log.debug("%s: Markdown is already up to date", path,  # the caller sums them up
                   extra=doc_fields(path, None, job.id))
         store.set_done(job.id)
-        output.remove_error_note(path, place)
+        document_files.remove_error_note(path, place)
         job = store.job(job.id) or job
     return job

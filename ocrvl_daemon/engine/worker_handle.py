@@ -24,9 +24,9 @@ from typing import IO, Any
 
 import psutil
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.sd_notify import child_env
-from ocrvl_daemon.server.process_group import die_with_parent, stop_process_group
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.observe.sd_notify import child_env
+from ocrvl_daemon.process.group import die_with_parent, stop_process_group
 from ocrvl_daemon.worker.messages import (
     GateLimit,
     LogRecord,

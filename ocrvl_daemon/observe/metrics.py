@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ocrvl_daemon.config import MetricsConfig
-from ocrvl_daemon.daemon_state import DaemonState
+from ocrvl_daemon.config.model import MetricsConfig
 from ocrvl_daemon.errors import ConfigError
+from ocrvl_daemon.observe.daemon_state import DaemonState
+from ocrvl_daemon.observe.stages import SATURATED
 from ocrvl_daemon.server.gpu import MIB
-from ocrvl_daemon.stages import SATURATED
 
 log = logging.getLogger(__name__)
 

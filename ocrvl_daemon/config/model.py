@@ -24,15 +24,15 @@ from pydantic import (
     model_validator,
 )
 
-from ocrvl_daemon.config_errors import KeyProblem, KeyProblems
-from ocrvl_daemon.errors import UnsetVariableError
-from ocrvl_daemon.model_registry import (
+from ocrvl_daemon.config.errors import KeyProblem, KeyProblems
+from ocrvl_daemon.config.models import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
     MAX_IMAGE_PIXELS,
     MODELS,
     VLModel,
 )
+from ocrvl_daemon.errors import UnsetVariableError
 from ocrvl_daemon.worker import layout_engine
 
 AUTO = "auto"
@@ -451,7 +451,7 @@ class OutputConfig(_Section):
     # How a page's start is marked in the Markdown: anchor (a comment and `<a id="page-N">`,
     # inside a paragraph that runs on) or rule (`---` and the comment: each page apart).
     page_breaks: Literal["anchor", "rule"] = "anchor"
-    # Book-level structure (book.py): tables merged and headings relevelled across pages,
+    # Book-level structure (output/book.py): tables merged and headings relevelled across pages,
     # and with page_breaks: anchor paragraphs and hyphenated words joined across them.
     restructure: bool = True
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ocrvl_daemon.rate import RATE_WINDOW
+from ocrvl_daemon.observe.rate import RATE_WINDOW
 from ocrvl_daemon.worker.layout_engine import ON_CPU_ASKED, TO_THE_GPU
 
 # A stage at or above this share of its capacity is where pages queue.

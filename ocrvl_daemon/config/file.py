@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ocrvl_daemon.config import Config, expand_path
-from ocrvl_daemon.config_errors import config_error
+from ocrvl_daemon.config.errors import config_error
+from ocrvl_daemon.config.model import Config, expand_path
 from ocrvl_daemon.errors import ConfigError
-from ocrvl_daemon.names import shell_quote
+from ocrvl_daemon.files.names import shell_quote
 
 DEFAULT_CONFIG_PATH = Path("~/.config/ocrvl/config.yaml")
 CONFIG_ENV = "OCRVL_CONFIG"

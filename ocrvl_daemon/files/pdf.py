@@ -19,7 +19,7 @@ from ocrvl_daemon.errors import (
     PageDamagedError,
     UsageError,
 )
-from ocrvl_daemon.names import is_pdf_name, shell_quote
+from ocrvl_daemon.files.names import is_pdf_name, shell_quote
 
 # PDFium is not thread-safe; every call into it goes through this lock.
 PDFIUM_LOCK = threading.RLock()

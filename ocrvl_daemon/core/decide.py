@@ -19,15 +19,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.document import Document
-from ocrvl_daemon.errors import (
-    InputVanishedError,
-    OcrvlError,
-    PagesFailedError,
-    ServerError,
-)
-from ocrvl_daemon.page_quality import (
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.quality import (
     WHOLE_PAGE,
     BlockRedos,
     CutBlock,
@@ -40,7 +34,13 @@ from ocrvl_daemon.page_quality import (
     flag_note,
     worst_of,
 )
-from ocrvl_daemon.pdf import retry_command
+from ocrvl_daemon.errors import (
+    InputVanishedError,
+    OcrvlError,
+    PagesFailedError,
+    ServerError,
+)
+from ocrvl_daemon.files.pdf import retry_command
 from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult
 
 # A page the server failed (HTTP 5xx) waits this long before it is sent again, doubling with

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ocrvl_daemon.document import Document
+from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.worker.messages import GateLimit
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 

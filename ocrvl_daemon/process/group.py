@@ -32,7 +32,7 @@ from typing import IO
 
 import psutil
 
-from ocrvl_daemon.atomic_file import write_atomic
+from ocrvl_daemon.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ocrvl_daemon.config import HOOK_PLACEHOLDERS, HooksConfig
-from ocrvl_daemon.logs import doc_fields
-from ocrvl_daemon.server.process_group import ProcessGroup
-from ocrvl_daemon.store import Job, PageFailure, Store
+from ocrvl_daemon.config.model import HOOK_PLACEHOLDERS, HooksConfig
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.process.group import ProcessGroup
+from ocrvl_daemon.storage.store import Job, PageFailure, Store
 
 log = logging.getLogger(__name__)
 # A hook's own output, line by line.

@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ocrvl_daemon.concurrency import ConcurrencyController
-from ocrvl_daemon.config import Config
-from ocrvl_daemon.document import Document
-from ocrvl_daemon.rate import RateMeter
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.engine.concurrency import ConcurrencyController
+from ocrvl_daemon.observe.rate import RateMeter
 from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.server.supervisor import ServerStatus
 
