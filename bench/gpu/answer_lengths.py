@@ -30,8 +30,13 @@ sampling (the others' probabilities underflow to 0 in float32), before and after
 repetition penalty (which divides it by 1.05 or 1.15).
 
     vllm serve DIR --load-format dummy \
-        --logits-processors bench.gpu.answer_lengths:LognormalAnswerLengths
+        --logits-processors bench.gpu.answer_lengths:ServerAnswerLengths
     (the lengths from $OCRVL_BENCH_ANSWER_LENGTHS, "MEDIAN:SIGMA:SEED", default 500:0.9:17)
+
+vLLM 0.34 removed the V1 model runner and, with it, the V1 logits-processor interface this
+class implements; `ServerAnswerLengths` is the class for the vLLM that is installed: this one
+where the V1 interface exists, `SlotAnswerLengths` (the V2 interface, the same answers)
+where it does not.
 """
 
 from __future__ import annotations
@@ -60,8 +65,19 @@ except ImportError:  # the row bookkeeping is tested without vLLM (and torch)
         UNIDIRECTIONAL = enum.auto()
         SWAP = enum.auto()
 
+try:  # vLLM >= 0.34: the V2 model runner's interface, the only one left there
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+        LogitsProcessor as SlotLogitsProcessor,
+    )
+except ImportError:
+    SlotLogitsProcessor = object  # type: ignore[assignment,misc]
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+        LogitsContext,
+        LogitsProcRequestState,
+    )
 
 EOS = 2  # ERNIE-4.5's </s>, where the config does not say
 FORCED_LOGIT = 1.0e4  # the chosen token's logit (the net's are near 0)
@@ -172,6 +188,44 @@ class LognormalAnswerLengths(LogitsProcessor):
             pairs = pairs.to(logits.device, non_blocking=True)
             logits[pairs[:, 0], pairs[:, 1]] = FORCED_LOGIT
         return logits
+
+
+class SlotAnswerLengths(SlotLogitsProcessor):
+    """The same answers as LognormalAnswerLengths, through vLLM's V2 interface: requests are
+    persistent slots, and a request's output so far is its sequence length less its prompt
+    (the row's script only counts its output: LoopingAnswerLengths, which reads it, stays on
+    the V1 interface)."""
+
+    def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
+        self.answers = LognormalAnswerLengths(vllm_config)
+        self.prompt_len = req_states.prompt_len.np  # host view, set before add_request
+        self.scripts: dict[int, Script] = {}  # slot -> its request's script
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+        prompt = range(int(self.prompt_len[req_idx]))  # the script reads only its length
+        self.scripts[req_idx] = self.answers.script(prompt, sampling_params)
+        return True
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        # Without speculative decoding a request has one row, in batch order; the lengths
+        # are padded past the batch (zeros), so zip stops at the batch's end.
+        due = []
+        slots, lengths = ctx.idx_mapping_np.tolist(), ctx.seq_lens_upper_bound_np.tolist()
+        for row, (slot, seen) in enumerate(zip(slots, lengths, strict=False)):
+            script = self.scripts.get(slot)
+            if script is not None and row < logits.shape[0]:
+                token = script(range(max(0, seen - int(self.prompt_len[slot]))))
+                if token is not None:
+                    due.append((row, token))
+        if due:
+            pairs = torch.tensor(due, dtype=torch.long).to(logits.device, non_blocking=True)
+            logits[pairs[:, 0], pairs[:, 1]] = FORCED_LOGIT
+        return logits
+
+
+# What `vllm serve --logits-processors` is given: the class of the installed vLLM's interface.
+ServerAnswerLengths = (SlotAnswerLengths if LogitsProcessor is object
+                       and SlotLogitsProcessor is not object else LognormalAnswerLengths)
 
 
 def eos_token(vllm_config: VllmConfig | None) -> int:

@@ -27,7 +27,7 @@ from ocrvl_daemon.server.probe import parse_metrics
 from testkit.harness import answers_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGITS_PROCESSOR = "bench.gpu.answer_lengths:LognormalAnswerLengths"
+LOGITS_PROCESSOR = "bench.gpu.answer_lengths:ServerAnswerLengths"
 IDLE_SETTLE_S = 1.0  # each contender starts on a quiet server
 
 
