@@ -15,8 +15,15 @@ from typing import Any
 import pytest
 import yaml
 
-from ocrvl_daemon.commands import doctor
-from ocrvl_daemon.commands.doctor import Check, DoctorReport, render_json, render_text, run_doctor
+from ocrvl_daemon.commands.doctor import (
+    Check,
+    DoctorReport,
+    machine,
+    render_json,
+    render_text,
+    run,
+    run_doctor,
+)
 from ocrvl_daemon.config.file import load_config
 from ocrvl_daemon.server import gpu, vllm_release
 from ocrvl_daemon.server.launchers import vllm_serve_command
@@ -461,7 +468,7 @@ def test_genai_server_needs_flash_attn(tmp_path: Path, gpu_env: Any) -> None:
 def test_wsl2_warnings(tmp_path: Path, gpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_env("rtx4060")
     wsl_conf = tmp_path / "wsl.conf"
-    monkeypatch.setattr(doctor, "WSL_CONF", wsl_conf)
+    monkeypatch.setattr(machine, "WSL_CONF", wsl_conf)
     report = run_doctor(managed(tmp_path), osrelease="5.15.167.4-microsoft-standard-WSL2")
     wsl = by_name(report, "WSL2")
     assert wsl.status == "warn"
@@ -490,7 +497,7 @@ def test_a_crashing_check_does_not_stop_the_others(tmp_path: Path, gpu_env: Any,
     def broken(_: Any) -> list[Check]:
         raise RuntimeError("odd system")
 
-    monkeypatch.setattr(doctor, "_client_checks", broken)
+    monkeypatch.setattr(run, "client_checks", broken)
     report = run_doctor(managed(tmp_path), osrelease=NOT_WSL)
     check = by_name(report, "client packages")
     assert check.status == "warn" and "odd system" in check.detail

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from ocrvl_daemon.commands import doctor
+from ocrvl_daemon.commands.doctor import machine as doctor_machine
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
@@ -417,12 +417,12 @@ def test_an_mps_failure_in_the_servers_output_names_the_key() -> None:
 def test_doctor_says_whether_mps_is_used(tmp_path: Path) -> None:
     card = GpuReading(0, "GPU-x", *H200, 1024, H200[1] - 1024, "560", (9, 0), "nvml")
     auto = validate_config({"state_dir": str(tmp_path), "server": {"mps": "auto"}})
-    check = doctor._mps_check(auto, card, mps.MpsProbe("/usr/bin/nvidia-cuda-mps-control"))
+    check = doctor_machine.mps_check(auto, card, mps.MpsProbe("/usr/bin/nvidia-cuda-mps-control"))
     assert (check.status, check.detail) == ("ok", "used (auto: replicas share a GPU and MPS is "
                                             "installed); nvidia-cuda-mps-control: "
                                             "/usr/bin/nvidia-cuda-mps-control")
-    check = doctor._mps_check(auto, card, mps.MpsProbe(None))
+    check = doctor_machine.mps_check(auto, card, mps.MpsProbe(None))
     assert check.status == "info" and check.detail.startswith("not used (auto:")
     on = validate_config({"state_dir": str(tmp_path), "server": {"mps": "on"}})
-    check = doctor._mps_check(on, card, mps.MpsProbe(None))
+    check = doctor_machine.mps_check(on, card, mps.MpsProbe(None))
     assert check.status == "fail" and "server.mps: auto" in (check.fix or "")

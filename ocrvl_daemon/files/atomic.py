@@ -5,8 +5,8 @@ never crosses filesystems), is fsynced, renamed over the target with `os.replace
 folder is fsynced so the rename itself survives a power cut. A crash at any moment leaves
 the target with its old content or its new one, never a part of either; the temporary that
 a killed writer leaves behind is removed by the next write of the same target. The hidden
-names (`temporary`, `remove_temporaries`) are shared with output/document_files.py's commit of a Markdown
-file together with its image folder.
+names (`temporary`, `remove_temporaries`) are shared with output/document_files.py's commit
+of a Markdown file together with its image folder.
 """
 
 from __future__ import annotations

@@ -1,57 +1,48 @@
-"""`ocrvl doctor`: check the GPU, both Python environments, the config, the inboxes, the server
-and systemd, and say how to fix each problem.
-
-Nothing here raises for a problem in the environment: every finding becomes a `Check`, and
-`DoctorReport.blocking` tells the CLI whether conversion can work at all.
-"""
+"""`ocrvl doctor`'s checks of the machine: the GPU and its driver, WSL2, the client packages,
+the layout model and the server environment."""
 
 from __future__ import annotations
 
 import configparser
-import contextlib
-import getpass
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import httpx
 from packaging.version import InvalidVersion, Version
 
-from ocrvl_daemon.config.file import CONFIG_ENV, load_config, resolve_config_path
-from ocrvl_daemon.config.model import Config, folder_problem
-from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
-from ocrvl_daemon.process.group import GroupRecord, group_members
+from ocrvl_daemon.commands.doctor.report import Check, Status
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.errors import DependencyError, ServerConfigError
 from ocrvl_daemon.server import autotune, driver_check, gpu, launchers, mps, vllm_release
 from ocrvl_daemon.server.launchers import server_env
-from ocrvl_daemon.server.managed import port_in_use
-from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
-from ocrvl_daemon.server.replicas import PIDFILE_GLOB
 from ocrvl_daemon.worker import layout_engine, layout_model
 from ocrvl_daemon.worker.layout_engine import LayoutChoice
 
-Status = Literal["ok", "warn", "fail", "info"]
-MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
 WSL_CONF = Path("/etc/wsl.conf")
+
+
 SERVER_PROBE_TIMEOUT = 120.0  # importing vllm (torch, CUDA libraries) is slow on a cold disk
-SYSTEMD_TIMEOUT = 5.0
-HTTP_TIMEOUT = 3.0
+
+
 MIN_COMPUTE_CAPABILITY = (8, 0)
-# What `run_doctor` skips while the config is invalid.
-CONFIG_SECTIONS = ("GPU settings", "client packages", "layout model", "server environment",
-                   "state_dir", "inbox", "server")
+
+
 SETUP_FIX = "run `ocrvl setup-server` (creates the server environment and sets server.python)"
+
+
 # The layout model timed on a page of this size (height, width: A4 rendered at scale 2), in a
 # child process: importing PaddleX and the engine takes seconds and must not stay here.
 LAYOUT_SPEED_PAGE = (1684, 1190)
+
+
 LAYOUT_SPEED_TIMEOUT = 180.0
+
+
 _LAYOUT_SPEED_SCRIPT = f"""\
 import json, sys, time
 import numpy as np
@@ -65,6 +56,8 @@ started = time.perf_counter()
 list(model.predict(page))
 print(json.dumps({{"pages_per_s": 1 / (time.perf_counter() - started)}}))
 """
+
+
 # Run by server.python: import each module, print one JSON line of versions or errors.
 _PROBE_SCRIPT = """\
 import importlib, json, sys
@@ -81,112 +74,11 @@ print(json.dumps(found))
 """
 
 
-@dataclass(frozen=True)
-class Check:
-    """One finding; `fix` says what to do when it is not ok."""
-
-    name: str
-    status: Status
-    detail: str
-    fix: str | None = None
-    # Figures for `--json` readers (the layout engine and its speed).
-    data: dict[str, Any] | None = None
-
-
-@dataclass
-class DoctorReport:
-    """Every check, in the order they ran."""
-
-    checks: list[Check] = field(default_factory=list)
-    config_path: str | None = None
-
-    @property
-    def blocking(self) -> bool:
-        """True when a check failed: conversion cannot work until it is fixed."""
-        return any(c.status == "fail" for c in self.checks)
-
-
-def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> DoctorReport:
-    """Run every check; `osrelease` stands in for /proc/sys/kernel/osrelease (tests)."""
-    report = DoctorReport()
-    config, path, config_checks = _config(config_path)
-    report.config_path = str(path) if path else None
-    report.checks += config_checks
-    sections: list[tuple[str, Callable[[], list[Check]]]]
-    if config is None:
-        # Built-in defaults would report problems of a configuration nobody asked for:
-        # only what does not depend on it is checked.
-        sections = [("GPU", lambda: [_gpu_found(gpu.probe_gpu())])]
-        report.checks.append(Check("skipped", "info", f"{', '.join(CONFIG_SECTIONS)}: they "
-                                   "depend on the config, checked once it is valid"))
-    else:
-        given = config
-        gpu_probe = gpu.probe_gpu()
-        sections = [
-            ("GPU", lambda: _gpu_checks(given, gpu_probe)),
-            ("client packages", lambda: _client_checks(given)),
-            ("layout model", lambda: _layout_model_checks(given)),
-            ("server environment",
-             lambda: _server_env_checks(given, gpu_probe, gpu.is_wsl(osrelease))),
-            ("state_dir", lambda: [_state_dir_check(given)]),
-            ("inbox", lambda: _inbox_checks(given)),
-            ("server", lambda: [_server_check(given)]),
-        ]
-    sections += [("WSL2", lambda: _wsl_checks(osrelease)), ("systemd", _systemd_checks)]
-    for name, run in sections:
-        try:
-            report.checks.extend(run())
-        except Exception as exc:  # a bug or an odd system must not hide the other checks
-            report.checks.append(Check(name, "warn", f"could not be checked: {exc!r}"))
-    return report
-
-
-def render_text(report: DoctorReport) -> str:
-    """One screen: a mark, the check and its detail, then `→ fix` under each problem."""
-    width = max((len(c.name) for c in report.checks), default=0)
-    lines = [f"ocrvl doctor (config: {report.config_path or 'built-in defaults'})"]
-    for check in report.checks:
-        lines.append(f"{MARKS[check.status]} {check.name:<{width}}  {check.detail}")
-        if check.fix:
-            indent = f"  {'':<{width}}  "
-            lines.append(f"{indent}→ " + check.fix.replace("\n", f"\n{indent}  "))
-    failed = sum(c.status == "fail" for c in report.checks)
-    warned = sum(c.status == "warn" for c in report.checks)
-    if failed:
-        lines.append(f"{failed} problem(s) block conversion, {warned} warning(s).")
-    else:
-        lines.append(f"Nothing blocks conversion; {warned} warning(s).")
-    return "\n".join(lines)
-
-
-def render_json(report: DoctorReport) -> str:
-    """The report for scripts: config path, blocking verdict and every check."""
-    return json.dumps(
-        {"config": report.config_path, "blocking": report.blocking,
-         "checks": [asdict(c) for c in report.checks]},
-        indent=2, ensure_ascii=False,
-    )
-
-
-def _config(config_path: str | None) -> tuple[Config | None, Path | None, list[Check]]:
-    """The config, the file it came from, and a check per problem (all of them at once)."""
-    # The file read (or named) heads the report even when it is invalid or missing.
-    named = config_path or os.environ.get(CONFIG_ENV)
-    path = Path(named).expanduser() if named else None
-    try:
-        path = resolve_config_path(config_path)
-        config, _ = load_config(path)
-    except ConfigError as exc:
-        return None, path, [Check("config", "fail", p.message, p.fix) for p in exc.problems]
-    where = str(path) if path else "no config file, built-in defaults"
-    return config, path, [Check("config", "ok", f"valid ({where})")]
-
-
-def _managed_model_server(config: Config) -> bool:
+def managed_model_server(config: Config) -> bool:
     return config.server.mode == "managed" and config.server.launcher != "command"
 
 
-def _gpu_found(probe: gpu.GpuProbe) -> Check:
+def gpu_found(probe: gpu.GpuProbe) -> Check:
     """The GPU as found, whatever the config wants of it."""
     reading = probe.reading
     if reading is None:
@@ -199,15 +91,15 @@ def _no_gpu_found(probe: gpu.GpuProbe) -> str:
     return f"no NVIDIA GPU found ({'; '.join(probe.problems) or 'nothing found'})"
 
 
-def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
+def gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
     reading = probe.reading
     if reading is None:
         return [_no_gpu_check(config, probe)]
     cc = reading.compute_capability
     checks = [
-        _gpu_found(probe),
-        Check("GPU memory", "ok", f"{_gib(reading.total_mib)} total, "
-              f"{_gib(reading.used_mib)} used, {_gib(reading.free_mib)} free"),
+        gpu_found(probe),
+        Check("GPU memory", "ok", f"{gib(reading.total_mib)} total, "
+              f"{gib(reading.used_mib)} used, {gib(reading.free_mib)} free"),
     ]
     if cc >= MIN_COMPUTE_CAPABILITY:
         checks.append(Check("compute capability", "ok", f"{cc[0]}.{cc[1]}"))
@@ -222,11 +114,11 @@ def _gpu_checks(config: Config, probe: gpu.GpuProbe) -> list[Check]:
             "run out of memory while starting on such GPUs",
             "expect slow starts; if it fails, set server.startup_timeout higher and "
             "server.vllm_args.max-num-seqs lower"))
-    if _managed_model_server(config):
+    if managed_model_server(config):
         found = mps.probe(config) if config.server.mps != "off" else mps.MpsProbe(None)
         checks.append(_settings_check(config, reading, found.available))
         checks.append(_replicas_check(config, reading, found.available))
-        checks.append(_mps_check(config, reading, found))
+        checks.append(mps_check(config, reading, found))
     return checks
 
 
@@ -237,7 +129,7 @@ def _no_gpu_check(config: Config, probe: gpu.GpuProbe) -> Check:
                      "elsewhere (server.mode: external)")
     driver_fix = ("install the NVIDIA driver (on WSL2: the Windows driver) until `nvidia-smi` "
                   "lists the GPU; CUDA_VISIBLE_DEVICES must name it")
-    if not _managed_model_server(config):  # server.command may well run without a GPU
+    if not managed_model_server(config):  # server.command may well run without a GPU
         return Check("GPU", "warn", found, driver_fix)
     return Check("GPU", "fail", f"{found}: the managed vLLM server cannot run here",
                  f"{driver_fix}; or, with no NVIDIA GPU here, "
@@ -266,7 +158,7 @@ def _replicas_check(config: Config, reading: gpu.GpuReading, mps_available: bool
     if replicas == "auto":
         count = autotune.auto_replicas(reading.total_mib, mps_available)
         return Check("server replicas", "info", f"{count} per GPU (auto, from "
-                     f"{_gib(reading.total_mib)} on {reading.name})")
+                     f"{gib(reading.total_mib)} on {reading.name})")
     assert isinstance(replicas, int)
     problem = autotune.replicas_fit_problem(config, reading, replicas)
     if problem is not None:
@@ -274,7 +166,7 @@ def _replicas_check(config: Config, reading: gpu.GpuReading, mps_available: bool
     return Check("server replicas", "ok", f"{replicas} per GPU")
 
 
-def _mps_check(config: Config, reading: gpu.GpuReading, found: mps.MpsProbe) -> Check:
+def mps_check(config: Config, reading: gpu.GpuReading, found: mps.MpsProbe) -> Check:
     """Whether the replicas would run under ocrvl's NVIDIA MPS daemon (server.mps), and why."""
     replicas = config.server.replicas
     if not isinstance(replicas, int):
@@ -288,7 +180,7 @@ def _mps_check(config: Config, reading: gpu.GpuReading, found: mps.MpsProbe) -> 
                  f"{'used' if plan.use else 'not used'} ({plan.why}){where}")
 
 
-def _wsl_checks(osrelease: str | None) -> list[Check]:
+def wsl_checks(osrelease: str | None) -> list[Check]:
     if not gpu.is_wsl(osrelease):
         return []
     checks = [Check(
@@ -318,7 +210,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _client_checks(config: Config) -> list[Check]:
+def client_checks(config: Config) -> list[Check]:
     checks = []
     found = {d: _version(d) for d in ("paddleocr", "paddlex")}
     missing = [d for d, v in found.items() if v is None]
@@ -357,7 +249,7 @@ def _client_checks(config: Config) -> list[Check]:
     return checks
 
 
-def _layout_model_checks(config: Config) -> list[Check]:
+def layout_model_checks(config: Config) -> list[Check]:
     if not config.pipeline.use_layout_detection:
         return []
     try:
@@ -440,11 +332,11 @@ def _run_quiet_json(argv: list[str], timeout: float) -> dict[str, Any] | str:
     return found if isinstance(found, dict) else f"unexpected output {lines[-1][:200]!r}"
 
 
-def _server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[Check]:
+def server_env_checks(config: Config, probe: gpu.GpuProbe, wsl: bool) -> list[Check]:
     server = config.server
     if server.mode == "external":
         return []
-    if probe.reading is None and _managed_model_server(config):
+    if probe.reading is None and managed_model_server(config):
         # `ocrvl setup-server` cannot help a machine where vLLM has no GPU to run on.
         return [Check("server environment", "info", "not checked: without an NVIDIA GPU "
                       "the managed server cannot run here (see GPU above for "
@@ -558,189 +450,6 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
     return Check("vllm", "ok", f"{version} ({where}), the release ocrvl pins")
 
 
-def _state_dir_check(config: Config) -> Check:
-    state = config.state_dir
-    problem = folder_problem(state) or _write_problem(state)
-    if problem is not None:
-        return Check("state_dir", "fail", f"state_dir = {state} cannot be used: {problem}",
-                     "set state_dir in the config file to a folder this user can create and "
-                     "write (the default is ~/.local/state/ocrvl)")
-    return Check("state_dir", "ok", f"{state} is usable")
-
-
-def _write_problem(folder: Path) -> str | None:
-    """Why `folder` cannot be created and written, found by doing so as `ocrvl run` will
-    (`access()` says yes to root anywhere, even under /proc); what this made is removed."""
-    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        return f"it cannot be created: {exc.strerror or exc}"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".ocrvl-doctor-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"a file cannot be written in it: {exc.strerror or exc}"
-    finally:
-        for created in made:
-            with contextlib.suppress(OSError):
-                created.rmdir()
-    return None
-
-
-def _inbox_checks(config: Config) -> list[Check]:
-    checks = []
-    for path in config.inbox.paths:
-        problem = folder_problem(path)
-        if not path.exists() and problem is not None:
-            checks.append(Check("inbox", "fail", f"{path} {problem}: `ocrvl run` would watch "
-                                "nothing there", "point inbox.paths at a folder this user can "
-                                "create, or fix the path"))
-        elif not path.exists():
-            checks.append(Check("inbox", "warn", f"{path} does not exist (`ocrvl run` "
-                                "creates it)", f"mkdir -p {path}"))
-        elif not path.is_dir():
-            checks.append(Check("inbox", "fail", f"{path} is not a folder",
-                                "point inbox.paths at a folder"))
-        elif not os.access(path, os.W_OK | os.X_OK):
-            checks.append(Check("inbox", "fail", f"{path} is not writable: the Markdown is "
-                                "written next to each PDF", f"chmod u+rwx {path}"))
-        else:
-            checks.append(Check("inbox", "ok", f"{path} exists and is writable"))
-        fs_check = _filesystem_check(config, path)
-        if fs_check:
-            checks.append(fs_check)
-    return checks
-
-
-def _filesystem_check(config: Config, path: Path) -> Check | None:
-    try:
-        from ocrvl_daemon.inbox import filesystems  # written alongside; absent in older trees
-    except ImportError:
-        return None
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-    fstype = filesystems.filesystem_type(existing)
-    polling = config.inbox.polling
-    if not filesystems.needs_polling(fstype):
-        return Check("inbox filesystem", "ok", f"{path}: {fstype}, change events work")
-    if polling is False:
-        return Check("inbox filesystem", "warn", f"{path}: {fstype} sends no change events "
-                     "and inbox.polling is false: new PDFs are only seen by the periodic rescan",
-                     "set inbox.polling: true (or auto)")
-    return Check("inbox filesystem", "info", f"{path}: {fstype} sends no change events; "
-                 "polling is used")
-
-
-def _server_check(config: Config) -> Check:
-    server = config.server
-    root = server.root_url
-    external = server.mode == "external"
-    headers = bearer_header(server.api_key)
-    try:
-        health = httpx.get(f"{root}/health", timeout=HTTP_TIMEOUT, headers=headers)
-        models = httpx.get(f"{server.base_url}/models", timeout=HTTP_TIMEOUT, headers=headers)
-    except httpx.HTTPError as exc:
-        if external:
-            return Check("server", "fail", f"{root} does not answer ({type(exc).__name__})",
-                         "start the server, or correct server.url")
-        if port_in_use(server.host, server.port):
-            return _port_taken(config, "it does not answer HTTP")
-        return Check("server", "info", f"not running at {root} (ocrvl starts it when needed)")
-    if not external and not _ocrvl_server_running(config):
-        return _port_taken(config, f"it answers /health with {health.status_code}")
-    if models.status_code == 401:
-        return Check("server", "fail", f"{root} refuses ocrvl's requests (/v1/models: 401 "
-                     "Unauthorized)", _api_key_fix(config))
-    absent = external and health.status_code in ENDPOINT_ABSENT  # not every server has /health
-    if health.status_code != 200 and not absent:
-        return Check("server", "fail" if external else "warn",
-                     f"{root}/health answers {health.status_code}: the engine is not serving",
-                     "restart the server" if external else "ocrvl restarts it; see its log")
-    if external and models.status_code in ENDPOINT_ABSENT:
-        return Check("server", "warn", f"{root} answers but does not list its models "
-                     f"(/v1/models: {models.status_code}), so serving {config.model.served} "
-                     "cannot be checked", "nothing, if it serves PaddleOCR-VL under that name")
-    try:
-        served = [m["id"] for m in models.json()["data"]]
-    except (ValueError, KeyError, TypeError):
-        served = []
-    if config.model.served not in served:
-        return Check("server", "fail", f"{root} serves {served or 'no models'}, not "
-                     f"{config.model.served}", served_model_fix(config, served))
-    return Check("server", "ok", f"{root} is up and serves {config.model.served}")
-
-
-def _ocrvl_server_running(config: Config) -> bool:
-    """Whether a managed server that ocrvl started (its pidfile's group) is running."""
-    for pidfile in config.state_dir.glob(PIDFILE_GLOB):
-        record = GroupRecord.load(pidfile)
-        if record is not None and group_members(record.pgid):
-            return True
-    return False
-
-
-def _port_taken(config: Config, how: str) -> Check:
-    server = config.server
-    return Check(
-        "server", "fail", f"port {server.port} on {server.host} is taken by another program "
-        f"({how}); ocrvl's own server is not running: `ocrvl run` could not start its "
-        "server there", f"stop that program (`ss -ltnp 'sport = :{server.port}'` names it), "
-        f"or set server.port to a free port; to use it as the model server, set "
-        f"`server: {{mode: external, url: {server.base_url}}}`")
-
-
-def _api_key_fix(config: Config) -> str:
-    """What to do about a 401: set the key, or set the right one (and where it comes from)."""
-    if config.server.api_key is None:
-        return ("the server wants an API key: set server.api_key to its key (e.g. "
-                "`api_key: $OCRVL_API_KEY`, with that variable set where ocrvl runs)")
-    # An unset $VARIABLE in server.api_key is a config error already: this key is a real one.
-    return ("the server refuses server.api_key: set it (or the variable it names) to the key "
-            "the server was started with (its --api-key or $VLLM_API_KEY)")
-
-
-def _systemd_checks() -> list[Check]:
-    if shutil.which("systemctl") is None:
-        return [Check("systemd", "info", "no systemctl: run `ocrvl run` yourself")]
-    state = _run_quiet(["systemctl", "--user", "is-system-running"])
-    if state == "running":
-        checks = [Check("systemd", "ok", "user manager running")]
-    elif state == "degraded":
-        checks = [Check("systemd", "warn", "user manager running, some user units failed",
-                        "see systemctl --user --failed")]
-    elif state in ("initializing", "starting"):
-        checks = [Check("systemd", "info", f"user manager {state}")]
-    else:
-        said = state or "no answer"
-        if not os.environ.get("XDG_RUNTIME_DIR"):
-            said += ", XDG_RUNTIME_DIR is not set"
-        return [Check("systemd", "warn", f"no systemd user manager reachable ({said}): "
-                      "`systemctl --user start ocrvl` will not work",
-                      "log in through a systemd session (on WSL2 enable systemd), or run "
-                      "`ocrvl run` yourself")]
-    user = os.environ.get("USER") or getpass.getuser()
-    linger = _run_quiet(["loginctl", "show-user", user, "-p", "Linger"])
-    if linger == "Linger=yes":
-        checks.append(Check("linger", "ok", f"enabled for {user}: ocrvl runs without a login"))
-    elif linger == "Linger=no":
-        checks.append(Check("linger", "warn", f"off for {user}: the service stops at logout "
-                            "and does not start at boot", f"loginctl enable-linger {user}"))
-    else:
-        checks.append(Check("linger", "info", "unknown (loginctl gave no answer)"))
-    return checks
-
-
-def _run_quiet(argv: list[str]) -> str:
-    """First line of a small command's output, "" when it cannot run."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=SYSTEMD_TIMEOUT,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if lines else ""
-
-
-def _gib(mib: float) -> str:
+def gib(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB"
+
