@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Container
-from dataclasses import dataclass
 from pathlib import Path
 
 from ocrvl_daemon.config.model import Config, Recipe
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.files import pdf
@@ -26,29 +26,17 @@ DAEMON_DB = "jobs.sqlite"
 ONESHOT_DB = "convert.sqlite"
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a document whose conversion failed for a reason that may pass (the server failing,
-    an output folder not writable, the file changing) is tried again: after `first_wait`
-    seconds, doubling up to `longest_wait`, until it failed `attempts` times in a row (None:
-    never given up on, as the daemon does; `ocrvl convert` must end)."""
-
-    first_wait: float
-    longest_wait: float
-    attempts: int | None = None
-
-    def delay(self, attempts: int) -> float:
-        """The wait after the `attempts`th failure in a row."""
-        return min(self.longest_wait, self.first_wait * 2 ** max(0, attempts - 1))
-
-    def gives_up(self, attempts: int) -> bool:
-        """Whether the `attempts`th failure in a row is the last one tried."""
-        return self.attempts is not None and attempts >= self.attempts
+# How a document whose conversion failed for a reason that may pass (the server failing, an
+# output folder not writable, the file changing) is tried again: the daemon never gives it
+# up; a person waits for `ocrvl convert`, so a few quick tries, then the cause and its exit
+# code.
+DAEMON_RETRY = Backoff(30.0, 3600.0)
+ONESHOT_RETRY = Backoff(2.0, 8.0, attempts=3)
 
 
-DAEMON_RETRY = RetryPolicy(30.0, 3600.0)
-# A person waits for `ocrvl convert`: a few quick tries, then the cause and its exit code.
-ONESHOT_RETRY = RetryPolicy(2.0, 8.0, attempts=3)
+def job_fields(job: Job, page: int | None = None) -> dict[str, object]:
+    """Structured journald fields for a log line about `job` (and 0-based `page`)."""
+    return doc_fields(job.path, None if page is None else page + 1, job.id)
 
 
 def open_store(config: Config) -> Store:
@@ -71,11 +59,11 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
 
 
 def start_job(store: Store, job: Job, key: str, place: document_files.OutputPlace,
-              json_output: bool, searchable: bool = False) -> Document | None:
+              json_output: bool, searchable: bool = False, now: float = 0.0) -> Document | None:
     """Mark queued `job` running: its active document, with the job (identified again if its
     file changed) and its pages still to do. None when its file is gone (it is dropped) or
     this version is not queued. An unusable file or output place raises, as OcrvlError or
-    OSError."""
+    OSError. `now`: the owner's monotonic clock, when the document starts."""
     path = job.path
     try:
         stat = path.stat()
@@ -105,11 +93,11 @@ def start_job(store: Store, job: Job, key: str, place: document_files.OutputPlac
                  extra=doc_fields(path, None, job.id))
     if pdf.FileStamp.of(path) != source:  # replaced while it was hashed or counted
         raise InputVanishedError(f"{path} changed while it was being opened.")
-    return Document(job, count, pending, done=count - len(pending), source=source)
+    return Document(job, count, pending, source=source, started=now)
 
 
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
-                   place: document_files.OutputPlace, retry: RetryPolicy = DAEMON_RETRY) -> bool:
+                   place: document_files.OutputPlace, retry: Backoff = DAEMON_RETRY) -> bool:
     """Record why `job` failed: in the store, the log and a note beside its output; a job
     whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
     due); a transient failure is tried again as `retry` says (`again`: see `enqueue_file`).
