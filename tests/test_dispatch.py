@@ -164,7 +164,7 @@ def test_two_engine_workers_both_convert_pages_and_a_crash_of_one_costs_no_page(
         book = make_pdf(tmp_path / "book.pdf", 30)
         job = setup.queue(book)
         def busy() -> set[int]:
-            return {sent.worker for doc in setup.converter.active.values()
+            return {sent.worker for doc in setup.converter.documents.active.values()
                     for sent in doc.sent.values()}
 
         setup.run_until(lambda: all(w.pages_done >= 2 for w in workers)

@@ -183,7 +183,7 @@ def test_a_loop_is_told_from_long_text_and_tables():
 
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
-    policy.converter.retry = Backoff(0.0, 0.0)
+    policy.converter.documents.retry = Backoff(0.0, 0.0)
     usage = shutil.disk_usage(policy.folder)
     monkeypatch.setattr(document_files.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)

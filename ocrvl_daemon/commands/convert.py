@@ -168,7 +168,7 @@ def _run(
                 return _unfinished(store, jobs, converter.engines.start_error
                                    or OcrvlError("The recognition pipeline could not start."))
             # A job being converted is not settled: ask the store only when none is.
-            if not converter.active and all(_settled(store, j) for j in jobs):
+            if not converter.documents.active and all(_settled(store, j) for j in jobs):
                 break
             converter.wait(TICK_SECONDS)
     finally:
@@ -191,8 +191,9 @@ def _run(
         signals.restore()
     if stop_requested:
         raise KeyboardInterrupt
+    documents = converter.documents
     return {
-        path: converter.failures.get(job_id) or OcrvlError(_reason(store, job_id, converter.place))
+        path: documents.failures.get(job_id) or OcrvlError(_reason(store, job_id, documents.place))
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }

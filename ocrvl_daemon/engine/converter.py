@@ -33,55 +33,44 @@ from ocrvl_daemon.core.actions import (
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.decide import Rules, decide, is_awaited, page_failed, release_held
 from ocrvl_daemon.core.document import (
-    MAX_ACTIVE_DOCUMENTS,
     Document,
     pages_of_worker,
     pages_per_endpoint,
 )
 from ocrvl_daemon.core.plan import EndpointRoom, isolation_bound, plan
 from ocrvl_daemon.core.quality import Redo
+from ocrvl_daemon.engine.active_documents import ActiveDocuments, unexpected
 from ocrvl_daemon.engine.document_writer import DocumentWriter
 from ocrvl_daemon.engine.endpoints import EndpointLoad, Endpoints, ServerHandle
 from ocrvl_daemon.engine.page_outcomes import PageOutcomes
 from ocrvl_daemon.engine.pool import EnginePool, StoppedWorker
-from ocrvl_daemon.engine.sources import record_moved, same_content
+from ocrvl_daemon.engine.sources import same_content
 from ocrvl_daemon.errors import OcrvlError, StateFullError
-from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.progress import DocumentProgress, Progress
 from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.observe.units import counted
-from ocrvl_daemon.output import document_files
 from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.storage import jobs
 from ocrvl_daemon.storage.jobs import DAEMON_RETRY, job_fields
-from ocrvl_daemon.storage.store import Job, JobState, Store
+from ocrvl_daemon.storage.store import JobState, Store
 from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
 
 log = logging.getLogger(__name__)
-
-ACTIVATIONS_PER_TICK = 16
-# Queued jobs are looked up this often (and at once after `wake()`): other processes
-# (`ocrvl retry`) and backoff timers add work without telling us.
-ACTIVATION_INTERVAL = 1.0
-# Each active document's file is looked at this often (and before each of its pages counts):
-# one replaced or deleted while it converts must not cost the rest of its pages.
-SOURCE_CHECK_INTERVAL = 1.0
-
 
 class Converter:
     """Drives queued jobs of `store` through `engines` to `servers` (the endpoints pages are
     spread over, `endpoints.Endpoints`); `only` limits it to some jobs.
 
-    Each active document is one `Document` in `active`. Each tick the plan says what to
-    send, and each result becomes one action (`decide`), which the converter applies: to the
-    store, the log and the document.
+    Each active document is one `Document` in `documents` (`ActiveDocuments`, which also
+    says why each job failed last). Each tick the plan says what to send, and each result
+    becomes one action (`decide`), which the converter applies: to the store, the log and the
+    document.
 
     `engines` defaults to a pool that starts its worker again forever, as the daemon wants.
     `again` is the command that redoes a document of `store`, for the advice in notes (see
     `pdf.retry_command`). `retry` says how a document that failed for a reason that may pass
-    is tried again, and when it is given up on; `failures` holds why each job failed last.
+    is tried again, and when it is given up on.
 
     A full disk under the store (StateFullError) pauses it: results that cannot be
     checkpointed go back to be recognised again, and `tick()` raises StateFullError, so the
@@ -99,28 +88,19 @@ class Converter:
         retry: Backoff = DAEMON_RETRY,
     ) -> None:
         self.config = config
-        self.again = again
-        self.retry = retry
         self.engines = EnginePool(config) if engines is None else engines
         self.store = store
         self.endpoints = Endpoints(config, servers)
-        self.only = only
-        self.place = document_files.output_place(config)
         self.hooks = DocumentHooks(store)
+        self.documents = ActiveDocuments(config, store, self.hooks, only, again, retry)
         self.outcomes = PageOutcomes(store)
         self.writer = DocumentWriter(store, self.hooks, again)
         self.rules = Rules.from_config(config, again)
-        self.active: dict[int, Document] = {}  # by job id
-        # Each job's last failure as raised: its class decides `ocrvl convert`'s exit code.
-        self.failures: dict[int, OcrvlError] = {}
         # Each stage's work, from the spans the workers time (`stage_load`).
         self._busy = {stage: BusyMeter() for stage in Stage}
         self._layout: tuple[str, str] | None = None  # read when first shown
         # How many pages suspected of the last worker crash may be in flight together.
         self._suspects_together = 1
-        self._wake = True
-        self._next_activation = 0.0
-        self._next_source_check = 0.0
         self._now = 0.0  # the owner's clock at the last tick
 
     # --- the tick -----------------------------------------------------------------------
@@ -131,23 +111,18 @@ class Converter:
         self._now = now
         self._collect()  # first: results already in must not wait for a full disk
         self.hooks.record()
-        busy = {sent.worker for doc in self.active.values() for sent in doc.sent.values()}
+        docs = self.documents.documents()
+        busy = {sent.worker for doc in docs for sent in doc.sent.values()}
         for stopped in self.engines.maintain(now, busy):
             self._worker_stopped(stopped)
-        if now >= self._next_source_check:
-            self._next_source_check = now + SOURCE_CHECK_INTERVAL
-            for doc in self._documents():
-                self._source_moved(doc)
-        if self._wake or now >= self._next_activation:
-            self._wake = False
-            self._next_activation = now + ACTIVATION_INTERVAL
-            self._activate()
-        for doc, page in self.endpoints.reclaim(now, self._documents()):
+        self.documents.keep(now)
+        docs = self.documents.documents()
+        for doc, page in self.endpoints.reclaim(now, docs):
             doc.apply(TakenBack(page), now)
-        for doc in self.active.values():
+        for doc in docs:
             doc.apply(Wake(), now)
-        self._dispatch(now)
-        self.endpoints.observe(now, self._backlog(), pages_per_endpoint(self.active.values()))
+        self._dispatch(now, docs)
+        self.endpoints.observe(now, sum(len(d.pending) for d in docs), pages_per_endpoint(docs))
 
     def set_servers(self, servers: Sequence[ServerHandle]) -> None:
         """Send pages to these endpoints from now on (a reload replaced the servers)."""
@@ -160,11 +135,11 @@ class Converter:
 
     def endpoint_load(self) -> list[EndpointLoad]:
         """Each endpoint's pages in flight, pages/s (as of the last tick) and bound."""
-        return self.endpoints.load(self._now, pages_per_endpoint(self.active.values()))
+        return self.endpoints.load(self._now, pages_per_endpoint(self.documents.documents()))
 
     def wake(self) -> None:
         """A job was queued: look at the queue on the next tick, not the next interval."""
-        self._wake = True
+        self.documents.wake()
 
     def wait(self, timeout: float) -> None:
         """Block until the engine has results, or `timeout` passes (the loop's pause)."""
@@ -173,32 +148,14 @@ class Converter:
     @property
     def in_flight(self) -> int:
         """Pages at the engine right now."""
-        return sum(len(d.sent) for d in self.active.values())
-
-    @property
-    def completed_pages(self) -> int:
-        """Pages recognised since this started."""
-        return self.outcomes.completed
-
-    @property
-    def failed_pages(self) -> int:
-        """Pages given up on (placeholders) since this started."""
-        return self.outcomes.failed
-
-    @property
-    def flagged_pages(self) -> int:
-        """Pages kept with a warning since this started."""
-        return self.outcomes.flagged
-
-    def _backlog(self) -> int:
-        return sum(len(d.pending) for d in self.active.values())
+        return sum(len(d.sent) for d in self.documents.documents())
 
     def _worker_stopped(self, stopped: StoppedWorker) -> None:
         """The pages a stopped worker had go back. After a crash with one page in flight that
         page is to blame and counts a failed attempt (a page that kills the worker every time
         ends as a placeholder, not a loop); with several, none is: they become suspects,
         sent again a few at a time until a crash names the page."""
-        lost = pages_of_worker(self._documents(), stopped.number)
+        lost = pages_of_worker(self.documents.documents(), stopped.number)
         if stopped.crash is not None and len(lost) == 1:
             ((doc, page),) = lost
             self._apply(doc, page_failed(doc, page, stopped.crash, self.rules))
@@ -211,71 +168,12 @@ class Converter:
         for doc, page in lost:
             doc.apply(TakenBack(page, suspect=stopped.crash is not None), self._now)
 
-    def _documents(self) -> list[Document]:
-        """The active documents, oldest first."""
-        return [self.active[j] for j in sorted(self.active)]
-
-    # --- jobs ---------------------------------------------------------------------------
-
-    def _activate(self) -> None:
-        room = min(ACTIVATIONS_PER_TICK, MAX_ACTIVE_DOCUMENTS - len(self.active))
-        if room <= 0:
-            return
-        for job in jobs.due_jobs(self.store, room, self.active, self.only):
-            try:
-                self._start_job(job)
-            except StateFullError:
-                raise  # not the document's fault: it stays queued
-            except OcrvlError as exc:
-                self._fail(job, exc)
-            except OSError as exc:
-                self._fail(job, pdf.input_error(job.path, exc))
-            except Exception as exc:
-                # One bad document must never stop the daemon: whatever a strange file
-                # provokes becomes that document's (retried) failure.
-                log.exception("%s: unexpected error while opening it", job.path)
-                self._fail(job, _unexpected(exc))
-
-    def _start_job(self, job: Job) -> None:
-        formats = self.config.output.formats
-        started = jobs.start_job(self.store, job, self.config.recipe.key, self.place,
-                                 json_output="json" in formats, searchable="pdf" in formats,
-                                 now=self._now)
-        if started is not None:
-            self.active[started.job_id] = started
-
-    def _fail(self, job: Job, exc: OcrvlError) -> None:
-        # The store first: when the state disk is full (StateFullError) the job stays as it
-        # is, to fail again, properly recorded, once there is space.
-        self.failures[job.id] = exc
-        if jobs.record_failure(self.store, job, exc, self.again, self.place, self.retry):
-            self.hooks.run(self.config.hooks, "on_failed", job, error=str(exc))
-        self._drop(job.id)
-
-    def _drop(self, job_id: int) -> None:
-        """Forget an active job's pages, answers in flight included."""
-        self.active.pop(job_id, None)
-
-    def _source_moved(self, doc: Document, changed: bool = False) -> bool:
-        """Whether `doc`'s file is no longer the version it started from (`changed`: its
-        content is known to differ); if so the document is dropped: converted again from its
-        new content, or, deleted, given up on."""
-        stamp = pdf.FileStamp.of(doc.job.path)
-        if stamp == doc.source and not changed:
-            return False
-        self._drop(doc.job_id)
-        gone = record_moved(self.store, doc, stamp is None, self.config.inbox.stable_seconds)
-        if gone is not None:
-            self.failures[doc.job_id] = gone
-        return True
-
     # --- pages --------------------------------------------------------------------------
 
-    def _dispatch(self, now: float) -> None:
-        """Carry out the plan: set the gates, send the pages."""
+    def _dispatch(self, now: float, docs: list[Document]) -> None:
+        """Carry out the plan for `docs`: set the gates, send the pages."""
         if not self.engines.ready:
             return
-        docs = self._documents()
         in_flight = pages_per_endpoint(docs)
         rooms = [EndpointRoom(e.url, e.concurrency.limit, in_flight[e.url])
                  for e in self.endpoints.usable(now)]
@@ -294,8 +192,9 @@ class Converter:
     def _collect(self) -> None:
         full: StateFullError | None = None
         results = self.engines.collect()
+        active = self.documents.active
         for sent in self.engines.requests_sent():
-            doc = self.active.get(sent.job_id)
+            doc = active.get(sent.job_id)
             if doc is not None:
                 doc.apply(ReachedServer(sent.page), self._now)
         for result in results:
@@ -303,11 +202,12 @@ class Converter:
             full = self._take_result(result) or full
         if full is not None:
             raise full
-        for doc in list(self.active.values()):
+        for doc in self.documents.documents():
             for action in release_held(doc, self.rules):
                 self._apply(doc, action)
-        for job_id in [j for j, d in self.active.items() if d.finished]:
-            self._finish(job_id)
+        for doc in self.documents.documents():
+            if doc.finished:
+                self._finish(doc)
 
     def _note_work(self, result: PageResult) -> None:
         """Add the work a page took in each stage to that stage's meter (also for a page no
@@ -325,17 +225,17 @@ class Converter:
         try:
             self._on_result(result)
         except StateFullError as exc:
-            doc = self.active.get(result.job_id)
+            doc = self.documents.active.get(result.job_id)
             if doc is not None:
                 doc.apply(TakenBack(result.page), self._now)
             return exc
         return None
 
     def _on_result(self, result: PageResult) -> None:
-        doc = self.active.get(result.job_id)
+        doc = self.documents.active.get(result.job_id)
         if doc is None or not is_awaited(result, doc):
             return  # the job failed or was dropped meanwhile, or the page went elsewhere
-        if self._source_moved(doc):
+        if self.documents.source_moved(doc):
             return  # a page counts only while its file is the version it was read from
         server_down = result.error_kind is Failure.SERVER_DOWN
         server_error = result.error_kind is Failure.SERVER_ERROR
@@ -363,54 +263,42 @@ class Converter:
             log.log(logging.DEBUG if quiet else logging.WARNING, "%s %s", job.path.name,
                     action.why, extra=job_fields(job, action.page))
         elif isinstance(action, FailJob):
-            self._fail(job, action.error)
+            self.documents.fail(job, action.error)
             return
         doc.apply(action, self._now)
 
-    def _finish(self, job_id: int) -> None:
-        """Write out the document whose pages are all in, if its file is still the one its
-        pages came from."""
-        doc = self.active[job_id]
-        if self._source_moved(doc):
+    def _finish(self, doc: Document) -> None:
+        """Write out `doc`, whose pages are all in, if its file is still the one its pages
+        came from."""
+        documents, place = self.documents, self.documents.place
+        if documents.source_moved(doc):
             return
         if not same_content(doc):
-            self._source_moved(doc, changed=True)
+            documents.source_moved(doc, changed=True)
             return
         try:
-            self.writer.write(doc, self.config, self.place)
+            self.writer.write(doc, self.config, place)
         except StateFullError:
             raise
         except OcrvlError as exc:
-            self._fail(doc.job, exc)
+            documents.fail(doc.job, exc)
             return
-        except Exception as exc:  # see _activate: never let one document stop the daemon
+        except Exception as exc:  # never let one document stop the daemon
             log.exception("%s: unexpected error while writing its Markdown", doc.job.path)
-            self._fail(doc.job, _unexpected(exc))
+            documents.fail(doc.job, unexpected(exc))
             return
-        self.active.pop(job_id)
-        self.writer.done(doc, self.config, self.place, self._now)
+        documents.drop(doc.job_id)
+        self.writer.done(doc, self.config, place, self._now)
 
     def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded configuration; the worker is replaced if its settings changed.
-
-        Another model starts the documents being converted over with it: a document's
-        pages and its Markdown header must all come from one model.
-        """
-        recipe = self.config.recipe
+        """Apply a reloaded configuration; the workers are replaced if their settings
+        changed, and the documents started over if the model did."""
         self.config = config
-        self.rules = Rules.from_config(config, self.again)
+        self.rules = Rules.from_config(config, self.documents.again)
         self.engines.reconfigure(config)
-        self.place = document_files.output_place(config)
         self.endpoints.reconfigure(config)
+        self.documents.reconfigure(config)
         self._layout = None
-        if config.recipe != recipe:
-            for job_id in list(self.active):
-                job = self.active[job_id].job
-                log.info("%s: pages are now recognised with %s; converting it again that way",
-                         job.path.name, config.recipe.key, extra=job_fields(job))
-                self._drop(job_id)
-                self.store.requeue(job_id)
-            self.wake()
 
     # --- status and stop ----------------------------------------------------------------
 
@@ -418,8 +306,8 @@ class Converter:
         """Counts and rate (as of the last tick) for status lines."""
         current = None
         done = total = 0
-        if self.active:
-            doc = max(self.active.values(), key=lambda d: d.page_count)
+        if active := self.documents.active:
+            doc = max(active.values(), key=lambda d: d.page_count)
             current, done, total = doc.job.path.name, doc.done, doc.page_count
         counts = self.store.count_by_state()
         return Progress(
@@ -456,10 +344,8 @@ class Converter:
 
     def running(self) -> list[DocumentProgress]:
         """Pages done of each document being converted, oldest first."""
-        return [
-            DocumentProgress(job_id, doc.job.path, doc.done, doc.page_count)
-            for job_id, doc in sorted(self.active.items())
-        ]
+        return [DocumentProgress(doc.job_id, doc.job.path, doc.done, doc.page_count)
+                for doc in self.documents.documents()]
 
     def stop(self, timeout: float, wait_for_hooks: bool = False) -> None:
         """Let pages in flight finish (and checkpoint) for up to `timeout`, then stop workers;
@@ -499,10 +385,3 @@ def _layout_place(config: Config) -> tuple[str, str]:
         log.warning("the layout model runs on the CPU (%s), the slow stage of every page: %s",
                     choice.why, choice.to_the_gpu)
     return choice.device, choice.why
-
-
-def _unexpected(exc: Exception) -> OcrvlError:
-    return OcrvlError(
-        f"Unexpected error: {type(exc).__name__}: {exc}.",
-        "ocrvl retries by itself; if it keeps failing, report it with the log",
-    )
