@@ -3,7 +3,7 @@
 The plan (`plan.plan`) picks the pages and gives each to the usable endpoint with the most
 room: the fewest pages in flight relative to its own adaptive bound (each endpoint has its
 `ConcurrencyController`, fed by its own `/metrics`). Which endpoint has a page is recorded on
-the page itself (`document.SentPage`). An endpoint that is not ready, or whose page came back
+the page itself (`core.page.SentPage`). An endpoint that is not ready, or whose page came back
 "server down", is left out; the pages it had go back to their documents for the others
 (`reclaim`), and an answer it still sends for one of them is ignored
 (`decide.is_awaited`): each page is checkpointed once. It rejoins once ready again. An outage
