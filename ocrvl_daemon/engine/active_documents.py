@@ -1,6 +1,7 @@
-"""The documents being converted: which queued jobs become active and when, and how one
-leaves before it is written: failed (recorded for the user, and tried again as the retry
-policy says), dropped, or its file replaced or deleted while it converts."""
+"""The documents being converted: which queued jobs become active, when, and how one starts
+(its file checked, its pages still to do); and how one leaves before it is written: failed
+(recorded for the user, and tried again as the retry policy says), dropped, or its file
+replaced or deleted while it converts."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import MAX_ACTIVE_DOCUMENTS, Document
 from ocrvl_daemon.engine.sources import record_moved
-from ocrvl_daemon.errors import OcrvlError, StateFullError
+from ocrvl_daemon.errors import InputVanishedError, OcrvlError, StateFullError
 from ocrvl_daemon.files import pdf
+from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.storage import jobs
 from ocrvl_daemon.storage.jobs import job_fields
-from ocrvl_daemon.storage.store import Job, Store
+from ocrvl_daemon.storage.store import Job, JobState, Store
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +96,40 @@ class ActiveDocuments:
                 self.fail(job, unexpected(exc))
 
     def _start(self, job: Job, now: float) -> None:
-        formats = self.config.output.formats
-        started = jobs.start_job(self.store, job, self.config.recipe.key, self.place,
-                                 json_output="json" in formats, searchable="pdf" in formats,
-                                 now=now)
-        if started is not None:
-            self.active[started.job_id] = started
+        """Mark queued `job` running, as an active document with the job (identified again
+        if its file changed) and its pages still to do; not when its file is gone (it is
+        dropped) or this version is not queued. An unusable file or output place raises, as
+        OcrvlError or OSError."""
+        path, key, formats = job.path, self.config.recipe.key, self.config.output.formats
+        try:
+            stat = path.stat()
+        except OSError:
+            log.info("%s is gone; dropping it from the queue", path)
+            self.store.forget(job.id)
+            return
+        source = pdf.FileStamp.from_stat(stat)
+        # No hash yet (unreadable when found, or changed while it converted), another version
+        # or another recipe (a reload changed it): identify it again.
+        if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
+                or job.model != key):
+            ident = pdf.file_identity(path)
+            job = self.store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
+            if job.state is not JobState.QUEUED:
+                return
+        document_files.check_writable(path, json_output="json" in formats,
+                                      searchable="pdf" in formats, place=self.place)
+        count = pdf.page_count(path)
+        done = self.store.done_pages(job.sha256, key)
+        self.store.set_running(job.id, count)
+        pending = [p for p in range(count) if p not in done]
+        if done:
+            log.info("%s: %s, resuming with %d already done", path.name,
+                     counted(count, "page"), len(done), extra=job_fields(job))
+        else:
+            log.info("%s: %s queued", path.name, counted(count, "page"), extra=job_fields(job))
+        if pdf.FileStamp.of(path) != source:  # replaced while it was hashed or counted
+            raise InputVanishedError(f"{path} changed while it was being opened.")
+        self.active[job.id] = Document(job, count, pending, source=source, started=now)
 
     def fail(self, job: Job, exc: OcrvlError) -> None:
         """`job` failed with `exc`: recorded for the user, then dropped."""

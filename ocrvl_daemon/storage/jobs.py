@@ -1,6 +1,6 @@
 """Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
-a job (`enqueue_file`), which queued jobs are due and how one starts (`due_jobs`,
-`start_job`), and how a job's failure is recorded for the user (`record_failure`)."""
+a job (`enqueue_file`), which queued jobs are due (`due_jobs`), and how a job's failure is
+recorded for the user (`record_failure`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from pathlib import Path
 
 from ocrvl_daemon.config.model import Config, Recipe
 from ocrvl_daemon.core.backoff import Backoff
-from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.logs import doc_fields
-from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.storage.store import Job, JobState, Store
 
@@ -56,44 +54,6 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
         and (only is None or j.id in only)
     ]
     return jobs[:limit]
-
-
-def start_job(store: Store, job: Job, key: str, place: document_files.OutputPlace,
-              json_output: bool, searchable: bool = False, now: float = 0.0) -> Document | None:
-    """Mark queued `job` running: its active document, with the job (identified again if its
-    file changed) and its pages still to do. None when its file is gone (it is dropped) or
-    this version is not queued. An unusable file or output place raises, as OcrvlError or
-    OSError. `now`: the owner's monotonic clock, when the document starts."""
-    path = job.path
-    try:
-        stat = path.stat()
-    except OSError:
-        log.info("%s is gone; dropping it from the queue", path)
-        store.forget(job.id)
-        return None
-    source = pdf.FileStamp.from_stat(stat)
-    # No hash yet (unreadable when found, or changed while it converted), another version or
-    # another recipe (a reload changed it): identify it again.
-    if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
-            or job.model != key):
-        ident = pdf.file_identity(path)
-        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
-        if job.state is not JobState.QUEUED:
-            return None
-    document_files.check_writable(path, json_output=json_output, searchable=searchable, place=place)
-    count = pdf.page_count(path)
-    done = store.done_pages(job.sha256, key)
-    store.set_running(job.id, count)
-    pending = [p for p in range(count) if p not in done]
-    if done:
-        log.info("%s: %s, resuming with %d already done", path.name, counted(count, "page"),
-                 len(done), extra=doc_fields(path, None, job.id))
-    else:
-        log.info("%s: %s queued", path.name, counted(count, "page"),
-                 extra=doc_fields(path, None, job.id))
-    if pdf.FileStamp.of(path) != source:  # replaced while it was hashed or counted
-        raise InputVanishedError(f"{path} changed while it was being opened.")
-    return Document(job, count, pending, source=source, started=now)
 
 
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
