@@ -107,6 +107,10 @@ class InputFileError(OcrvlError):
     permanent = True
 
 
+class EncryptedPdfError(InputFileError):
+    """The input is a whole PDF, but locked with a password."""
+
+
 class InputVanishedError(OcrvlError):
     """The input document disappeared or changed while it was being read."""
 

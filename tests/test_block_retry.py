@@ -19,7 +19,8 @@ import pytest
 from PIL import Image
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.core.decide import Checkpoint, FailJob, Rules, SendAgain, decide, release_held
+from ocrvl_daemon.core.actions import Checkpoint, FailJob, SendAgain, Sent, Wake
+from ocrvl_daemon.core.decide import Rules, decide, release_held
 from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.worker import main as worker_main
@@ -74,17 +75,17 @@ def book_with_first_pass_in(pages: int = 20, out: int = 0) -> Document:
     for page in range(1, pages - out):
         action = decide(page_result(page, [good(page, b) for b in range(BLOCKS)]), doc, RULES)
         assert isinstance(action, Checkpoint) and action.ledger is not None
-        doc.ledger = action.ledger
-        doc.answered(page)
+        doc.apply(action, 0.0)
     return doc
 
 
 def redo_of(action: SendAgain, doc: Document) -> None:
-    """The converter applies the redo: the page goes back to be sent with its ledger."""
+    """The converter applies the redo: the page goes back, with its ledger, and is sent
+    again once any wait is over."""
     assert action.ledger is not None
-    doc.ledger = action.ledger
-    doc.give_back(action.page)
-    doc.send(action.page, URL)
+    doc.apply(action, 0.0)
+    doc.apply(Wake(), math.inf)
+    doc.apply(Sent(action.page, URL), 0.0)
 
 
 @pytest.mark.quick
@@ -93,8 +94,8 @@ def test_one_looping_block_among_30_is_sent_again_alone_the_other_29_kept() -> N
     answers = [looped(0, b) if b == LOOPING else good(0, b) for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None
-    assert action.ledger.block_redos[0] == {f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0])}
-    keep = action.ledger.keep[0]
+    assert action.ledger.record.blocks == {f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0])}
+    keep = action.ledger.record.keep
     assert sorted(keep) == sorted(a.key for a in answers if a.key != f"p0b{LOOPING}"), (
         "the blocks kept are not exactly the 29 good ones")
     assert action.why is not None and "block 7 of 30 cut off; it loops" in action.why, action.why
@@ -105,9 +106,9 @@ def test_one_looping_block_among_30_is_sent_again_alone_the_other_29_kept() -> N
     done = decide(page_result(0, again), doc, RULES)
     assert isinstance(done, Checkpoint) and done.note is None
     assert done.quality.verdict is Verdict.OK
-    assert done.ledger is not None and done.ledger.extra == TOKENS, (
-        f"the budget counted {done.ledger.extra} redo tokens, not the {TOKENS} the one redone "
-        "block generated")
+    assert done.ledger is not None and done.ledger.budget.extra == TOKENS, (
+        f"the budget counted {done.ledger.budget.extra} redo tokens, not the {TOKENS} the one "
+        "redone block generated")
 
 
 @pytest.mark.quick
@@ -116,23 +117,25 @@ def test_a_cut_off_block_is_redone_alone_with_more_tokens() -> None:
     answers = [cut(0, b) if b == 3 else good(0, b) for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None
-    assert action.ledger.block_redos[0] == {"p0b3": Redo(LIMIT * REDO_GROWTH)}
-    assert len(action.ledger.keep[0]) == BLOCKS - 1 and "p0b3" not in action.ledger.keep[0]
+    assert action.ledger.record.blocks == {"p0b3": Redo(LIMIT * REDO_GROWTH)}
+    assert len(action.ledger.record.keep) == BLOCKS - 1 and "p0b3" not in action.ledger.record.keep
 
 
 @pytest.mark.quick
 def test_the_redo_budget_counts_only_the_tokens_of_the_blocks_redone() -> None:
     doc = book_with_first_pass_in()
-    first_pass = doc.ledger.first_pass
+    first_pass = doc.budget.first_pass
     answers = [looped(0, b) if b == LOOPING else good(0, b) for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain)
-    assert action.ledger is not None and action.ledger.first_pass == first_pass + 29 * TOKENS + 700
+    assert action.ledger is not None
+    assert action.ledger.budget.first_pass == first_pass + 29 * TOKENS + 700
     redo_of(action, doc)
     # The loop-breaking try loops again: it generated 700 tokens, the 29 kept answers none.
     again = [looped(0, b) if b == LOOPING else good(0, b, reused=True) for b in range(BLOCKS)]
     second = decide(page_result(0, again), doc, RULES)
-    assert second.ledger is not None and second.ledger.extra == 700, second.ledger.extra
+    assert second.ledger is not None
+    assert second.ledger.budget.extra == 700, second.ledger.budget.extra
 
 
 @pytest.mark.quick
@@ -155,9 +158,9 @@ def test_an_empty_block_among_30_is_sent_again_once_alone_then_flags_its_page() 
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None, (
         "a block that came back empty (the layout model found ink there) was not sent again")
-    assert action.ledger.block_redos[0] == {"p0b4": Redo(LIMIT)}, (
+    assert action.ledger.record.blocks == {"p0b4": Redo(LIMIT)}, (
         "the empty block is not sent again as it was")
-    assert sorted(action.ledger.keep[0]) == sorted(a.key for a in answers if a.key != "p0b4"), (
+    assert sorted(action.ledger.record.keep) == sorted(a.key for a in answers if a.key != "p0b4"), (
         "the other 29 blocks' answers are not all kept")
     assert action.why is not None and "block 5 of 30 came back empty" in action.why, action.why
 
@@ -181,8 +184,9 @@ def test_an_empty_block_whose_retry_reads_well_leaves_its_page_ok() -> None:
     again = [good(0, b, reused=b != 4) for b in range(BLOCKS)]
     done = decide(page_result(0, again), doc, RULES)
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK and done.note is None
-    assert done.ledger is not None and done.ledger.extra == TOKENS, (
-        f"the budget counted {done.ledger.extra} redo tokens, not the {TOKENS} of the one block")
+    assert done.ledger is not None and done.ledger.budget.extra == TOKENS, (
+        f"the budget counted {done.ledger.budget.extra} redo tokens, not the {TOKENS} of the one "
+        "block")
 
 
 @pytest.mark.quick
@@ -327,20 +331,20 @@ def test_a_page_whose_one_request_failed_is_sent_again_keeping_the_answers_that_
                      answers=answers)
     action = decide(result, doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None, action
-    kept = action.ledger.keep[0]
+    kept = action.ledger.record.keep
     assert set(kept) == {f"p0b{b}" for b in range(BLOCKS) if b not in (FAILED, CUT)}, (
         "the next try would ask again for blocks that came back good, or keep a cut-off one")
-    assert doc.ledger.keep.get(0) is None, "decide changed the document's own ledger"
+    assert not doc.page(0).redo.keep, "decide changed the document's own record of the page"
     if action.why is not None:
         assert "the 28 answers that came back kept" in action.why, action.why
     redo_of(action, doc)
     # The next try's answers: the kept ones reused, the other two fresh and good.
     again = [replace(kept[a.key], reused=True) if a.key in kept else good(0, n)
              for n, a in enumerate(good(0, b) for b in range(BLOCKS))]
-    before = doc.ledger.first_pass
+    before = doc.budget.first_pass
     done = decide(page_result(0, again), doc, RULES)
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.OK, done
-    assert done.ledger is not None and done.ledger.first_pass == before + BLOCKS * TOKENS, (
+    assert done.ledger is not None and done.ledger.budget.first_pass == before + BLOCKS * TOKENS, (
         "the redo budget left out the first-pass answers kept from the failed try")
 
 
@@ -350,7 +354,9 @@ def test_a_block_refused_on_every_try_leaves_the_page_without_it_unless_pages_mu
         fail_on_page_error: bool) -> None:
     rules = replace(RULES, fail_on_page_error=fail_on_page_error)
     doc = book_with_first_pass_in()
-    doc.attempts[0] = rules.page_retries  # this try is its last
+    for _ in range(rules.page_retries):  # this try is its last
+        doc.apply(SendAgain(0, counted=True), 0.0)
+        doc.apply(Sent(0, URL), 0.0)
     answers = [good(0, b) for b in range(BLOCKS) if b != FAILED]
     result = replace(page_result(0, []), error="HTTP 400: refused", error_kind=Failure.PAGE,
                      answers=answers, failed=[f"p0b{FAILED}"])
@@ -359,10 +365,11 @@ def test_a_block_refused_on_every_try_leaves_the_page_without_it_unless_pages_mu
         assert isinstance(action, FailJob), "output.fail_on_page_error was not honoured"
         return
     assert isinstance(action, SendAgain) and action.ledger is not None, action
-    assert action.ledger.keep[0][f"p0b{FAILED}"].text == "" and len(action.ledger.keep[0]) == \
-        BLOCKS, "the last try would ask the server again"
+    keep = action.ledger.record.keep
+    assert keep[f"p0b{FAILED}"].text == "" and len(keep) == BLOCKS, (
+        "the last try would ask the server again")
     redo_of(action, doc)
-    kept = action.ledger.keep[0]
+    kept = action.ledger.record.keep
     again = [replace(kept[f"p0b{b}"], reused=True) for b in range(BLOCKS)]  # as the page asks
     done = decide(page_result(0, again), doc, rules)
     assert isinstance(done, Checkpoint) and done.quality.verdict is Verdict.BAD, done
@@ -429,11 +436,11 @@ def test_a_cut_off_block_gets_more_tokens_and_a_looping_block_the_penalty_in_one
                for b in range(BLOCKS)]
     action = decide(page_result(0, answers), doc, RULES)
     assert isinstance(action, SendAgain) and action.ledger is not None
-    assert action.ledger.block_redos[0] == {
+    assert action.ledger.record.blocks == {
         f"p0b{CUT}": Redo(LIMIT * REDO_GROWTH),  # more tokens, no penalty
         f"p0b{LOOPING}": Redo(LIMIT, LOOP_PENALTIES[0]),  # the same limit, the penalty
     }
-    assert set(action.ledger.keep[0]) == {a.key for a in answers} - {f"p0b{CUT}",
+    assert set(action.ledger.record.keep) == {a.key for a in answers} - {f"p0b{CUT}",
                                                                      f"p0b{LOOPING}"}
     assert action.why == (
         f"p.1: blocks 4, 7 of 30 cut off; block 4: redoing it once with {LIMIT * REDO_GROWTH}; "
@@ -445,7 +452,7 @@ def test_a_cut_off_block_gets_more_tokens_and_a_looping_block_the_penalty_in_one
     again = [good(0, b, reused=b not in (CUT, LOOPING)) for b in range(BLOCKS)]
     done = decide(page_result(0, again), doc, RULES)
     assert isinstance(done, Checkpoint) and done.note is None
-    assert done.ledger is not None and done.ledger.extra == 2 * TOKENS
+    assert done.ledger is not None and done.ledger.budget.extra == 2 * TOKENS
 
 
 @pytest.mark.quick
@@ -462,25 +469,23 @@ def test_a_blocks_second_loop_retry_waits_for_the_other_pages_while_a_cut_block_
              else good(0, b, reused=True) for b in range(BLOCKS)]
     second = decide(page_result(0, again), doc, RULES)
     assert isinstance(second, SendAgain) and second.ledger is not None and second.wait == 0
-    assert second.ledger.block_redos[0][f"p0b{CUT}"] == Redo(LIMIT * REDO_GROWTH)
-    assert f"p0b{LOOPING}" in second.ledger.keep[0], "the loop was sent again before its turn"
+    assert second.ledger.record.blocks[f"p0b{CUT}"] == Redo(LIMIT * REDO_GROWTH)
+    assert f"p0b{LOOPING}" in second.ledger.record.keep, "the loop was sent again before its turn"
     redo_of(second, doc)
     # The cut block comes back whole, the loop as it was kept: it waits for pages 21 and 22.
     third = [good(0, b, reused=b != CUT) if b != LOOPING
              else replace(looped(0, b), reused=True) for b in range(BLOCKS)]
     held = decide(page_result(0, third), doc, RULES)
-    assert isinstance(held, SendAgain) and held.wait == math.inf and held.ledger is not None
-    doc.ledger = held.ledger
-    doc.rest(0, math.inf)
+    assert isinstance(held, SendAgain) and held.held is not None and held.ledger is not None
+    doc.apply(held, 0.0)
     for page in (20, 21):
         action = decide(page_result(page, [good(page, b) for b in range(BLOCKS)]), doc, RULES)
         assert isinstance(action, Checkpoint) and action.ledger is not None
-        doc.ledger = action.ledger
-        doc.answered(page)
+        doc.apply(action, 0.0)
     (released,) = release_held(doc, RULES)
     assert isinstance(released, SendAgain) and released.ledger is not None
-    assert released.ledger.block_redos[0][f"p0b{LOOPING}"] == Redo(LIMIT, LOOP_PENALTIES[1])
-    assert set(released.ledger.keep[0]) == {f"p0b{b}" for b in range(BLOCKS)} - {
+    assert released.ledger.record.blocks[f"p0b{LOOPING}"] == Redo(LIMIT, LOOP_PENALTIES[1])
+    assert set(released.ledger.record.keep) == {f"p0b{b}" for b in range(BLOCKS)} - {
         f"p0b{LOOPING}"}
 
 

@@ -1,19 +1,22 @@
 """What becomes of each page result (`decide.decide`): one action, from plain values, with
-nothing changed until the converter applies it."""
+nothing changed until it is applied (`Document.apply`, as the converter does)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from ocrvl_daemon.core.decide import (
-    SERVER_ERROR_LONGEST_WAIT,
+from ocrvl_daemon.core.actions import (
     Checkpoint,
     FailJob,
     Placeholder,
-    Rules,
     SendAgain,
+    Sent,
+    TakenBack,
+    Wake,
+)
+from ocrvl_daemon.core.decide import (
+    SERVER_ERROR_BACKOFF,
+    Rules,
     decide,
     is_awaited,
     page_failed,
@@ -42,21 +45,6 @@ def failure(page: int, kind: Failure, error: str = "it broke") -> PageResult:
     return PageResult(1, page, error=error, error_kind=kind, url=URL)
 
 
-def apply(doc: Document, action: object) -> None:
-    """What the converter does to the document for `action` (the store left out)."""
-    if isinstance(action, Checkpoint | SendAgain) and action.ledger is not None:
-        doc.ledger = action.ledger
-    if isinstance(action, SendAgain):
-        if action.counted:
-            doc.count_attempt(action.page)
-        if action.wait:
-            doc.rest(action.page, action.wait)
-        else:
-            doc.give_back(action.page)
-    elif isinstance(action, Checkpoint | Placeholder):
-        doc.answered(action.page)
-
-
 @pytest.mark.quick
 def test_a_good_answer_is_checkpointed_unflagged() -> None:
     doc = sent_document()
@@ -68,19 +56,19 @@ def test_a_good_answer_is_checkpointed_unflagged() -> None:
 @pytest.mark.quick
 def test_deciding_changes_nothing_in_the_document() -> None:
     doc = sent_document()
-    before = (list(doc.pending), dict(doc.sent), dict(doc.attempts), doc.ledger.first_pass)
+    before = ([doc.page(p) for p in range(3)], doc.budget)
     decide(answer(0, truncated_at=4096, looping=True), doc, RULES)
     decide(failure(1, Failure.SERVER_ERROR), doc, RULES)
-    assert (doc.pending, doc.sent, doc.attempts, doc.ledger.first_pass) == before
-    assert not doc.ledger.redos
+    assert ([doc.page(p) for p in range(3)], doc.budget) == before
+    assert doc.redone_pages == 0
 
 
 @pytest.mark.quick
 def test_a_late_answer_from_an_endpoint_the_page_was_taken_from_is_not_awaited() -> None:
     doc = sent_document()
     assert is_awaited(answer(0), doc)
-    doc.give_back(0)
-    doc.send(0, "http://other/v1")
+    doc.apply(TakenBack(0), 0.0)
+    doc.apply(Sent(0, "http://other/v1"), 0.0)
     assert not is_awaited(answer(0), doc)
     assert not is_awaited(PageResult(1, 7, url=URL), doc), "a page never sent"
 
@@ -89,34 +77,34 @@ def test_a_late_answer_from_an_endpoint_the_page_was_taken_from_is_not_awaited()
 def test_a_looping_answer_is_sent_again_with_a_penalty_and_the_ledger_moves_on() -> None:
     doc = sent_document(20)
     for page in range(1, 20):
-        apply(doc, decide(answer(page), doc, RULES))
+        doc.apply(decide(answer(page), doc, RULES), 0.0)
     action = decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES)
     assert isinstance(action, SendAgain) and action.wait == 0 and not action.counted
     assert action.why is not None and "repetition_penalty" in action.why
     assert action.ledger is not None
-    assert action.ledger.redos[0] == Redo(4096, LOOP_PENALTIES[0])
+    assert action.ledger.record.whole == Redo(4096, LOOP_PENALTIES[0])
 
 
 @pytest.mark.quick
 def test_a_second_loop_retry_waits_until_the_other_pages_are_in() -> None:
     doc = sent_document(20)
     for page in range(2, 20):
-        apply(doc, decide(answer(page), doc, RULES))
+        doc.apply(decide(answer(page), doc, RULES), 0.0)
     for page in (0, 1):
-        apply(doc, decide(answer(page, "la " * 3000, truncated_at=4096, looping=True), doc,
-                          RULES))
-    doc.send(0, URL)
+        doc.apply(decide(answer(page, "la " * 3000, truncated_at=4096, looping=True), doc,
+                         RULES), 0.0)
+    doc.apply(Sent(0, URL), 0.0)
     action = decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES)
-    assert isinstance(action, SendAgain) and math.isinf(action.wait), (
+    assert isinstance(action, SendAgain) and action.held is not None, (
         "page 1's second retry did not wait for page 2's first")
-    apply(doc, action)
+    doc.apply(action, 0.0)
     assert release_held(doc, RULES) == [], "released while page 2 is still out"
-    doc.send(1, URL)
-    apply(doc, decide(answer(1), doc, RULES))
+    doc.apply(Sent(1, URL), 0.0)
+    doc.apply(decide(answer(1), doc, RULES), 0.0)
     (released,) = release_held(doc, RULES)
     assert isinstance(released, SendAgain) and released.wait == 0
     assert released.ledger is not None
-    assert released.ledger.redos[0] == Redo(4096, LOOP_PENALTIES[1])
+    assert released.ledger.record.whole == Redo(4096, LOOP_PENALTIES[1])
 
 
 @pytest.mark.quick
@@ -134,8 +122,8 @@ def test_a_failed_page_is_retried_counted_then_given_up_as_a_placeholder() -> No
         action = decide(failure(0, Failure.PAGE), doc, RULES)
         assert isinstance(action, SendAgain) and action.counted and action.wait == 0
         assert action.why == f"p.1 failed (attempt {attempt}): it broke"
-        apply(doc, action)
-        doc.send(0, URL)
+        doc.apply(action, 0.0)
+        doc.apply(Sent(0, URL), 0.0)
     action = decide(failure(0, Failure.PAGE), doc, RULES)
     assert isinstance(action, Placeholder) and action.retryable
     assert "after 3 attempts" in action.note
@@ -145,7 +133,9 @@ def test_a_failed_page_is_retried_counted_then_given_up_as_a_placeholder() -> No
 @pytest.mark.quick
 def test_a_page_failed_by_a_worker_crash_counts_like_any_failure() -> None:
     doc = sent_document()
-    doc.attempts[0] = 2
+    for _ in range(2):
+        doc.apply(SendAgain(0, counted=True), 0.0)
+        doc.apply(Sent(0, URL), 0.0)
     action = page_failed(doc, 0, "engine worker exited (42)", RULES)
     assert isinstance(action, Placeholder) and "engine worker exited" in action.note
 
@@ -176,10 +166,10 @@ def test_http_500_on_every_try_backs_off_counted_then_fails_with_the_servers_wor
         action = decide(failure(0, Failure.SERVER_ERROR, "HTTP 500: boom"), doc, RULES)
         assert isinstance(action, SendAgain) and action.counted
         waits.append(action.wait)
-        apply(doc, action)
-        doc.give_back(0)
-        doc.send(0, URL)
-    assert waits == sorted(waits) and waits[0] > 0 and waits[-1] <= SERVER_ERROR_LONGEST_WAIT
+        doc.apply(action, 0.0)
+        doc.apply(Wake(), action.wait)
+        doc.apply(Sent(0, URL), 0.0)
+    assert waits == sorted(waits) and waits[0] > 0 and waits[-1] <= SERVER_ERROR_BACKOFF.longest
     action = decide(failure(0, Failure.SERVER_ERROR, "HTTP 500: boom"), doc, RULES)
     assert isinstance(action, FailJob)
     assert "HTTP 500: boom" in str(action.error) and URL in str(action.error)
@@ -197,9 +187,10 @@ def test_a_changed_file_fails_the_document() -> None:
 def test_a_redo_that_fails_keeps_the_pages_earlier_answer() -> None:
     doc = sent_document(20)
     for page in range(1, 20):
-        apply(doc, decide(answer(page), doc, RULES))
-    apply(doc, decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES))
-    doc.send(0, URL)
+        doc.apply(decide(answer(page), doc, RULES), 0.0)
+    doc.apply(decide(answer(0, "la " * 3000, truncated_at=4096, looping=True), doc, RULES),
+              0.0)
+    doc.apply(Sent(0, URL), 0.0)
     action = decide(failure(0, Failure.PAGE, "HTTP 400: bad"), doc, RULES)
     assert isinstance(action, Checkpoint) and action.answer.truncated_at == 4096
     assert action.note is not None and "sending it again failed: HTTP 400: bad" in action.note

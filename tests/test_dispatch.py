@@ -78,7 +78,7 @@ class TwoEndpoints:
         deadline = time.monotonic() + timeout
         while not done():  # type: ignore[operator]
             assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-            self.converter.tick()
+            self.converter.tick(time.monotonic())
             self.converter.wait(0.05)
 
     def finished(self, job_id: int) -> bool:
@@ -157,13 +157,14 @@ def test_two_engine_workers_both_convert_pages_and_a_crash_of_one_costs_no_page(
     tmp_path: Path,
 ) -> None:
     with two_endpoints(tmp_path, *SLOW, workers=2) as (setup, _, _):
-        wait_until(lambda: (setup.converter.tick() or len(setup.engines.taking()) == 2), 120,
+        wait_until(lambda: (setup.converter.tick(time.monotonic())
+                            or len(setup.engines.taking()) == 2), 120,
                    what="two engine workers to start")
         workers = setup.engines.taking()
         book = make_pdf(tmp_path / "book.pdf", 30)
         job = setup.queue(book)
         def busy() -> set[int]:
-            return {sent.worker for doc in setup.converter.active.values()
+            return {sent.worker for doc in setup.converter.documents.active.values()
                     for sent in doc.sent.values()}
 
         setup.run_until(lambda: all(w.pages_done >= 2 for w in workers)

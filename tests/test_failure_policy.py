@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from ocrvl_daemon.commands import retry, status
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.quality import looks_like_a_loop
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.output import document_files
-from ocrvl_daemon.storage import jobs
 from ocrvl_daemon.storage.jobs import enqueue_file
 from ocrvl_daemon.storage.store import Job, JobState
 from ocrvl_daemon.worker.messages import Failure, PageResult
@@ -48,7 +48,7 @@ def test_a_one_page_document_is_logged_as_one_page(policy: Policy,
     letter = make_pdf(policy.folder / "letter.pdf", 1)
     job = policy.queue(letter)
     policy.send()
-    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine.converter"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine"):
         policy.answer(job, 0)
     assert "letter.pdf: done, 1 page -> letter.md" in caplog.text, caplog.text
 
@@ -183,7 +183,7 @@ def test_a_loop_is_told_from_long_text_and_tables():
 
 def test_a_full_disk_pauses_output_and_retries_by_itself(
         policy: Policy, monkeypatch: pytest.MonkeyPatch):
-    policy.converter.retry = jobs.RetryPolicy(0.0, 0.0)
+    policy.converter.documents.retry = Backoff(0.0, 0.0)
     usage = shutil.disk_usage(policy.folder)
     monkeypatch.setattr(document_files.shutil, "disk_usage", lambda _: usage._replace(free=1024))
     book = make_pdf(policy.folder / "book.pdf", 2)

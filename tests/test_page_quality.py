@@ -20,20 +20,15 @@ import numpy as np
 import pytest
 import yaml
 
-from ocrvl_daemon.core.quality import (
-    LOOP_PENALTIES,
-    REDO_SHARE,
-    KeptBecause,
-    Later,
-    Redo,
-    RedoLedger,
-    Verdict,
-    assess,
-)
+from ocrvl_daemon.core.actions import SendAgain
+from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_SHARE, KeptBecause, Redo, Verdict, assess
+from ocrvl_daemon.core.redo import WHOLE_PAGE, CutBlock, Later
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output.document_files import Page, write_document
 from ocrvl_daemon.worker.main import has_ink
 from ocrvl_daemon.worker.messages import PageResult
+from testkit.core import document
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown
@@ -79,27 +74,40 @@ def test_ink_on_a_page_is_any_dark_line_in_any_colour_and_not_scanner_noise():
     assert has_ink(blue), "a coloured line is ink too"
 
 
+def counting(doc: Document, page: int, tokens: int) -> None:
+    """`page` of `doc` came back having generated `tokens` (the budget counts them)."""
+    doc.apply(SendAgain(page, ledger=doc.ledger(page).counted(tokens)), 0.0)
+
+
+def deciding(doc: Document, page: int, cut_at: int, ceiling: int, looping: bool,
+             others_out: bool = False) -> object:
+    """The redo decision for `page` of `doc`, cut off at `cut_at`, applied to the document."""
+    choice, ledger = doc.ledger(page).decide(cut_at, ceiling, looping, others_out)
+    doc.apply(SendAgain(page, ledger=ledger), 0.0)
+    return choice
+
+
 @pytest.mark.quick
 def test_a_loop_is_sent_again_twice_with_a_penalty_then_kept():
-    ledger = RedoLedger()
+    doc = document(1, 20)
     for page in range(20):
-        ledger.count(page, 4096)
-    assert ledger.decide(0, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
-    ledger.count(0, 4096)
-    assert ledger.decide(0, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[1])
-    ledger.count(0, 4096)
-    assert ledger.decide(0, 4096, 8192, looping=True) is KeptBecause.LOOP
+        counting(doc, page, 4096)
+    assert deciding(doc, 0, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
+    counting(doc, 0, 4096)
+    assert deciding(doc, 0, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[1])
+    counting(doc, 0, 4096)
+    assert deciding(doc, 0, 4096, 8192, looping=True) is KeptBecause.LOOP
     # A page that stopped looping but is cut off gets its one redo with more tokens, and
     # keeps the penalty that ended the loop.
-    assert ledger.decide(1, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
-    ledger.count(1, 4096)
-    assert ledger.decide(1, 4096, 8192, looping=False) == Redo(8192, LOOP_PENALTIES[0])
+    assert deciding(doc, 1, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
+    counting(doc, 1, 4096)
+    assert deciding(doc, 1, 4096, 8192, looping=False) == Redo(8192, LOOP_PENALTIES[0])
     # Redos under way count with what they are expected to generate, not what they ask for:
     # the growing one at least its cut-off 4096, a loop broken a page's usual 4096.
-    assert ledger.decide(2, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
+    assert deciding(doc, 2, 4096, 8192, looping=True) == Redo(4096, LOOP_PENALTIES[0])
     # Generated (3 * 4096) and expected (2 * 4096) reach the cap, a quarter of 20 * 4096.
-    assert ledger.extra + 2 * 4096 == ledger.cap == int(REDO_SHARE * 20 * 4096)
-    assert ledger.decide(3, 4096, 8192, looping=True) is KeptBecause.BUDGET, (
+    assert doc.budget.extra + 2 * 4096 == doc.budget.cap == int(REDO_SHARE * 20 * 4096)
+    assert deciding(doc, 3, 4096, 8192, looping=True) is KeptBecause.BUDGET, (
         "a redo started although the document's redos took their share")
 
 
@@ -108,19 +116,21 @@ def test_a_loop_stopped_early_is_not_refused_its_retry_before_its_document_is_in
     """A loop stopped as soon as it shows comes back while its document's other pages are
     still out: a retry the budget refuses then waits, and is decided again once they are in,
     when the budget knows the whole first pass."""
-    ledger = RedoLedger()
-    ledger.count(0, 400)  # two loops stopped early, the first answers of a 20-page book
-    ledger.count(1, 400)
-    assert ledger.decide(0, 4096, 8192, looping=True, others_out=True) == Redo(
+    doc = document(1, 20)
+    counting(doc, 0, 400)  # two loops stopped early, the first answers of a 20-page book
+    counting(doc, 1, 400)
+    assert deciding(doc, 0, 4096, 8192, looping=True, others_out=True) == Redo(
         4096, LOOP_PENALTIES[0])
-    assert ledger.decide(1, 4096, 8192, looping=True, others_out=True) is (
+    assert deciding(doc, 1, 4096, 8192, looping=True, others_out=True) is (
         Later.AFTER_FIRST_PASS), "the budget of two answers refused a loop its first retry"
     for page in range(2, 20):
-        ledger.count(page, 700)
-    assert ledger.release(1) == Redo(4096, LOOP_PENALTIES[0])
+        counting(doc, page, 700)
+    released, ledger = doc.ledger(1).release((CutBlock(WHOLE_PAGE, 4096, True),), 8192, False)
+    assert released == Redo(4096, LOOP_PENALTIES[0])
+    doc.apply(SendAgain(1, ledger=ledger), 0.0)
     # With the whole document in, what the budget refuses stays refused.
-    assert ledger.decide(2, 4096, 8192, looping=False) == Redo(8192)
-    assert ledger.decide(3, 4096, 8192, looping=False) is KeptBecause.BUDGET
+    assert deciding(doc, 2, 4096, 8192, looping=False) == Redo(8192)
+    assert deciding(doc, 3, 4096, 8192, looping=False) is KeptBecause.BUDGET
 
 
 @pytest.mark.quick
@@ -167,7 +177,7 @@ def test_a_flagged_page_carries_its_verdict_in_the_journal_fields(
     book = make_pdf(policy.folder / "book.pdf", 1)
     job = policy.queue(book)
     policy.send()
-    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine.converter"):
+    with caplog.at_level(logging.INFO, logger="ocrvl_daemon.engine"):
         policy.deliver(PageResult(job.id, 0, has_ink=True, finish_reason="stop"))
     fields = [(getattr(r, "OCRVL_PAGE", None), getattr(r, "OCRVL_VERDICT", None),
                getattr(r, "OCRVL_REASON", None)) for r in caplog.records]

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from ocrvl_daemon.core.actions import ReachedServer, Sent, TakenBack
 from ocrvl_daemon.core.document import SMALL_DOCUMENT_PAGES, Document
 from ocrvl_daemon.core.plan import SHORT_EXTRA, EndpointRoom, Plan, plan, ready_margin, yield_room
 from ocrvl_daemon.storage.jobs import enqueue_file
 from ocrvl_daemon.worker.messages import GateLimit, PageResult
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
-from testkit.core import URL, document
+from testkit.core import URL, checkpointed, document, job
 from testkit.documents import make_pdf
 from testkit.stand_in_worker import ReadyServer, converter_with_stand_in
 
@@ -26,10 +27,10 @@ def step(docs: list[Document], limit: int, reach_server: bool = True,
     in_flight = sum(len(d.sent) for d in docs)
     planned = plan(docs, [EndpointRoom(URL, limit, in_flight)], [1], suspects_together)
     for send in planned.sends:
-        send.document.send(send.page, send.url, send.worker)
+        send.document.apply(Sent(send.page, send.url, send.worker), 0.0)
     for doc in docs:
         for page in doc.sent if reach_server else ():
-            doc.reached_server(page)
+            doc.apply(ReachedServer(page), 0.0)
     return planned
 
 
@@ -45,7 +46,7 @@ def fill(docs: list[Document], limit: int) -> None:
 
 
 def finish(doc: Document, page: int) -> None:
-    doc.answered(page)
+    doc.apply(checkpointed(doc, page), 0.0)
 
 
 @pytest.mark.quick
@@ -66,8 +67,8 @@ def test_one_free_slot_goes_to_the_document_with_fewest_pages_in_flight() -> Non
     a, b = document(1, 600), document(2, 600)
     for doc, count in ((a, 40), (b, 27)):
         for page in range(count):
-            doc.send(page, URL)
-            doc.reached_server(page)
+            doc.apply(Sent(page, URL), 0.0)
+            doc.apply(ReachedServer(page), 0.0)
     assert sent(step([a, b], 64)) == [(2, 27)], "64 + a margin of 4, less 67 in flight: one slot"
 
 
@@ -103,7 +104,7 @@ def test_no_page_is_sent_twice_and_nothing_without_an_endpoint() -> None:
 def test_pages_being_prepared_are_capped_at_the_ready_margin() -> None:
     book = document(1, 600)
     for page in range(SHORT_OF_PAGES):
-        book.send(page, URL)
+        book.apply(Sent(page, URL), 0.0)
     assert len(step([book], 64, reach_server=False).sends) == ready_margin(64) - SHORT_OF_PAGES
     assert step([book], 64).sends == (), "more pages queued inside the worker"
     assert len(step([book], 64).sends) == ready_margin(64), "pages at the server free room"
@@ -172,8 +173,8 @@ def test_only_big_documents_yield_and_only_beside_a_small_one() -> None:
     article = document(3, SMALL_DOCUMENT_PAGES + 1)
     assert step([a, b, article], limit).gates == (GateLimit(URL, limit),), (
         f"a document of {SMALL_DOCUMENT_PAGES + 1} pages left counted as small")
-    other, tail = document(4, 300), document(5, 300)
-    tail.pending = tail.pending[-SMALL_DOCUMENT_PAGES:]  # a book at its last pages
+    other = document(4, 300)
+    tail = Document(job(5, 300), 300, range(300 - SMALL_DOCUMENT_PAGES, 300))  # at its end
     assert step([other, tail], limit).gates == (
         GateLimit(URL, limit, YieldCap(yield_room(limit), frozenset({4}))),), (
         "a book at its last pages must finish first: the other book yields to it")
@@ -195,8 +196,8 @@ def test_each_worker_gets_its_next_page_to_prepare_the_one_with_fewest_at_the_se
         ) -> None:  # fmt: skip
     book = document(1, 600)
     for page in range(8):
-        book.send(page, URL, worker=1 if page < 6 else 2)
-        book.reached_server(page)
+        book.apply(Sent(page, URL, worker=1 if page < 6 else 2), 0.0)
+        book.apply(ReachedServer(page), 0.0)
     planned = plan([book], [EndpointRoom(URL, 64, 8)], [1, 2])
     order = [s.worker for s in planned.sends]
     assert order == [2, 2, 1, 1], (
@@ -212,10 +213,10 @@ def test_six_engine_workers_each_have_their_next_page_while_the_book_ramps_up() 
     workers = [1, 2, 3, 4, 5, 6]
     planned = plan([book], [EndpointRoom(URL, 64, 0)], workers)
     for s in planned.sends:
-        book.send(s.page, s.url, s.worker)
+        book.apply(Sent(s.page, s.url, s.worker), 0.0)
     assert Counter(s.worker for s in planned.sends) == {w: 2 for w in workers}, (
         "some engine workers were left without pages to prepare")
-    book.reached_server(0)  # worker 1's first page is laid out and its blocks went out
+    book.apply(ReachedServer(0), 0.0)  # worker 1's first page is laid out and its blocks went out
     again = plan([book], [EndpointRoom(URL, 64, 12)], workers)
     assert [(s.worker, s.page) for s in again.sends] == [(1, 12)], (
         "the worker that finished preparing a page did not get the next one")
@@ -224,7 +225,9 @@ def test_six_engine_workers_each_have_their_next_page_while_the_book_ramps_up() 
 @pytest.mark.quick
 def test_after_a_crash_only_the_suspects_go_a_few_at_a_time() -> None:
     book, letter = document(1, 100), document(2, 2)
-    book.suspects |= {3, 5, 7}
+    for page in (3, 5, 7):  # in flight together at a crash
+        book.apply(Sent(page, URL), 0.0)
+        book.apply(TakenBack(page, suspect=True), 0.0)
     chosen = sent(step([book, letter], 64, suspects_together=2))
     assert chosen == [(1, 3), (1, 5)], "pages other than the suspects went during isolation"
     assert step([book, letter], 64, suspects_together=2).sends == ()

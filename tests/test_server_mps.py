@@ -22,11 +22,11 @@ import pytest
 from ocrvl_daemon.commands.doctor import machine as doctor_machine
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server import autotune, mps
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading
-from ocrvl_daemon.server.managed import BackoffPolicy
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.vllm_diagnosis import diagnose
 from testkit.harness import free_port, wait_until
@@ -269,7 +269,7 @@ def test_mps_starts_before_the_replicas_and_stops_after_they_are_reaped(
     config = managed(tmp_path, fake_bin, replicas=2)
     state = tmp_path / "state"
     pipe, logs = state / "mps" / "pipe", state / "mps" / "log"
-    servers = ServerSet(config, backoff=lambda: BackoffPolicy(initial=0.1, cap=0.5))
+    servers = ServerSet(config, backoff=Backoff(0.1, 0.5))
     assert all(e.config.server.env[mps.PIPE_ENV] == str(pipe) for e in servers.endpoints)
     groups: list[int] = []
     try:

@@ -23,11 +23,11 @@ import pytest
 
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import ConfigError, ServerConfigError
 from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server import autotune
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV, GpuReading, read_gpus
-from ocrvl_daemon.server.managed import BackoffPolicy
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from testkit.documents import make_pdf
@@ -106,7 +106,7 @@ def running() -> Iterator[Callable[..., tuple[ServerSet, list[tuple[float, str, 
                 changes.append((time.monotonic(), name, status))
 
         servers = ServerSet(config, on_change=remember,
-                            backoff=lambda: BackoffPolicy(initial=0.1, cap=0.5))
+                            backoff=Backoff(0.1, 0.5))
         started.append((servers, changes))
         servers.start()
         return servers, changes

@@ -21,12 +21,13 @@ import yaml
 
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import ServerConfigError
 from ocrvl_daemon.process.group import group_members
 from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import NO_NVML_ENV, NVIDIA_SMI_ENV
-from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer
+from ocrvl_daemon.server.managed import ManagedServer
 from ocrvl_daemon.server.supervisor import (
     ServerState,
     ServerStatus,
@@ -45,7 +46,7 @@ from testkit.harness import (
 )
 
 MODEL = "PaddleOCR-VL-1.6-0.9B"
-FAST_BACKOFF = {"initial": 0.1, "cap": 0.5}
+FAST_BACKOFF = Backoff(0.1, 0.5)
 
 
 def make_config(tmp_path: Path, *fake_args: str, served_name: str = "{model}",
@@ -80,7 +81,7 @@ def supervise() -> Iterator[Callable[..., ServerSupervisor]]:
 
         sup: ServerSupervisor = (
             ExternalServer(config, remember) if config.server.mode == "external" else
-            ManagedServer(config, remember, kwargs.get("backoff", BackoffPolicy(**FAST_BACKOFF))))
+            ManagedServer(config, remember, kwargs.get("backoff", FAST_BACKOFF)))
         started.append((sup, pids))
         sup.start()
         return sup
@@ -113,13 +114,6 @@ def restarted(sup: ServerSupervisor, old_pid: int | None) -> bool:
 
 
 # --- policies and parsers (no processes) ---------------------------------------------------
-
-
-def test_backoff_grows_caps_and_resets() -> None:
-    policy = BackoffPolicy(initial=2, factor=2, cap=10)
-    assert [policy.next_delay() for _ in range(5)] == [2, 4, 8, 10, 10]
-    policy.reset()
-    assert policy.next_delay() == 2
 
 
 def test_stall_detector() -> None:

@@ -122,8 +122,8 @@ def test_the_converter_counts_a_30_block_page_as_30_requests_against_the_bound(
     for _ in range(3):
         for _, page in policy.send():
             policy.deliver(thirty_blocks(job.id, page))
-    dispatcher = policy.converter.dispatcher
-    assert dispatcher.requests_per_page > 0.9 * BLOCKS, dispatcher.requests_per_page
+    endpoints = policy.converter.endpoints
+    assert endpoints.requests_per_page > 0.9 * BLOCKS, endpoints.requests_per_page
     policy.store.close()
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
@@ -35,7 +36,6 @@ from ocrvl_daemon.observe.progress import (
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.launchers import vllm_serve_command
-from ocrvl_daemon.server.managed import BackoffPolicy
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.storage.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
 from ocrvl_daemon.storage.store import JobState, Store
@@ -135,9 +135,9 @@ def _run(
 ) -> dict[Path, OcrvlError]:
     # Replicas that cannot fit are refused before anything starts; a managed server that
     # keeps failing (its port taken...) is given up on, as this command must end.
-    servers = ServerSet(config, backoff=lambda: BackoffPolicy(
-        initial=config.server.restart_backoff_initial, cap=config.server.restart_backoff_max,
-        give_up_after=SERVER_ATTEMPTS))
+    servers = ServerSet(config, backoff=Backoff(
+        config.server.restart_backoff_initial, config.server.restart_backoff_max,
+        attempts=SERVER_ATTEMPTS))
     signals = StopSignals()
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
@@ -159,15 +159,16 @@ def _run(
             )
             return dict.fromkeys(jobs.values(), reason)
         while not stop_requested:
-            converter.tick()
-            view.update(time.monotonic(), converter.running())
+            now = time.monotonic()
+            converter.tick(now)
+            view.update(now, converter.running())
             if servers.error is not None:
                 return _unfinished(store, jobs, servers.error)
             if converter.engines.gave_up:
                 return _unfinished(store, jobs, converter.engines.start_error
                                    or OcrvlError("The recognition pipeline could not start."))
             # A job being converted is not settled: ask the store only when none is.
-            if not converter.active and all(_settled(store, j) for j in jobs):
+            if not converter.documents.active and all(_settled(store, j) for j in jobs):
                 break
             converter.wait(TICK_SECONDS)
     finally:
@@ -190,8 +191,9 @@ def _run(
         signals.restore()
     if stop_requested:
         raise KeyboardInterrupt
+    documents = converter.documents
     return {
-        path: converter.failures.get(job_id) or OcrvlError(_reason(store, job_id, converter.place))
+        path: documents.failures.get(job_id) or OcrvlError(_reason(store, job_id, documents.place))
         for job_id, path in jobs.items()
         if not _succeeded(store, job_id)
     }

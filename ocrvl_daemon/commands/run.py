@@ -185,7 +185,8 @@ class Daemon:
                 log.info("resumed: there is space again for the state folder %s",
                          self.config.state_dir)
                 self.lock.note(None)
-            self.converter.wait(TICK_SECONDS if self.converter.active else IDLE_TICK_SECONDS)
+            busy = bool(self.converter.documents.active)
+            self.converter.wait(TICK_SECONDS if busy else IDLE_TICK_SECONDS)
 
     def _pause(self, exc: StateFullError, now: float) -> None:
         """Stop dispatching until the state_dir has space; say so where the user looks."""
@@ -204,7 +205,7 @@ class Daemon:
         """Queue a file the watcher found; True when it is already converted."""
         try:
             job = enqueue_file(self.store, path, self.config.recipe, self.again,
-                               self.converter.place)
+                               self.converter.documents.place)
         except StateFullError:
             raise
         except OcrvlError as exc:
@@ -266,12 +267,12 @@ class Daemon:
             in_flight=progress.in_flight,
             concurrency=sum(e.bound for e in endpoints),
             queued=max(0, progress.queued),
-            converting=len(self.converter.active),
+            converting=len(self.converter.documents.active),
             done=progress.done,
             failed=progress.failed,
-            pages_done=self.converter.completed_pages,
-            pages_failed=self.converter.failed_pages,
-            pages_flagged=self.converter.flagged_pages,
+            pages_done=self.converter.outcomes.completed,
+            pages_failed=self.converter.outcomes.failed,
+            pages_flagged=self.converter.outcomes.flagged,
             engine_failed_starts=self.converter.engines.start_failures,
             engine_error=str(error) if (error := self.converter.engines.start_error) else None,
             hook_failures=dict(self.converter.hooks.failures),

@@ -3,51 +3,52 @@
 A page's answer is one per block (with layout detection; one for the page without): each
 block is judged, the page's verdict is its worst block's, and a redo sends again only the
 blocks that were cut off or looped, each with the setting its own answer calls for
-(`RedoLedger.decide_blocks`), keeping the others' answers (`RedoLedger.keep`).
+(`redo.Ledger.decide_blocks`), keeping the others' answers (`redo.RedoRecord.keep`).
 
-`decide(result, document, rules)` reads the result and the document (its pages, attempts and
-redo ledger) and returns one action: `Checkpoint` an answer, `SendAgain` (a redo, a counted
-retry after a wait, a page held for later, or a page the server never saw), a `Placeholder`
-for a page given up on, or `FailJob`. It changes nothing: a redo ledger that the result
-moves on comes back inside the action, as a new value, and the converter applies the action
-(store, log, document). So every policy path is a plain function call in the tests.
+`decide(result, document, rules)` reads the result and the document (its page's record, its
+redo budget) and returns one action (`actions.Action`): `Checkpoint` an answer, `SendAgain`
+(a redo, a counted retry after a wait, a page held for later, or a page the server never
+saw), a `Placeholder` for a page given up on, or `FailJob`. It changes nothing: the page's
+redo record and the budget that the result moves on come back inside the action, as new
+values (`redo.Ledger`), and the converter applies the action (store, log, then
+`Document.apply`). So every policy path is a plain function call in the tests.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.actions import Action, Checkpoint, FailJob, Placeholder, SendAgain
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.page import Held
 from ocrvl_daemon.core.quality import (
-    WHOLE_PAGE,
-    BlockRedos,
-    CutBlock,
     KeptBecause,
-    Later,
     PageQuality,
     Redo,
-    RedoLedger,
     assess,
     flag_note,
     worst_of,
 )
+from ocrvl_daemon.core.redo import WHOLE_PAGE, BlockRedos, CutBlock, Later, Ledger
 from ocrvl_daemon.errors import (
     InputVanishedError,
-    OcrvlError,
     PagesFailedError,
     ServerError,
 )
 from ocrvl_daemon.files.pdf import retry_command
 from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult
 
-# A page the server failed (HTTP 5xx) waits this long before it is sent again, doubling with
-# each failure up to SERVER_ERROR_LONGEST_WAIT: a server failing every request is not
-# hammered, and one that failed a moment has time to recover.
-SERVER_ERROR_FIRST_WAIT = 1.0
-SERVER_ERROR_LONGEST_WAIT = 30.0
+# A page the server failed (HTTP 5xx) waits before it is sent again, longer after each
+# failure: a server failing every request is not hammered, and one that failed a moment has
+# time to recover.
+SERVER_ERROR_BACKOFF = Backoff(1.0, 30.0)
+
+# What a redo decision chose for a page: send it (or some of its blocks) again with these
+# settings, hold it until its document's other pages are in, or keep its answer.
+Choice = Redo | BlockRedos | KeptBecause | Held
 
 
 @dataclass(frozen=True)
@@ -69,50 +70,6 @@ class Rules:
                    config.model.effective_max_new_tokens)
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """Save `answer` as the page's text, with its quality record (and `note` if flagged)."""
-
-    page: int
-    answer: PageResult
-    quality: PageQuality
-    note: str | None
-    ledger: RedoLedger | None = None  # the document's ledger from now on (None: as it is)
-
-
-@dataclass(frozen=True)
-class SendAgain:
-    """Send the page again after `wait` seconds (0: now; inf: once the document's other
-    pages are in). `counted`: the attempt counts towards `Rules.page_retries`; `why` is the
-    warning to log, after the file's name (None: nothing to say here)."""
-
-    page: int
-    wait: float = 0.0
-    counted: bool = False
-    why: str | None = None
-    ledger: RedoLedger | None = None
-
-
-@dataclass(frozen=True)
-class Placeholder:
-    """Give the page up: an empty page with `note` in the document, which still completes.
-    `retryable`: trying again may help (the note says how)."""
-
-    page: int
-    note: str
-    retryable: bool
-
-
-@dataclass(frozen=True)
-class FailJob:
-    """The whole document fails with `error` (tried again later as the retry policy says)."""
-
-    error: OcrvlError
-
-
-Action = Checkpoint | SendAgain | Placeholder | FailJob
-
-
 def is_awaited(result: PageResult, document: Document) -> bool:
     """Whether `result` is the answer awaited for its page: sent, and from the endpoint it
     was sent to (not a late one from an endpoint the page was taken from)."""
@@ -125,38 +82,37 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     """The action for `result`, an awaited answer (`is_awaited`) of a page of `document`."""
     page = result.page
     if result.error is None:
-        ledger = document.ledger.copy()
-        ledger.count(page, result.generated, max(1, len(result.answers)),
-                     result.tokens - result.generated)
+        ledger = document.ledger(page).counted(result.generated, max(1, len(result.answers)),
+                                               result.tokens - result.generated)
         cut_at = result.truncated_at
-        choice: Redo | BlockRedos | KeptBecause | Later | None = None
+        choice: Choice | None = None
         if cut_at is not None:
-            choice = _decide_cut(ledger, result, cut_at, document.others_out)
+            choice, ledger = _decide_cut(ledger, result, cut_at, document.others_out)
         quality = _judge_page(result)
-        ledger.best(page, quality, result)
+        ledger = ledger.with_best(quality, result)
         empties = _empty_answers(result, quality)
         if choice is None and empties:
             # Nothing came back for ink (the page's, or a block the layout model found): a
             # fluke of the server is worth one more try at its limit, within the redo budget
             # (DESIGN, Decisions).
-            choice = ledger.retry_empty(page, rules.max_new_tokens, empties)
+            choice, ledger = ledger.retry_empty(rules.max_new_tokens, empties)
             if isinstance(choice, (Redo, BlockRedos)):
                 if isinstance(choice, BlockRedos):
-                    ledger.keep[page] = {a.key: a for a in result.answers
-                                         if a.key not in choice.redos}
+                    ledger = ledger.keeping({a.key: a for a in result.answers
+                                             if a.key not in choice.redos}, only=True)
                 what = _blocks_named(result, _is_empty) or "the answer"
                 return SendAgain(page, why=f"p.{page + 1}: {what} came back empty although "
                                            "there is ink; sending it again once", ledger=ledger)
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules, result)
     error = result.error or "unknown error"
-    kept = document.ledger.kept(page)
+    kept = document.page(page).redo.best
     if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
         # A redo that fails costs the page nothing: its earlier answer stays.
         quality, answer = kept
         note = (f"{_quality_note(document, answer, quality, None, rules)} (sending it again "
                 f"failed: {error.rstrip('.')})")
         return Checkpoint(page, answer, quality, note)
-    if result.error_kind is Failure.SERVER_DOWN:  # not the page's fault: the dispatcher says so
+    if result.error_kind is Failure.SERVER_DOWN:  # not the page's fault: the endpoints say so
         return _keeping_what_came(SendAgain(page), document, result)
     if result.error_kind is Failure.SERVER_ERROR:
         return _keeping_what_came(_server_failed(
@@ -176,11 +132,11 @@ def _without_refused_blocks(document: Document, result: PageResult, error: str) 
     """The last try of a page some of whose blocks (`result.failed`) the server refused on
     every try: its other answers are kept and those blocks answered empty, so the page is put
     together without them instead of becoming a placeholder; it comes back flagged bad, the
-    blocks and the server's words in its note (`RedoLedger.refuse`)."""
+    blocks and the server's words in its note (`redo.Ledger.refuse`)."""
     page = result.page
     empty = {key: BlockAnswer(key, "", "stop", 0) for key in result.failed}
-    ledger = _keeping(document.ledger, page, {**_came_back_good(result), **empty})
-    ledger.refuse(page, result.failed, error)
+    ledger = document.ledger(page).keeping({**_came_back_good(result), **empty})
+    ledger = ledger.refuse(result.failed, error)
     return SendAgain(page, why=f"p.{page + 1}: the server refused {len(result.failed)} of its "
                                f"blocks on every try ({error.rstrip('.')}); keeping the page "
                                "without them, flagged", ledger=ledger)
@@ -193,7 +149,7 @@ def _keeping_what_came(action: Action, document: Document, result: PageResult) -
     good = _came_back_good(result)
     if not isinstance(action, SendAgain) or not good:
         return action
-    ledger = _keeping(action.ledger or document.ledger, result.page, good)
+    ledger = (action.ledger or document.ledger(result.page)).keeping(good)
     why = action.why and f"{action.why} (the {len(good)} answers that came back kept)"
     return replace(action, ledger=ledger, why=why)
 
@@ -203,39 +159,30 @@ def _came_back_good(result: PageResult) -> dict[str, BlockAnswer]:
     return {a.key: a for a in result.answers if not _is_to_blame(a)}
 
 
-def _keeping(ledger: RedoLedger, page: int, answers: dict[str, BlockAnswer]) -> RedoLedger:
-    """A copy of `ledger` that keeps `answers` for `page` too."""
-    kept = ledger.copy()
-    kept.keep[page] = {**kept.keep.get(page, {}), **answers}
-    return kept
-
-
-def _decide_cut(ledger: RedoLedger, result: PageResult, cut_at: int,
-                others_out: bool) -> Redo | BlockRedos | KeptBecause | Later:
+def _decide_cut(ledger: Ledger, result: PageResult, cut_at: int, others_out: bool
+                ) -> tuple[Choice, Ledger]:
     """The ledger's choice for `result`, cut off at `cut_at`: a page of one answer is decided
     as a whole, a page of blocks block by block (each cut-off block with the limit that cut
-    it off); the answers not sent again are noted to keep."""
-    page = result.page
+    it off); the answers not sent again are noted to keep. A choice that waits (`Later`)
+    holds the page with what it is decided again with."""
     cuts = [CutBlock(a.key, a.limit or cut_at, a.looping) for a in result.answers if a.cut]
+    ceiling = result.token_ceiling
     if len(result.answers) < 2 or not cuts:
-        choice = ledger.decide(page, cut_at, result.token_ceiling, result.looping, others_out)
-        if not isinstance(choice, KeptBecause):
-            ledger.keep[page] = {a.key: a for a in result.answers if not a.cut}
-        return choice
-    choice_of_blocks = ledger.decide_blocks(page, cuts, result.token_ceiling, others_out)
-    if not isinstance(choice_of_blocks, KeptBecause):
-        # A held page keeps them all until `release_held` says which go again.
-        ledger.keep[page] = {a.key: a for a in result.answers}
-        _keep_all_but(ledger, page, choice_of_blocks)
-    return choice_of_blocks
-
-
-def _keep_all_but(ledger: RedoLedger, page: int, choice: object) -> None:
-    """The answers `page` keeps, less the blocks `choice` sends again (if it is a
-    `BlockRedos`)."""
-    if isinstance(choice, BlockRedos):
-        kept = ledger.keep.get(page, {})
-        ledger.keep[page] = {k: a for k, a in kept.items() if k not in choice.redos}
+        choice, ledger = ledger.decide(cut_at, ceiling, result.looping, others_out)
+        if isinstance(choice, KeptBecause):
+            return choice, ledger
+        ledger = ledger.keeping({a.key: a for a in result.answers if not a.cut}, only=True)
+        if isinstance(choice, Later):
+            return Held((CutBlock(WHOLE_PAGE, cut_at, result.looping),), ceiling), ledger
+        return choice, ledger
+    blocks, ledger = ledger.decide_blocks(cuts, ceiling, others_out)
+    if isinstance(blocks, KeptBecause):
+        return blocks, ledger
+    # A held page keeps them all until `release_held` says which go again.
+    ledger = ledger.keeping({a.key: a for a in result.answers}, only=True).without(blocks)
+    if isinstance(blocks, Later):
+        return Held(tuple(cuts), ceiling, per_block=True), ledger
+    return blocks, ledger
 
 
 def _judge_page(result: PageResult) -> PageQuality:
@@ -282,20 +229,25 @@ def _blocks_named(answer: PageResult, which: Callable[[BlockAnswer], bool]) -> s
 
 def release_held(document: Document, rules: Rules) -> list[Action]:
     """The actions for the pages held for a second loop-breaking retry, once every other page
-    of `document` is in: each is sent again or keeps its best answer."""
+    of `document` is in: each is sent again or keeps its best answer. Each decision counts
+    the redos the ones before it start."""
     actions: list[Action] = []
-    ledger = document.ledger
+    started = 0  # tokens the redos released so far are expected to generate
     for page in document.held():
-        ledger = ledger.copy()
-        choice = ledger.release(page)
-        _keep_all_but(ledger, page, choice)
-        actions.append(_redo_or_keep(document, page, choice, True, ledger, rules))
+        held = document.page(page).phase
+        assert isinstance(held, Held)
+        ledger = document.ledger(page)
+        ledger = replace(ledger, others_expected=ledger.others_expected + started)
+        before = ledger.record.expected or 0
+        choice, ledger = ledger.release(held.cuts, held.ceiling, held.per_block)
+        started += (ledger.record.expected or 0) - before
+        actions.append(_redo_or_keep(document, page, choice, True, ledger.without(choice), rules))
     return actions
 
 
 def page_failed(document: Document, page: int, error: str, rules: Rules) -> Action:
     """A failed attempt at `page` (`error`): send it again, counted, or give up on it."""
-    attempts = document.attempts.get(page, 0) + 1
+    attempts = document.page(page).attempts + 1
     if attempts <= rules.page_retries:
         return SendAgain(page, counted=True, why=f"p.{page + 1} failed (attempt {attempts}): "
                                                  f"{error}")
@@ -305,25 +257,24 @@ def page_failed(document: Document, page: int, error: str, rules: Rules) -> Acti
                                                          rules.again), rules)
 
 
-def _redo_or_keep(document: Document, page: int,
-                  choice: Redo | BlockRedos | KeptBecause | Later | None, looping: bool,
-                  ledger: RedoLedger, rules: Rules, latest: PageResult | None = None) -> Action:
+def _redo_or_keep(document: Document, page: int, choice: Choice | None, looping: bool,
+                  ledger: Ledger, rules: Rules, latest: PageResult | None = None) -> Action:
     """The action for the ledger's `choice` for `page` (whose last answer, `latest` if known,
     was cut off and `looping`, if `choice` is set; its answers are in `ledger`): send it again,
     hold it until the document's other pages are in, or keep its best answer."""
-    kept = ledger.kept(page)
-    assert kept is not None, "the ledger keeps every answer of a page until it settles"
+    kept = ledger.record.best
+    assert kept is not None, "a page's record keeps its best answer until it is answered"
     quality, answer = kept
     if isinstance(choice, (Redo, BlockRedos)):
         last = latest or answer
         how = (_how(choice, looping) if isinstance(choice, Redo)
                else _how_blocks_go(last, choice))
         what = _blocks_named(last, _is_cut) or "answer"
-        if ledger.keep.get(page):
-            how += f" (the other {len(ledger.keep[page])} answers kept)"
+        if ledger.record.keep:
+            how += f" (the other {len(ledger.record.keep)} answers kept)"
         return SendAgain(page, why=f"p.{page + 1}: {what} cut off; {how}", ledger=ledger)
-    if isinstance(choice, Later):
-        return SendAgain(page, wait=math.inf, ledger=ledger)
+    if isinstance(choice, Held):
+        return SendAgain(page, held=choice, ledger=ledger)
     return Checkpoint(page, answer, quality,
                       _quality_note(document, answer, quality, choice, rules), ledger)
 
@@ -354,7 +305,7 @@ def _quality_note(document: Document, answer: PageResult, quality: PageQuality,
     """The note of a page kept although it is not ok (None when it is ok)."""
     where = _blocks_named(answer, _is_to_blame)
     retry = retry_command(document.job.path, str(answer.page + 1), rules.again)
-    refused = document.ledger.refused.get(answer.page)
+    refused = document.page(answer.page).redo.refused
     if refused is not None and where and quality.reason == "empty":
         return (f"page {answer.page + 1} is {quality.verdict.value}: the server refused "
                 f"{where} on every try ({refused.rstrip('.')}); the page is kept without "
@@ -371,9 +322,9 @@ def _server_failed(document: Document, page: int, error: str | None, url: str,
     Not a placeholder: the page is not to blame, and the document is tried again later
     (`retry`) with every page it has.
     """
-    attempts = document.attempts.get(page, 0) + 1
+    attempts = document.page(page).attempts + 1
     if attempts <= rules.page_retries:
-        wait = min(SERVER_ERROR_LONGEST_WAIT, SERVER_ERROR_FIRST_WAIT * 2 ** (attempts - 1))
+        wait = SERVER_ERROR_BACKOFF.delay(attempts)
         return SendAgain(page, wait=wait, counted=True,
                          why=f"p.{page + 1}: the server at {url} failed it (attempt {attempts}): "
                              f"{error}; sending it again in {wait:.0f} s")

@@ -3,7 +3,7 @@
 The plan (`plan.plan`) picks the pages and gives each to the usable endpoint with the most
 room: the fewest pages in flight relative to its own adaptive bound (each endpoint has its
 `ConcurrencyController`, fed by its own `/metrics`). Which endpoint has a page is recorded on
-the page itself (`document.SentPage`). An endpoint that is not ready, or whose page came back
+the page itself (`core.page.SentPage`). An endpoint that is not ready, or whose page came back
 "server down", is left out; the pages it had go back to their documents for the others
 (`reclaim`), and an answer it still sends for one of them is ignored
 (`decide.is_awaited`): each page is checkpointed once. It rejoins once ready again. An outage
@@ -14,7 +14,6 @@ that failed in between.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,8 +113,8 @@ class Endpoint:
         self.concurrency.set_bounds(p.min_concurrency, p.max_concurrency)
 
 
-class Dispatcher:
-    """The endpoints pages go to."""
+class Endpoints:
+    """The server endpoints pages go to: each one's bound, answers and outages."""
 
     def __init__(self, config: Config, servers: Sequence[ServerHandle]) -> None:
         if not servers:
@@ -169,7 +168,7 @@ class Dispatcher:
             endpoint.down_since = None
         endpoint.answered += 1
         if recognised:
-            endpoint.answers.tick(time.monotonic())
+            endpoint.answers.tick(now)
         return False
 
     def _went_down(self, endpoint: Endpoint, now: float, reason: str) -> None:
@@ -213,9 +212,9 @@ class Dispatcher:
             e.concurrency.observe(now, e.answered, pages, backlog, metrics,
                                   self.requests_per_page)
 
-    def load(self, in_flight: Mapping[str, int]) -> list[EndpointLoad]:
-        """Each endpoint's pages in flight (`in_flight`: per URL), rate and bound."""
-        now = time.monotonic()
+    def load(self, now: float, in_flight: Mapping[str, int]) -> list[EndpointLoad]:
+        """Each endpoint's pages in flight (`in_flight`: per URL), rate (as of `now`) and
+        bound."""
         return [EndpointLoad(e.url, e.handle.name, in_flight.get(e.url, 0), e.answers.rate(now),
                              e.concurrency.limit) for e in self.endpoints]
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.engine.worker_handle import EngineWorker
 from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
 from ocrvl_daemon.observe.units import counted
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
-WORKER_RESTART_MAX_SECONDS = 300.0
+WORKER_START_BACKOFF = Backoff(WORKER_RESTART_SECONDS, 300.0)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class EnginePool:
                 self.start_failures += 1
                 # Workers started together fail together: the wait doubles once per round.
                 rounds = (self.start_failures - 1) // len(self._slots)
-                delay = min(WORKER_RESTART_MAX_SECONDS, delay * 2**rounds)
+                delay = WORKER_START_BACKOFF.delay(rounds + 1)
                 self.start_error = start_failure(failure)
                 if self.gave_up:
                     delay = float("inf")

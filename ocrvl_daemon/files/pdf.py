@@ -13,6 +13,7 @@ import numpy as np
 import pypdfium2 as pdfium
 
 from ocrvl_daemon.errors import (
+    EncryptedPdfError,
     InputFileError,
     InputVanishedError,
     OcrvlError,
@@ -173,7 +174,7 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
         # PDFium's error code is process-global and can be stale, so look for the
         # encryption dictionary ourselves.
         if _declares_encryption(path):
-            raise InputFileError(
+            raise EncryptedPdfError(
                 f"{path} is encrypted with a password.",
                 "save an unprotected copy (e.g. qpdf --decrypt --password=... "
                 "in.pdf out.pdf) and convert that copy",

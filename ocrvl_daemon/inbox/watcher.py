@@ -20,15 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pypdfium2
-import pypdfium2.raw as pdfium_c
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 from ocrvl_daemon.config.model import InboxConfig
+from ocrvl_daemon.errors import EncryptedPdfError, InputFileError, InputVanishedError
 from ocrvl_daemon.files.names import is_pdf_name
+from ocrvl_daemon.files.pdf import PDFIUM_LOCK, open_pdf
 from ocrvl_daemon.inbox.filesystems import filesystem_type, needs_polling
 from ocrvl_daemon.inbox.scan import Listing, ignored_dir, outermost, walk, wanted_name
 
@@ -55,13 +55,16 @@ _FILE_EVENTS = frozenset({"created", "modified", "closed", "moved", "deleted", "
 
 
 def opens_as_pdf(path: Path) -> bool:
-    """True when pdfium can open the file; an encrypted PDF is still a PDF."""
-    try:
-        pypdfium2.PdfDocument(str(path)).close()
-    except pypdfium2.PdfiumError as exc:
-        return exc.err_code == pdfium_c.FPDF_ERR_PASSWORD
-    except OSError:
-        return False
+    """Whether the file opens as the converter will open it (`pdf.open_pdf`): a PDF still
+    being written does not yet. An encrypted PDF is whole, and is handed on at once to be
+    reported as such."""
+    with PDFIUM_LOCK:
+        try:
+            open_pdf(path).close()
+        except EncryptedPdfError:
+            return True
+        except (InputFileError, InputVanishedError, OSError):
+            return False
     return True
 
 

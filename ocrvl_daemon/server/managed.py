@@ -9,7 +9,7 @@ Failure handling, in order of how final it is:
   When nothing ocrvl may change is left, the error names the config lines to change;
 * everything else (a crash, 503, failed probes, a hang, a start-up that fails or times
   out) -> stop the whole group, wait out an exponential backoff, start again: forever for
-  the daemon, `BackoffPolicy.give_up_after` times in a row (then `FAILED` with a
+  the daemon, `Backoff.attempts` times in a row (then `FAILED` with a
   `ServerError`) for `ocrvl convert`.
 
 The `auto` settings are planned at every launch, from the GPU as it is then (the old
@@ -28,10 +28,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import ServerConfigError, ServerError
 from ocrvl_daemon.process.group import ProcessGroup, kill_leftover
 from ocrvl_daemon.server import autotune, launchers, vllm_diagnosis
@@ -57,32 +57,9 @@ CRASH_LOOP_FAILURES = 3
 CRASH_LOOP_WINDOW = 600.0
 
 
-@dataclass
-class BackoffPolicy:
-    """Exponential restart delay: `initial`, doubling, capped; reset once stable."""
-
-    initial: float = 2.0
-    factor: float = 2.0
-    cap: float = 300.0
-    reset_after: float = 120.0  # seconds of readiness that count as "stable again"
-    # Failures in a row after which the supervisor gives up (None: never, as the daemon
-    # wants). `ocrvl convert` must end: a taken port does not clear by itself.
-    give_up_after: int | None = None
-    failures: int = field(default=0, init=False)
-
-    def next_delay(self) -> float:
-        """The delay before the next restart; each call counts one more failure."""
-        delay = min(self.cap, self.initial * self.factor**self.failures)
-        self.failures += 1
-        return delay
-
-    def exhausted(self) -> bool:
-        """Whether the failures so far are as many as `give_up_after` allows."""
-        return self.give_up_after is not None and self.failures >= self.give_up_after
-
-    def reset(self) -> None:
-        """The server proved stable: start again from `initial`."""
-        self.failures = 0
+# Seconds of readiness after which a server counts as stable again: its failures in a row
+# start over.
+STABLE_AFTER = 120.0
 
 
 # --- the server's output -------------------------------------------------------------------
@@ -181,7 +158,7 @@ class ManagedServer(ServerSupervisor):
     """Starts the model server and keeps it ready; see the module docstring."""
 
     def __init__(self, config: Config, on_change: Callable[[ServerStatus], None] | None = None,
-                 backoff: BackoffPolicy | None = None, name: str = "server",
+                 backoff: Backoff | None = None, name: str = "server",
                  gpu_reading: Callable[[], GpuReading | None] | None = None,
                  launch_turn: threading.Lock | None = None) -> None:
         """`gpu_reading` reads the server's GPU for planning `auto` flags (default: the one
@@ -192,8 +169,9 @@ class ManagedServer(ServerSupervisor):
         beside another) must never overlap."""
         super().__init__(config, on_change, name)
         self._launch_turn = launch_turn
-        self._backoff = backoff or BackoffPolicy(
-            initial=self._server.restart_backoff_initial, cap=self._server.restart_backoff_max)
+        self._backoff = backoff or Backoff(self._server.restart_backoff_initial,
+                                           self._server.restart_backoff_max)
+        self._failures_in_a_row = 0  # since the server was last stable (`STABLE_AFTER`)
         self._pidfile = config.state_dir / pidfile_name(name)
         self._gpu_reading = gpu_reading or (lambda: read_gpu(launchers.server_env(config)))
         # _group and _pump are written under _cond (status() reads the pid from another
@@ -378,8 +356,8 @@ class ManagedServer(ServerSupervisor):
     def _note_stable(self) -> None:
         ready_at = self._ready_at
         if (self._attempt and ready_at is not None
-                and time.monotonic() - ready_at >= self._backoff.reset_after):
-            self._backoff.reset()
+                and time.monotonic() - ready_at >= STABLE_AFTER):
+            self._failures_in_a_row = 0
             with self._cond:
                 self._attempt = 0
 
@@ -409,15 +387,16 @@ class ManagedServer(ServerSupervisor):
             self._failures.append(now)
             while self._failures and now - self._failures[0] > CRASH_LOOP_WINDOW:
                 self._failures.popleft()
-            delay = self._backoff.next_delay()
+            self._failures_in_a_row += 1
+            delay = self._backoff.delay(self._failures_in_a_row)
         with self._cond:
             self._last_error, self._diagnosis = error, diagnosis
             self._restart_count += 1
             self._ready_at = None
         cause = f"; likely cause: {diagnosis}" if diagnosis else ""
-        if not stepped and self._backoff.exhausted():
+        if not stepped and self._backoff.gives_up(self._failures_in_a_row):
             raise ServerError(
-                f"The server failed {self._backoff.failures} times in a row, the last time: "
+                f"The server failed {self._failures_in_a_row} times in a row, the last time: "
                 f"{error}.", diagnosis.fix if diagnosis else
                 "see the server's output above; `ocrvl doctor` checks its set-up")
         if len(self._failures) >= CRASH_LOOP_FAILURES and not stepped:

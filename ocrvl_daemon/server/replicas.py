@@ -22,12 +22,13 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from ocrvl_daemon.config.model import AUTO, Config
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import ServerConfigError, ServerError, ServerMissingError
 from ocrvl_daemon.process.group import kill_leftover
 from ocrvl_daemon.server import autotune, launchers, mps
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu, read_gpus, visible_devices
-from ocrvl_daemon.server.managed import BackoffPolicy, ManagedServer, pidfile_name
+from ocrvl_daemon.server.managed import ManagedServer, pidfile_name
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus, ServerSupervisor
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class ServerSet:
 
     def __init__(self, config: Config,
                  on_change: Callable[[ServerStatus], None] | None = None,
-                 backoff: Callable[[], BackoffPolicy] | None = None) -> None:
+                 backoff: Backoff | None = None) -> None:
         """Plan the endpoints; raises ServerConfigError (before anything starts) when the
         replicas cannot fit their GPU or server.gpus names a GPU that is not there, and
         ServerMissingError when no GPU is visible for a managed vLLM."""
@@ -82,7 +83,7 @@ class ServerSet:
             endpoints.append(ExternalServer(copied, self._changed, name))
         return endpoints
 
-    def _managed(self, backoff: Callable[[], BackoffPolicy] | None) -> list[list[ManagedServer]]:
+    def _managed(self, backoff: Backoff | None) -> list[list[ManagedServer]]:
         server = self.config.server
         found = mps.probe(self.config) if server.mps != "off" else mps.MpsProbe(None)
         slots = self._slots()
@@ -115,7 +116,7 @@ class ServerSet:
                 copied = self.config.model_copy(update={"server": server.model_copy(
                     update={"port": port, "replicas": replicas, "gpus": AUTO, "env": env})})
                 managed = ManagedServer(copied, self._changed,
-                                        backoff() if backoff is not None else None, name,
+                                        backoff, name,
                                         self._reading_for(copied, group), turn)
                 group.append(managed)
                 port += 1

@@ -1,21 +1,19 @@
 """Jobs in the store: where the daemon's and `ocrvl convert`'s stores live, how a file becomes
-a job (`enqueue_file`), which queued jobs are due and how one starts (`due_jobs`,
-`start_job`), and how a job's failure is recorded for the user (`record_failure`)."""
+a job (`enqueue_file`), which queued jobs are due (`due_jobs`), and how a job's failure is
+recorded for the user (`record_failure`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Container
-from dataclasses import dataclass
 from pathlib import Path
 
 from ocrvl_daemon.config.model import Config, Recipe
-from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.logs import doc_fields
-from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.storage.store import Job, JobState, Store
 
@@ -26,29 +24,17 @@ DAEMON_DB = "jobs.sqlite"
 ONESHOT_DB = "convert.sqlite"
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a document whose conversion failed for a reason that may pass (the server failing,
-    an output folder not writable, the file changing) is tried again: after `first_wait`
-    seconds, doubling up to `longest_wait`, until it failed `attempts` times in a row (None:
-    never given up on, as the daemon does; `ocrvl convert` must end)."""
-
-    first_wait: float
-    longest_wait: float
-    attempts: int | None = None
-
-    def delay(self, attempts: int) -> float:
-        """The wait after the `attempts`th failure in a row."""
-        return min(self.longest_wait, self.first_wait * 2 ** max(0, attempts - 1))
-
-    def gives_up(self, attempts: int) -> bool:
-        """Whether the `attempts`th failure in a row is the last one tried."""
-        return self.attempts is not None and attempts >= self.attempts
+# How a document whose conversion failed for a reason that may pass (the server failing, an
+# output folder not writable, the file changing) is tried again: the daemon never gives it
+# up; a person waits for `ocrvl convert`, so a few quick tries, then the cause and its exit
+# code.
+DAEMON_RETRY = Backoff(30.0, 3600.0)
+ONESHOT_RETRY = Backoff(2.0, 8.0, attempts=3)
 
 
-DAEMON_RETRY = RetryPolicy(30.0, 3600.0)
-# A person waits for `ocrvl convert`: a few quick tries, then the cause and its exit code.
-ONESHOT_RETRY = RetryPolicy(2.0, 8.0, attempts=3)
+def job_fields(job: Job, page: int | None = None) -> dict[str, object]:
+    """Structured journald fields for a log line about `job` (and 0-based `page`)."""
+    return doc_fields(job.path, None if page is None else page + 1, job.id)
 
 
 def open_store(config: Config) -> Store:
@@ -70,46 +56,8 @@ def due_jobs(store: Store, limit: int, skip: Container[int], only: set[int] | No
     return jobs[:limit]
 
 
-def start_job(store: Store, job: Job, key: str, place: document_files.OutputPlace,
-              json_output: bool, searchable: bool = False) -> Document | None:
-    """Mark queued `job` running: its active document, with the job (identified again if its
-    file changed) and its pages still to do. None when its file is gone (it is dropped) or
-    this version is not queued. An unusable file or output place raises, as OcrvlError or
-    OSError."""
-    path = job.path
-    try:
-        stat = path.stat()
-    except OSError:
-        log.info("%s is gone; dropping it from the queue", path)
-        store.forget(job.id)
-        return None
-    source = pdf.FileStamp.from_stat(stat)
-    # No hash yet (unreadable when found, or changed while it converted), another version or
-    # another recipe (a reload changed it): identify it again.
-    if (not job.sha256 or (stat.st_size, stat.st_mtime) != (job.size, job.mtime)
-            or job.model != key):
-        ident = pdf.file_identity(path)
-        job = store.enqueue(path, ident.sha256, ident.size, ident.mtime, key)
-        if job.state is not JobState.QUEUED:
-            return None
-    document_files.check_writable(path, json_output=json_output, searchable=searchable, place=place)
-    count = pdf.page_count(path)
-    done = store.done_pages(job.sha256, key)
-    store.set_running(job.id, count)
-    pending = [p for p in range(count) if p not in done]
-    if done:
-        log.info("%s: %s, resuming with %d already done", path.name, counted(count, "page"),
-                 len(done), extra=doc_fields(path, None, job.id))
-    else:
-        log.info("%s: %s queued", path.name, counted(count, "page"),
-                 extra=doc_fields(path, None, job.id))
-    if pdf.FileStamp.of(path) != source:  # replaced while it was hashed or counted
-        raise InputVanishedError(f"{path} changed while it was being opened.")
-    return Document(job, count, pending, done=count - len(pending), source=source)
-
-
 def record_failure(store: Store, job: Job, exc: OcrvlError, again: str,
-                   place: document_files.OutputPlace, retry: RetryPolicy = DAEMON_RETRY) -> bool:
+                   place: document_files.OutputPlace, retry: Backoff = DAEMON_RETRY) -> bool:
     """Record why `job` failed: in the store, the log and a note beside its output; a job
     whose file vanished is dropped. True when it failed for good (its `on_failed` hook is
     due); a transient failure is tried again as `retry` says (`again`: see `enqueue_file`).

@@ -421,18 +421,6 @@ class Store:
                 )
             last = rows[-1]["page"]
 
-    # --- daemon state, for `ocrvl status` ------------------------------------------------
-
-    def put_meta(self, key: str, value: Any) -> None:
-        """Publish a JSON value (server state, rates) for other processes to read."""
-        with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
-
-    def get_meta(self, key: str) -> Any:
-        """Read a published value, or None."""
-        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return json.loads(row[0]) if row else None
-
 
 def _json_or_null(value: Any) -> str | None:
     return None if value is None else json.dumps(value)
