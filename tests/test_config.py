@@ -16,9 +16,8 @@ from ocrvl_daemon.config.models import (
     PROMPT_TOKEN_BUDGET,
 )
 from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.server import gpu
-from ocrvl_daemon.server.autotune import engine_workers
-from ocrvl_daemon.worker import layout_engine
+from ocrvl_daemon.server import gpu, layout_engine
+from ocrvl_daemon.server.placement import decide_placement
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
@@ -147,10 +146,10 @@ def test_auto_engine_workers_follow_the_cores_and_where_the_layout_model_runs(
     monkeypatch.setattr(gpu, "read_gpus", lambda: [])
     # Layout off (or on the GPU): a quarter of the cores, 1 to 4.
     off = {"pipeline": {"use_layout_detection": False}}
-    assert engine_workers(validate_config(off)) == workers
+    assert decide_placement(validate_config(off)).workers == workers
     # Layout on the CPU: a worker per 2 of three quarters of the cores, up to 8.
-    assert engine_workers(validate_config({})) == with_cpu_layout
-    assert engine_workers(validate_config({"pipeline": {"workers": 3}})) == 3
+    assert decide_placement(validate_config({})).workers == with_cpu_layout
+    assert decide_placement(validate_config({"pipeline": {"workers": 3}})).workers == 3
 
 
 @pytest.mark.quick

@@ -21,6 +21,7 @@ from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
+from testkit.stand_in_worker import real_worker
 
 
 def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
@@ -273,7 +274,7 @@ def test_a_bumped_request_cancelled_before_it_is_sent_again_is_not_sent_again() 
 @contextmanager
 def running_worker(config: Config, server_url: str) -> Iterator[EngineWorker]:
     """A real engine worker, started and ready; stopped afterwards."""
-    worker = EngineWorker(config, server_url)
+    worker = real_worker(config)
     worker.start()
     try:
         wait_until(lambda: worker.collect() == [] and worker.ready, 120,
@@ -287,7 +288,7 @@ def submit_pages(worker: EngineWorker, job: int, pdf: Path, pages: int, priority
     stat = pdf.stat()
     for page in range(pages):
         worker.submit(PageTask(job, str(pdf), page, 1024, stat.st_size, stat.st_mtime,
-                               priority=priority))
+                               priority=priority, url=next(iter(worker.gates))))
 
 
 def results_of(worker: EngineWorker, count: int) -> list[PageResult]:

@@ -10,7 +10,7 @@ import pytest
 from ocrvl_daemon.engine import converter
 from ocrvl_daemon.observe.rate import RATE_WINDOW
 from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
-from ocrvl_daemon.worker import layout_engine
+from ocrvl_daemon.server import layout_engine
 from testkit.stand_in_worker import Policy
 
 pytestmark = pytest.mark.quick

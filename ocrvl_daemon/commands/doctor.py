@@ -29,13 +29,22 @@ from ocrvl_daemon.config.file import CONFIG_ENV, load_config, resolve_config_pat
 from ocrvl_daemon.config.model import Config, folder_problem
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
 from ocrvl_daemon.process.group import GroupRecord, group_members
-from ocrvl_daemon.server import autotune, driver_check, gpu, launchers, mps, vllm_release
+from ocrvl_daemon.server import (
+    autotune,
+    driver_check,
+    gpu,
+    launchers,
+    layout_engine,
+    layout_model,
+    mps,
+    placement,
+    vllm_release,
+)
 from ocrvl_daemon.server.launchers import server_env
+from ocrvl_daemon.server.layout_engine import LayoutChoice
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
 from ocrvl_daemon.server.replicas import PIDFILE_GLOB
-from ocrvl_daemon.worker import layout_engine, layout_model
-from ocrvl_daemon.worker.layout_engine import LayoutChoice
 
 Status = Literal["ok", "warn", "fail", "info"]
 MARKS: dict[str, str] = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
@@ -361,7 +370,7 @@ def _layout_model_checks(config: Config) -> list[Check]:
     if not config.pipeline.use_layout_detection:
         return []
     try:
-        choice = autotune.layout_choice(config)
+        choice = placement.layout_choice(config)
     except DependencyError as exc:
         return [Check("layout engine", "fail", exc.message, exc.fix)]
     workers = f"{choice.workers} worker{'s' if choice.workers != 1 else ''}"

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from ocrvl_daemon.config.errors import KeyProblem, KeyProblems
+from ocrvl_daemon.config.layout import AUTO, ENGINES, parse_device
 from ocrvl_daemon.config.models import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
@@ -33,9 +34,7 @@ from ocrvl_daemon.config.models import (
     VLModel,
 )
 from ocrvl_daemon.errors import UnsetVariableError
-from ocrvl_daemon.worker import layout_engine
 
-AUTO = "auto"
 # vLLM flags ocrvl computes from the GPU unless the user gives a number.
 AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
 # vLLM flags that other keys decide; setting them in vllm_args would contradict those.
@@ -173,7 +172,7 @@ class PipelineConfig(_Section):
     use_doc_orientation_classify: bool = False
     use_doc_unwarping: bool = False
     use_chart_recognition: bool = False
-    # Where and on what the layout model runs (see `worker.layout_engine`); `device` is the
+    # Where and on what the layout model runs (see `config.layout`); `device` is the
     # older name of layout_device, kept so that existing configs still work.
     layout_device: str = AUTO
     layout_engine: str = AUTO
@@ -207,7 +206,7 @@ class PipelineConfig(_Section):
         if value is None:
             return None
         try:
-            kind, index = layout_engine.parse_device(value)
+            kind, index = parse_device(value)
         except ValueError as exc:
             raise KeyProblem(f"pipeline.{info.field_name}", value, f"{exc}; auto puts the "
                              "layout model on the GPU where an engine for it is installed "
@@ -217,7 +216,7 @@ class PipelineConfig(_Section):
     @field_validator("layout_engine")
     @classmethod
     def _layout_engine(cls, value: str) -> str:
-        if value not in (AUTO, *layout_engine.ENGINES):
+        if value not in (AUTO, *ENGINES):
             raise KeyProblem("pipeline.layout_engine", value, "must be auto, paddle "
                              "(PaddlePaddle: the [cpu] extra, or paddlepaddle-gpu), onnxruntime "
                              "or transformers (torch: the [gpu-layout] extra)")

@@ -50,7 +50,6 @@ from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.output.book import Book, BookPage, restructure
 from ocrvl_daemon.output.hooks import DocumentHooks
-from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.storage import jobs
 from ocrvl_daemon.storage.jobs import DAEMON_RETRY, RetryPolicy
@@ -117,7 +116,6 @@ class Converter:
         self._recent = RateMeter()  # pages recognised
         # Each stage's work, from the spans the workers time (`stage_load`).
         self._busy = {stage: BusyMeter() for stage in Stage}
-        self._layout: tuple[str, str] | None = None  # read when first shown
         # How many pages suspected of the last worker crash may be in flight together.
         self._suspects_together = 1
         self._wake = True
@@ -516,7 +514,6 @@ class Converter:
         self.engines.reconfigure(config)
         self.place = document_files.output_place(config)
         self.dispatcher.reconfigure(config)
-        self._layout = None
         if config.recipe != self.recipe:
             self.recipe = config.recipe
             for job_id in list(self.active):
@@ -557,16 +554,14 @@ class Converter:
         the managed servers' GPUs as last read, whose busy share tells a server held by its
         GPU from one held by its CPU side."""
         busy = [g.busy_pct / 100 for g in gpus if g.busy_pct is not None]
-        if self._layout is None:
-            self._layout = _layout_place(self.config)
         workers = self.engines.size
         bound = sum(e.concurrency.limit for e in self.dispatcher.endpoints)
         return StageLoad(
             rendering=self._busy[Stage.RENDERING].busy(now, workers),
             layout=self._busy[Stage.LAYOUT].busy(now, workers),
             server=self._busy[Stage.SERVER].busy(now, bound),
-            layout_device=self._layout[0],
-            layout_why=self._layout[1],
+            layout_device=self.engines.placement.device,
+            layout_why=self.engines.placement.why,
             server_gpu_busy=sum(busy) / len(busy) if busy else None,
         )
 
@@ -600,23 +595,6 @@ class Converter:
 def _fields(job: Job, page: int | None = None) -> dict[str, object]:
     """Structured journald fields for a log line about `job` (and 0-based `page`)."""
     return doc_fields(job.path, None if page is None else page + 1, job.id)
-
-
-def _layout_place(config: Config) -> tuple[str, str]:
-    """Where the workers run the layout model ("cpu", "gpu:0") and why there; ("", "") with
-    layout detection off, or when it cannot run (the workers report why). A layout model on
-    the CPU that the GPU could take is logged once, with the fix: it is the slow stage of
-    every page."""
-    if not config.pipeline.use_layout_detection:
-        return "", ""
-    try:
-        choice = layout_choice(config)
-    except OcrvlError:
-        return "", ""
-    if choice.to_the_gpu:
-        log.warning("the layout model runs on the CPU (%s), the slow stage of every page: %s",
-                    choice.why, choice.to_the_gpu)
-    return choice.device, choice.why
 
 
 def _unexpected(exc: Exception) -> OcrvlError:

@@ -19,30 +19,29 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any
 
 import httpx
 import numpy as np
 
-from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.quality import Redo, repetition
-from ocrvl_daemon.engine.worker_handle import _Channel, child_channel
-from ocrvl_daemon.observe.logs import PrintableFormatter, doc_fields
-from ocrvl_daemon.server.autotune import layout_choice
-from ocrvl_daemon.server.probe import bearer_header
+from ocrvl_daemon.errors import OcrvlError, PageDamagedError
+from ocrvl_daemon.files.pdf import PDFIUM_LOCK, check_unchanged, render_page
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.process.channel import Channel, child_channel
+from ocrvl_daemon.worker.child_logs import library_logs_to_daemon, log_to_daemon
 from ocrvl_daemon.worker.layout_process import LayoutProcess
 from ocrvl_daemon.worker.messages import (
     Block,
     BlockAnswer,
+    ErrorRecord,
     Failure,
     GateLimit,
-    LogRecord,
     PageResult,
     PageTask,
     RequestSent,
@@ -51,6 +50,16 @@ from ocrvl_daemon.worker.messages import (
     WorkerSetup,
 )
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
+from ocrvl_daemon.worker.pipeline import (
+    _TURN_SPANS,
+    Turns,
+    _TakingTurns,
+    inner_pipeline,
+    limit_torch_threads,
+    model_turns,
+    start_request_loop,
+    warm_layout_model,
+)
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.worker.request_images import image_url, pixels_of, within_aspect
 from ocrvl_daemon.worker.streaming import (
@@ -74,8 +83,6 @@ INK_LEVEL = 128
 # (rendering, cropping, reading streamed answers): on the CPU its forward pass took 4.3x as
 # long beside one busy thread at 5 ms, 1.4x at 0.5 ms (bench/gpu/RESULTS.md).
 SWITCH_INTERVAL_S = 0.0005
-# An A4 page rendered at scale 2 (height, width, BGR).
-BLANK_PAGE_SHAPE = (1684, 1190, 3)
 
 
 def has_ink(image: np.ndarray) -> bool:
@@ -84,110 +91,6 @@ def has_ink(image: np.ndarray) -> bool:
     # of 3 takes ~10x as long (68 ms for a 2x-rendered A4 page, on every page's way out).
     darkest = np.minimum(np.minimum(image[..., 0], image[..., 1]), image[..., 2])
     return bool(np.count_nonzero(darkest < INK_LEVEL) > INK_SHARE * darkest.size)
-
-
-def pipeline_kwargs(config: Config, server_url: str) -> dict[str, Any]:
-    """Constructor arguments of `PaddleOCRVL` for this configuration; the layout model's
-    engine, device and threads are chosen here (`autotune.layout_choice`), logged, and
-    torch's threads held to the choice (`LayoutChoice.limit_threads`)."""
-    p = config.pipeline
-    kwargs: dict[str, Any] = {
-        "pipeline_version": config.model.vl_model.pipeline_version,
-        "vl_rec_backend": "vllm-server",
-        "vl_rec_server_url": server_url,
-        # The request's `model` must be exactly what the server serves.
-        "vl_rec_api_model_name": config.model.served,
-        "vl_rec_max_concurrency": p.max_concurrency,
-        "use_layout_detection": p.use_layout_detection,
-        "use_doc_orientation_classify": p.use_doc_orientation_classify,
-        "use_doc_unwarping": p.use_doc_unwarping,
-        "use_chart_recognition": p.use_chart_recognition,
-        # Each page gets its own thread here already; without PaddleX's per-call queue threads
-        # the chat requests are made on the page's thread, which lets `_track_completions`
-        # attribute finish reasons to the page (and saves their 0.5 s batching wait).
-        "use_queues": False,
-    }
-    if config.server.api_key:
-        kwargs["vl_rec_api_key"] = config.server.api_key
-    if p.use_layout_detection:
-        # Every local model follows it; the VL recognition goes to the server whatever the
-        # engine (PaddleX drops the engine for a sub-model with a server backend).
-        layout = layout_choice(config)
-        log.info("layout: %s: %s", layout.describe(), layout.why)
-        layout.limit_threads()
-        return kwargs | layout.common_args()
-    # The page is the one block, which merging leaves as it is, after copying the whole page
-    # image twice to measure it (~6.5 ms of CPU a page).
-    kwargs["merge_layout_blocks"] = False
-    if p.use_doc_orientation_classify or p.use_doc_unwarping:
-        if p.wanted_layout_device != "auto":
-            kwargs["device"] = p.wanted_layout_device
-    else:
-        # Nothing runs here but requests to the server: naming a device spares paddlex its
-        # probe for one (without PaddlePaddle: importing torch and starting CUDA, ~4 s).
-        kwargs["device"] = "cpu"
-    return kwargs
-
-
-class _TurnSpans(threading.local):
-    """Where the calls into the models that take turns, made on this thread, are timed: the
-    list of the page being recognised (`PageResult.layout_spans`), None outside a page."""
-
-    spans: list[tuple[float, float]] | None = None
-
-
-_TURN_SPANS = _TurnSpans()
-# How the local models (neither is thread-safe) take turns (`model_turns`).
-Turns: TypeAlias = "ThreadPoolExecutor | threading.Lock"
-
-
-def model_turns(engine: str | None) -> Turns:
-    """How the local models' calls take turns in a worker run by PaddleX `engine`.
-
-    torch (the transformers engine): on one thread, the model lane. torch keeps per-thread
-    state (cuBLAS/cuDNN handles and their workspaces on a GPU, an OpenMP team on the CPU),
-    which a call from each of ~50 page threads would multiply: GPU memory far beyond the
-    room planned beside the server. It lets go of the GIL while it computes.
-
-    Paddle (and the others): on each page's own thread, under a lock. Paddle holds the GIL
-    for a whole call (seconds on the CPU); on the page's own thread, the page whose call
-    ended carries on at once, where a lane would go straight into the next call and hold
-    that page's requests off until it ends.
-    """
-    if engine == "transformers":
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="models")
-    return threading.Lock()
-
-
-class _TakingTurns:
-    """A model that is not thread-safe (the layout detector), called one call at a time as
-    `turns` says (`model_turns`); the models of one worker share their `turns`.
-
-    Each call is timed for the page on the asking thread: the layout stage's load (the
-    document preprocessor's calls count there too).
-    """
-
-    def __init__(self, target: Any, turns: Turns) -> None:
-        self._target = target
-        self._turns = turns
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        def call() -> tuple[list[Any], tuple[float, float]]:
-            start = time.monotonic()
-            found = list(self._target(*args, **kwargs))
-            return found, (start, time.monotonic())
-
-        if isinstance(self._turns, ThreadPoolExecutor):
-            found, span = self._turns.submit(call).result()
-        else:
-            with self._turns:
-                found, span = call()
-        if _TURN_SPANS.spans is not None:
-            _TURN_SPANS.spans.append(span)
-        return found
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
 
 
 @dataclass(frozen=True)
@@ -244,45 +147,43 @@ class _Endpoints:
     sent to each: streamed (`streaming.stream_completion`), so that an answer that loops is
     stopped as soon as it shows (`pipeline.stop_loops_early`).
 
-    The pipeline is built with one server URL; a page's requests go to the endpoint the
-    converter chose for it (`PageTask.url`).
+    A page's requests go to the endpoint the converter chose for it (`PageTask.url`), the
+    only way an endpoint reaches the worker.
     """
 
-    def __init__(self, config: Config, server_url: str) -> None:
-        self._config = config
-        self._first = server_url
+    def __init__(self, setup: WorkerSetup) -> None:
+        self._setup = setup
         self._lock = threading.Lock()  # guards _gates
         self._gates: dict[str, RequestGate] = {}
         # Used on PaddleX's event-loop thread only. The gates bound the requests in flight.
         self._client = httpx.AsyncClient(limits=httpx.Limits(
             max_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY))
-        self._headers = bearer_header(config.server.api_key)
 
     def gate(self, url: str) -> RequestGate:
-        """The request gate of `url` ("": the first endpoint)."""
-        url = url or self._first
+        """The request gate of `url`."""
         with self._lock:
             if url not in self._gates:
-                self._gates[url] = RequestGate(self._config.pipeline.max_concurrency)
+                self._gates[url] = RequestGate(self._setup.max_concurrency)
             return self._gates[url]
 
     def send(self, url: str, messages: Any, kwargs: dict[str, Any],
              started: Callable[[], None] | None = None) -> Future[_Completion]:
-        """Send a chat completion (PaddleX's `create_chat_completion` arguments) to `url`
-        ("": the first endpoint) on PaddleX's event loop; cancelling the future aborts it.
+        """Send a chat completion (PaddleX's `create_chat_completion` arguments) to `url` on
+        PaddleX's event loop; cancelling the future aborts it.
         `started` is called once its answer begins."""
         from paddlex.inference.models.common.genai import run_async
 
-        body = request_body(self._config.model.served, messages, kwargs)
-        return run_async(self._complete(url or self._first, body, kwargs.get("timeout", 600),
+        body = request_body(self._setup.served_model, messages, kwargs)
+        return run_async(self._complete(url, body, kwargs.get("timeout", 600),
                                         started),
                          return_future=True)
 
     async def _complete(self, url: str, body: dict[str, Any], timeout: float,
                         started: Callable[[], None] | None) -> _Completion:
         answer = await stream_completion(
-            self._client, f"{url.rstrip('/')}/chat/completions", body, self._headers, timeout,
-            stop_loops=self._config.pipeline.stop_loops_early, started=started)
+            self._client, f"{url.rstrip('/')}/chat/completions", body,
+            dict(self._setup.headers), timeout, stop_loops=self._setup.stop_loops_early,
+            started=started)
         return _Completion(answer)
 
 
@@ -412,15 +313,15 @@ def _block_has_ink(url: str) -> bool:
     return True if pixels is None else has_ink(pixels)
 
 
-def _token_ceiling(config: Config, server_url: str) -> int:
+def _token_ceiling(setup: WorkerSetup, server_url: str) -> int:
     """The most new tokens a request may ask for within the server's `max_model_len`.
 
     Asked afresh each time (rarely: only for a cut-off answer), since a restarted server
     may run with another length. 0 when the server does not say.
     """
-    headers = bearer_header(config.server.api_key)
     try:
-        response = httpx.get(f"{server_url.rstrip('/')}/models", headers=headers, timeout=10.0)
+        response = httpx.get(f"{server_url.rstrip('/')}/models", headers=setup.headers,
+                             timeout=10.0)
         response.raise_for_status()
         lengths = [
             int(m["max_model_len"]) for m in response.json()["data"] if m.get("max_model_len")
@@ -428,60 +329,13 @@ def _token_ceiling(config: Config, server_url: str) -> int:
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         log.warning("cannot read max_model_len from %s/models: %s", server_url, exc)
         return 0
-    overhead = config.model.vl_model.request_token_budget(0)
-    return max(0, min(lengths, default=0) - overhead)
-
-
-class _DaemonLog(logging.Handler):
-    """Hands the worker's log records (ocrvl's from INFO, libraries' from WARNING) to the
-    daemon, which logs them at their own level: written to stderr, they would reach journald
-    as text of no priority."""
-
-    def __init__(self, channel: _Channel) -> None:
-        super().__init__(logging.INFO)
-        self._channel = channel
-        self.setFormatter(PrintableFormatter())  # names on one line, as the daemon's own
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._channel.send(LogRecord(record.levelno, record.name, self.format(record)))
-        except Exception:
-            self.handleError(record)
-
-
-def log_to_daemon(channel: _Channel, own: int = logging.INFO) -> None:
-    """This child process's log records go to the daemon through `channel` (ocrvl's from
-    `own`, libraries' from WARNING); set up first thing, before Paddle is imported."""
-    logging.getLogger().addHandler(_DaemonLog(channel))
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("ocrvl_daemon").setLevel(own)  # e.g. the layout engine chosen
-    for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Paddle warns at import, at every start, that ccache is missing: it compiles nothing
-    # here, so that line would only be noise in the journal.
-    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
-
-
-def library_logs_to_daemon(level: int = logging.WARNING) -> None:
-    """PaddleX's and paddleocr's records from `level` go to the daemon like this process's
-    own; called once they are imported.
-
-    Both libraries log to stderr through handlers of their own. PaddleX logs "Creating
-    model: ..." at every worker start, coloured with escape codes that journald shows as
-    garbage.
-    """
-    for name in ("paddlex", "paddleocr"):
-        library_log = logging.getLogger(name)
-        for handler in library_log.handlers[:]:
-            library_log.removeHandler(handler)
-        library_log.propagate = True
-        library_log.setLevel(max(level, library_log.getEffectiveLevel()))
+    return max(0, min(lengths, default=0) - setup.request_overhead_tokens)
 
 
 def serve() -> None:
     """The worker process's main (`EngineWorker.start` runs it with `python -c`).
 
-    Messages are length-prefixed pickles of the `messages` dataclasses: a `WorkerSetup`
+    Messages are pickles of the `messages` dataclasses (`process.channel`): a `WorkerSetup`
     from the parent, then `PageTask`s and `GateLimit`s until end of input; this side answers
     `WorkerReady` or `WorkerFailed`, then `RequestSent` and `PageResult` for each page, and
     `LogRecord`s.
@@ -489,21 +343,24 @@ def serve() -> None:
     channel = child_channel()  # a worker must not outlive a SIGKILLed daemon
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log_to_daemon(channel)
-    setup: WorkerSetup = channel.receive()
-    server_url = setup.server_url
-    config = Config.model_validate_json(setup.config_json)
+    setup: WorkerSetup | None = channel.receive()
+    if setup is None:
+        return
     layout: LayoutProcess | None = None
+    failure: str | None = setup.failure or None
     try:
-        PaddleOCRVL = import_paddleocr_vl()
-        library_logs_to_daemon()
-        kwargs = pipeline_kwargs(config, server_url)
-        if config.pipeline.use_layout_detection and kwargs.get("device") == "cpu":
-            # It loads while this process builds its pipeline (whose model it stands in for).
-            layout = LayoutProcess.started(setup.config_json, server_url)
-        pipeline = PaddleOCRVL(**kwargs)
-        failure = layout.wait_ready() if layout is not None else None
         if failure is None:
-            _models_take_turns(pipeline, model_turns(kwargs.get("engine")), layout)
+            PaddleOCRVL = import_paddleocr_vl()
+            library_logs_to_daemon()
+            limit_torch_threads(setup.torch_threads)
+            if setup.layout_process:
+                # It loads while this process builds its pipeline (whose model it stands in
+                # for).
+                layout = LayoutProcess.started(setup)
+            pipeline = PaddleOCRVL(**setup.pipeline)
+            failure = layout.wait_ready() if layout is not None else None
+        if failure is None:
+            _models_take_turns(pipeline, model_turns(setup.pipeline.get("engine")), layout)
             warm_s = _warmed(pipeline, layout)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         failure = f"{type(exc).__name__}: {exc}"
@@ -515,9 +372,9 @@ def serve() -> None:
     # Paddle's C++ runtime installs a SIGTERM handler that prints a crash report; a worker
     # being replaced or stopped is not a crash.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    endpoints = _Endpoints(config, server_url)
+    endpoints = _Endpoints(setup)
     _track_completions(pipeline, endpoints)
-    _start_request_loop()
+    start_request_loop()
     channel.send(WorkerReady(os.getpid(), warm_s))
     # A thread for every page the converter sends (it bounds them: each endpoint's limit, the
     # ready margin and the pages of documents short of pages): a fixed pool would queue pages
@@ -526,7 +383,7 @@ def serve() -> None:
     while (message := channel.receive()) is not None:
         if isinstance(message, PageTask):
             page = threading.Thread(target=_run_page, name="page", daemon=True,
-                                    args=(pipeline, config, server_url, message, channel))
+                                    args=(pipeline, setup, message, channel))
             page.start()
             pages = [p for p in pages if p.is_alive()] + [page]
         elif isinstance(message, GateLimit):
@@ -535,7 +392,7 @@ def serve() -> None:
         page.join()
     if layout is not None:
         layout.close()
-    # Every result is sent (`send` flushes). Paddle's teardown takes about a second and has
+    # Every result is sent (`send` writes it whole). Paddle's teardown takes about a second and has
     # nothing to save; `ocrvl convert` would only wait for it.
     sys.stderr.flush()
     os._exit(0)
@@ -567,25 +424,6 @@ def _warmed(pipeline: Any, layout: LayoutProcess | None) -> float | None:
     return warm_layout_model(inner.layout_det_model)
 
 
-def inner_pipeline(pipeline: Any) -> Any:
-    """PaddleX's pipeline inside `PaddleOCRVL`, whose models the pipeline calls.
-
-    paddlex wraps its pipeline (AutoParallelSimpleInferencePipeline) and forwards attribute
-    reads to it: a model set on the wrapper is never called.
-    """
-    return getattr(pipeline.paddlex_pipeline, "_pipeline", pipeline.paddlex_pipeline)
-
-
-def warm_layout_model(model: Any) -> float:
-    """Call the layout model once on a blank page, so that the first page of the first book
-    does not pay for the engine's set-up (on a GPU, CUDA's and cuDNN's; on the CPU the first
-    call measured about as long as any); the seconds it took. Any page size will do: the
-    model resizes every page to its own input size."""
-    started = time.monotonic()
-    list(model([np.full(BLANK_PAGE_SHAPE, 255, dtype=np.uint8)]))
-    return time.monotonic() - started
-
-
 def _end_worker(what: str) -> None:
     """The layout model's process is gone: end this worker as a crash of the model in it
     would, so that the converter tries its pages again (a page that kills it, alone)."""
@@ -594,24 +432,7 @@ def _end_worker(what: str) -> None:
     os._exit(1)
 
 
-def _start_request_loop() -> None:
-    """Start PaddleX's request event loop now, from one thread.
-
-    PaddleX starts it lazily on the first request without a lock: when the first pages
-    arrive together, several threads start loops of their own, and requests fail with
-    "... is bound to a different event loop" until one loop wins.
-    """
-    with contextlib.suppress(ImportError):
-        from paddlex.inference.models.common.genai import start_aio_loop
-
-        start_aio_loop()
-
-
-def _run_page(
-    pipeline: Any, config: Config, server_url: str, task: PageTask, channel: _Channel
-) -> None:
-    from ocrvl_daemon.errors import OcrvlError, PageDamagedError
-    from ocrvl_daemon.files.pdf import PDFIUM_LOCK, check_unchanged, render_page
+def _run_page(pipeline: Any, setup: WorkerSetup, task: PageTask, channel: Channel) -> None:
 
     started = time.monotonic()
     result = PageResult(task.job_id, task.page, url=task.url)
@@ -630,14 +451,14 @@ def _run_page(
         with PDFIUM_LOCK:
             rendering = time.monotonic()
             image = render_page(
-                path, task.page, config.pipeline.render_scale, config.pipeline.page_pixel_limit
+                path, task.page, setup.render_scale, setup.page_pixel_limit
             )
             result.render_span = (rendering, time.monotonic())
         # Checked again: the file may have been replaced while the page was being rendered.
         check_unchanged(path, task.size, task.mtime)
         result.has_ink = has_ink(image)
         result.size = (int(image.shape[1]), int(image.shape[0]))
-        res = _recognise(pipeline, config, server_url, image, task, result)
+        res = _recognise(pipeline, setup, image, task, result)
         del image
         result.blocks = _blocks(res)
         md = res.markdown
@@ -648,8 +469,9 @@ def _run_page(
             result.images[name] = buf.getvalue()
     except PageDamagedError as exc:
         result.error, result.error_kind = str(exc), Failure.DAMAGED
-    except OcrvlError as exc:
+    except OcrvlError as exc:  # the file as queued cannot be read: the error, kind and all
         result.error, result.error_kind = str(exc), Failure.INPUT
+        result.problem = ErrorRecord.of(exc)
     except Exception as exc:
         failure = _request_failure(exc, _COMPLETIONS.started or [])
         if failure is None:  # no request failed: how it happened is all there is to go on
@@ -669,7 +491,7 @@ def _run_page(
 
 
 def _recognise(
-    pipeline: Any, config: Config, server_url: str, image: Any, task: PageTask, result: PageResult
+    pipeline: Any, setup: WorkerSetup, image: Any, task: PageTask, result: PageResult
 ) -> Any:
     """Run the pipeline on one page and note each block's answer, and whether (and how) one
     was cut off: `decide` judges each block, and the page by its worst."""
@@ -698,7 +520,7 @@ def _recognise(
         result.truncated_at = max(a.limit for a in cut) or task.max_new_tokens
         result.looping = any(a.looping for a in cut)
         if not all(a.looping for a in cut):  # one needs more tokens: how many may it have
-            result.token_ceiling = _token_ceiling(config, task.url or server_url)
+            result.token_ceiling = _token_ceiling(setup, task.url)
     return res
 
 
