@@ -1,11 +1,14 @@
 """The recognition pipeline of an engine worker (and of its layout process): the local models
 taking turns, warmed once, and torch held to its threads.
 
-Where ocrvl reaches into PaddleX's objects it does so because PaddleX has no hook for it:
-`inner_pipeline` (the models are set on the pipeline PaddleX wraps) and
-`start_request_loop` (PaddleX starts its event loop lazily without a lock). The models'
-turns (`worker.main`) and the chat requests (`_track_completions`) are set on that inner
-pipeline; nothing else of PaddleX's is changed.
+Where ocrvl reaches into PaddleX's objects it does so here, and only because PaddleX has no
+hook for it (paddlex is pinned below 3.8; `tests/test_model_turns.py` and
+`tests/test_block_retry.py` fail loudly if these attributes move):
+* `replace_model`: the local models take turns (`TakingTurns`), and a layout process stands
+  in for the layout model; they are set on the pipeline PaddleX wraps (`inner_pipeline`);
+* `replace_chat_completion`: every chat request goes through ocrvl's gates and is streamed
+  (`completions.tracked_completions`), since PaddleX keeps only an answer's text;
+* `start_request_loop`: PaddleX starts its event loop lazily, without a lock.
 """
 
 from __future__ import annotations
@@ -13,23 +16,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeAlias
 
 import numpy as np
 
+from ocrvl_daemon.worker.page_context import this_page
+
 # An A4 page rendered at scale 2 (height, width, BGR).
 BLANK_PAGE_SHAPE = (1684, 1190, 3)
 
 
-class _TurnSpans(threading.local):
-    """Where the calls into the models that take turns, made on this thread, are timed: the
-    list of the page being recognised (`PageResult.layout_spans`), None outside a page."""
-
-    spans: list[tuple[float, float]] | None = None
-
-
-_TURN_SPANS = _TurnSpans()
 # How the local models (neither is thread-safe) take turns (`model_turns`).
 Turns: TypeAlias = "ThreadPoolExecutor | threading.Lock"
 
@@ -52,7 +50,7 @@ def model_turns(engine: str | None) -> Turns:
     return threading.Lock()
 
 
-class _TakingTurns:
+class TakingTurns:
     """A model that is not thread-safe (the layout detector), called one call at a time as
     `turns` says (`model_turns`); the models of one worker share their `turns`.
 
@@ -75,8 +73,9 @@ class _TakingTurns:
         else:
             with self._turns:
                 found, span = call()
-        if _TURN_SPANS.spans is not None:
-            _TURN_SPANS.spans.append(span)
+        page = this_page()
+        if page is not None:
+            page.layout_spans.append(span)
         return found
 
     def __getattr__(self, name: str) -> Any:
@@ -110,6 +109,18 @@ def warm_layout_model(model: Any) -> float:
     started = time.monotonic()
     list(model([np.full(BLANK_PAGE_SHAPE, 255, dtype=np.uint8)]))
     return time.monotonic() - started
+
+
+def replace_model(pipeline: Any, name: str, model: Any) -> None:
+    """The pipeline's local model `name` ("layout_det_model", "doc_preprocessor_pipeline")
+    is `model` from now on."""
+    setattr(inner_pipeline(pipeline), name, model)
+
+
+def replace_chat_completion(pipeline: Any, create: Callable[..., Any]) -> None:
+    """Every chat completion the pipeline asks for is made by `create` (called as PaddleX
+    calls its client's `create_chat_completion`)."""
+    pipeline.paddlex_pipeline.vl_rec_model.genai_client.create_chat_completion = create
 
 
 def start_request_loop() -> None:
