@@ -227,6 +227,6 @@ def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
     assert results[0].truncated_at == 1024, f"the answer was not seen as cut off: {results[0]}"
     lines = _lines(writer, reader)
     warnings = [line for line in lines if "cannot read max_model_len" in line]
-    assert warnings and all(line.startswith("<4>ocrvl_daemon.worker.main: ")
+    assert warnings and all(line.startswith("<4>ocrvl_daemon.worker.page: ")
                             for line in warnings), (
         f"the worker's warning did not reach the daemon's log as a warning: {lines}")
