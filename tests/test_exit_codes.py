@@ -185,6 +185,44 @@ def test_4_a_pdf_that_cannot_be_read_keeps_its_exit_code_through_the_conversion(
     assert "drop that in" not in result.stderr, "advice for the inbox given to `convert`"
 
 
+def test_4_a_pdf_locked_while_it_converts_fails_at_once_with_the_fix_not_retried_as_gone(
+        tmp_path: Path):
+    """The engine worker finds the PDF locked with a password (the same size and mtime: only
+    its bytes changed): that permanent input error keeps its kind across the pipe, so the
+    document fails with its message and fix, and is not retried as if the file had gone
+    (issue 50, item 3)."""
+    book = make_pdf(tmp_path / "book.pdf", 40)
+    locked = make_encrypted_pdf(tmp_path / "locked.pdf").read_bytes()
+    room = book.stat().st_size - len(locked)
+    assert room > 0, "the locked PDF must fit in the book's size"
+    config = write_config(tmp_path / "config.yaml",
+                          pipeline={"max_concurrency": 2, "min_concurrency": 1})
+    log = tmp_path / "convert.log"
+    with start_fake_server(free_port(), "--step-t0-ms", "25", "--output-tokens",
+                           "fixed:200") as server, log.open("wb") as out:
+        proc = subprocess.Popen(
+            ocrvl_argv("convert", "--config", config, "--server-url", server.api_url, book),
+            stdout=out, stderr=subprocess.STDOUT, env=ocrvl_env())
+        try:
+            wait_until(lambda: server.stats()["requests_received"] >= 2, 120,
+                       what="the book's first pages at the server")
+            before = book.stat()
+            with book.open("r+b") as f:  # the same file, its bytes now a locked PDF
+                f.write(locked + b"\n" + b"%" * (room - 1))
+            os.utime(book, ns=(before.st_atime_ns, before.st_mtime_ns))
+            code = proc.wait(180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text("utf-8")
+    assert "retrying in" not in text, (
+        "a permanent input error was retried as if the file had gone:\n" + text[-3000:])
+    assert code == ExitCode.INPUT_FILE, (code, text[-3000:])
+    assert "is encrypted with a password" in text and "save an unprotected copy" in text, (
+        text[-3000:])
+
+
 def test_2_a_server_url_that_is_not_a_url_is_a_command_line_error_naming_the_option(
     tmp_path: Path,
 ):
