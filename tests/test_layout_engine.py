@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.worker_settings import worker_setup
 from ocrvl_daemon.errors import DependencyError
 from ocrvl_daemon.server import autotune, gpu_memory, layout_engine, placement
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.server.layout_engine import Installed, LayoutChoice, choose, cpu_layout_plan
+from ocrvl_daemon.server.placement import Placement
+from ocrvl_daemon.worker.pipeline import limit_torch_threads
 
 MODEL = "PP-DocLayoutV3"
 PADDLE_CPU = Installed(frozenset({"paddle"}), frozenset())
@@ -269,7 +272,9 @@ def test_model_folders_are_paddlexs_download_names() -> None:
 def test_a_torch_worker_on_the_cpu_keeps_to_its_threads() -> None:
     torch = pytest.importorskip("torch")
     choice = pick(Installed(frozenset({"transformers"}), frozenset()), cores=8, workers=3)
-    choice.limit_threads()
+    config = Config.model_validate({"pipeline": {"workers": 3}})
+    setup = worker_setup(config, Placement(3, choice))
+    limit_torch_threads(setup.torch_threads)  # as the worker and its layout process do
     assert torch.get_num_threads() == choice.threads == 2, (
         "each CPU layout worker must hold torch to its share of the cores, or the workers' "
         "threads fight over them")

@@ -26,7 +26,8 @@ import httpx
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config.file import CONFIG_ENV, load_config, resolve_config_path
-from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.errors import ConfigError, DependencyError, ServerConfigError
 from ocrvl_daemon.process.group import GroupRecord, group_members
 from ocrvl_daemon.server import (

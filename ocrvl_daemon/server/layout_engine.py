@@ -171,15 +171,6 @@ class LayoutChoice:
                 args["engine_config"] = {"intra_op_num_threads": self.threads}
         return args
 
-    def limit_threads(self) -> None:
-        """Hold torch to this choice's threads in this process: PaddleX's transformers engine
-        takes no thread count, and torch would otherwise start a thread per core in every
-        worker, each worker's threads fighting the others' for the same cores."""
-        if self.engine == "transformers" and self.threads is not None:
-            import torch
-
-            torch.set_num_threads(self.threads)
-
     @property
     def to_the_gpu(self) -> str:
         """What would put it on the GPU, when it runs on the CPU although the GPU could take
