@@ -127,8 +127,14 @@ class EnginePool:
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived from every worker; each waits up to `timeout` for its first."""
-        results = [result for worker in self._workers() for result in worker.collect(timeout)]
-        freed = {held[1] for r in results if (held := self._held.pop((r.job_id, r.page), None))}
+        results, freed = [], set()
+        for worker in self._workers():
+            for result in worker.collect(timeout):
+                results.append(result)
+                held = self._held.get((result.job_id, result.page))
+                if held is not None and held[0] == worker.number:  # not a late answer
+                    del self._held[result.job_id, result.page]
+                    freed.add(held[1])
         for url in freed:
             self._share(url)
         return results
