@@ -325,7 +325,7 @@ def use_layout_cache(cache: Path | None) -> Path | None:
 def layout_fields(settings: dict[str, Any]) -> dict[str, Any]:
     """What a layout-on result records of `settings` (layout_engine, layout_device): ocrvl's
     choice for them (engine, device, workers) and B2's constructor arguments for the same."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     choice = layout_choice(layout_config(settings))
     return {"layout_engine": choice.engine, "layout_device": choice.device,
@@ -602,7 +602,7 @@ class LayoutRun:
 
 def run_layout_on(args: argparse.Namespace) -> int:
     """`python -m bench.gpu --layout ...` (see the module's docstring)."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     parts = set(args.only.split(","))
     args.layout_cache = use_layout_cache(args.layout_cache)
@@ -730,7 +730,7 @@ def run_contenders(run: LayoutRun, parts: set[str], bench: Bench,
 def cpu_sweep(run: LayoutRun, bench: Bench, book: Path, work: Path,
               sweep: list[tuple[str, list[int]]]) -> None:  # fmt: skip
     """The layout model on the CPU, ocrvl held to each core count: alone, then convert."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     args, res = run.args, run.res
     settings = {"layout_engine": args.layout_engine, "layout_device": "cpu"}

@@ -1,10 +1,11 @@
-"""The daemon's side of the engine worker: page tasks and results, the worker's handle, the pipe.
+"""The daemon's side of an engine worker: its handle, which carries page tasks and results.
 
 The parent submits `PageTask`s and collects `PageResult`s; the worker process
 (`worker.main`) renders each page itself (so page images never cross the process boundary
 or pile up in the daemon) and runs the real `paddleocr.PaddleOCRVL` pipeline on it.
 paddleocr's host memory grows over many `predict` calls, hence the worker is replaced after
-N pages or above an RSS limit.
+N pages or above an RSS limit. The worker is set up once, with plain values
+(`WorkerSetup`, from `engine.worker_settings`); the pipe is `process.channel`'s.
 """
 
 from __future__ import annotations
