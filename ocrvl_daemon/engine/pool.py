@@ -263,16 +263,15 @@ class EnginePool:
             self._slots[slot] = None
 
     def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded configuration; the workers are replaced if their settings
-        changed."""
+        """Apply a reloaded configuration; where the settings the workers run with changed,
+        the placement is decided again and the workers are replaced."""
         old, self.config = self.config, config
+        if (old.pipeline, old.model, old.server) == (config.pipeline, config.model,
+                                                     config.server):
+            return
         self.placement = decide_placement(config)
         self._setup = worker_setup(config, self.placement)
-        if (old.pipeline, old.model, old.server) != (
-            config.pipeline,
-            config.model,
-            config.server,
-        ) and any(self._slots):
+        if any(self._slots):
             log.info("pipeline settings changed; replacing the engine workers")
             for slot in range(len(self._slots)):
                 self._retire(slot)
@@ -297,6 +296,7 @@ class EnginePool:
             worker.stop()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
+        self._held.clear()
 
     def kill(self) -> None:
         """A forced stop: SIGKILL every worker's process group now and reap it."""
@@ -304,6 +304,7 @@ class EnginePool:
             worker.kill()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
+        self._held.clear()
 
 
 def start_failure(failure: str) -> OcrvlError:
