@@ -317,6 +317,22 @@ def test_6_missing_dependency(tmp_path: Path):
     assert f"server.python = {missing} is not an executable Python" in result.stderr
 
 
+def test_6_a_layout_device_on_a_gpu_not_there_fails_with_its_own_fix(
+        tmp_path: Path, fake_server: FakeServerProcess):
+    """The daemon decides where the layout model runs (once); a GPU the configuration names
+    and CUDA does not show fails every worker's start with that error's own kind and fix, not
+    a guess from its text (issue 50, items 2 and 3)."""
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", pipeline={
+        "use_layout_detection": True, "layout_device": "gpu:7"})
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=120, OCRVL_NO_NVML="1", OCRVL_NVIDIA_SMI=str(RTX4060_SMI))
+    assert result.returncode == ExitCode.DEPENDENCY, (result.returncode, result.stderr[-2000:])
+    assert "pipeline.layout_device = 'gpu:7': no such GPU is visible here" in result.stderr
+    assert "Fix: set pipeline.layout_device: auto or cpu" in result.stderr, result.stderr[-2000:]
+    assert "reinstall ocrvl" not in result.stderr, "a fix guessed from the error's text"
+
+
 @pytest.mark.parametrize("command", ["convert", "run"])
 def test_6_no_gpu_starts_no_managed_vllm_and_points_to_an_external_server(tmp_path: Path,
                                                                           command: str):

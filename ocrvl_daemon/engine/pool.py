@@ -30,7 +30,14 @@ from ocrvl_daemon.engine.worker_settings import worker_setup
 from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
 from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.server.placement import Placement, decide_placement
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent, WorkerSetup
+from ocrvl_daemon.worker.messages import (
+    ErrorRecord,
+    GateLimit,
+    PageResult,
+    PageTask,
+    RequestSent,
+    WorkerSetup,
+)
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
@@ -216,7 +223,7 @@ class EnginePool:
                 # Workers started together fail together: the wait doubles once per round.
                 rounds = (self.start_failures - 1) // len(self._slots)
                 delay = min(WORKER_RESTART_MAX_SECONDS, delay * 2**rounds)
-                self.start_error = start_failure(failure)
+                self.start_error = start_failure(failure, self.placement.problem)
                 if self.gave_up:
                     delay = float("inf")
                 log.error("%s (failed start %d; %s)", self.start_error, self.start_failures,
@@ -307,10 +314,14 @@ class EnginePool:
         self._held.clear()
 
 
-def start_failure(failure: str) -> OcrvlError:
+def start_failure(failure: str, cause: OcrvlError | None = None) -> OcrvlError:
     """Why the recognition pipeline could not start (the worker's `failure`), with the fix
     and exit code of its usual causes: a layout model that cannot be downloaded, a missing
-    package."""
+    package; `cause`: the error the daemon itself found (the placement's), of its own kind
+    and with its own fix."""
+    if cause is not None:
+        return ErrorRecord(type(cause).__name__, "The recognition pipeline could not start: "
+                           f"{cause.message.rstrip('.')}.", cause.fix).rebuilt()
     message = f"The recognition pipeline could not start: {failure.rstrip('.')}."
     if "model hosting" in failure or "model hoster" in failure:
         return ModelDownloadError(

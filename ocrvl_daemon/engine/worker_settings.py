@@ -34,7 +34,8 @@ def worker_setup(config: Config, placement: Placement) -> WorkerSetup:
         layout_process=layout is not None and not layout.on_gpu,
         torch_threads=layout.threads if layout is not None and layout.engine == "transformers"
         else None,
-        failure="" if not p.use_layout_detection or layout is not None else placement.problem,
+        failure="" if placement.problem is None else
+        f"{type(placement.problem).__name__}: {placement.problem}",
     )
 
 

@@ -35,7 +35,7 @@ class Placement:
 
     workers: int
     layout: LayoutChoice | None = None
-    problem: str = ""
+    problem: DependencyError | None = None
 
     @property
     def device(self) -> str:
@@ -71,7 +71,7 @@ def decide_placement(config: Config, visible: list[GpuReading] | None = None,
     try:
         choice = layout_choice(config, visible, installed, cores)
     except DependencyError as exc:  # every worker fails to start with it, with the fix
-        return Placement(fallback, problem=f"{type(exc).__name__}: {exc}")
+        return Placement(fallback, problem=exc)
     log.info("layout: %s: %s", choice.describe(), choice.why)
     if choice.to_the_gpu:
         log.warning("the layout model runs on the CPU (%s), the slow stage of every page: %s",
