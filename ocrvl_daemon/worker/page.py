@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 def run_page(pipeline: Any, setup: WorkerSetup, task: PageTask, channel: Channel) -> None:
     """Recognise one page and send its `PageResult` (the page's thread's whole work)."""
-
     started = time.monotonic()
     result = PageResult(task.job_id, task.page, url=task.url)
     path = Path(task.pdf)
