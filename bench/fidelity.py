@@ -209,8 +209,8 @@ def run_ocrvl_convert(pdf: Path, url: str, layout: bool) -> tuple[str, list[str]
 def run_paddleocr(pdf: Path, url: str, limit: int, layout: bool) -> tuple[str, list[str]]:
     """PaddleOCR's own book: `predict` on ocrvl's page images, then `restructure_pages`."""
     from ocrvl_daemon.config.model import Config
+    from ocrvl_daemon.engine.worker_settings import pipeline_kwargs
     from ocrvl_daemon.files.pdf import page_count, render_page
-    from ocrvl_daemon.worker.main import pipeline_kwargs
     from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 
     config = Config.model_validate({"pipeline": pipeline_settings(layout)})

@@ -13,7 +13,8 @@ from typing import Any
 
 from ocrvl_daemon import __version__
 from ocrvl_daemon.config.file import load_config
-from ocrvl_daemon.config.model import Config, openai_base_url
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import openai_base_url
 from ocrvl_daemon.errors import ExitCode, OcrvlError
 from ocrvl_daemon.server import vllm_release
 

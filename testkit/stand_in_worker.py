@@ -15,17 +15,27 @@ from ocrvl_daemon.commands import status
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.engine.converter import Converter, ServerHandle
 from ocrvl_daemon.engine.pool import WORKER_RESTART_SECONDS, EnginePool
+from ocrvl_daemon.engine.worker_handle import EngineWorker
+from ocrvl_daemon.engine.worker_settings import worker_setup
+from ocrvl_daemon.server.placement import decide_placement
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.storage.jobs import enqueue_file, open_store
 from ocrvl_daemon.storage.store import Job, Store
-from ocrvl_daemon.worker.messages import Failure, GateLimit, PageResult, PageTask, RequestSent
+from ocrvl_daemon.worker.messages import (
+    Failure,
+    GateLimit,
+    PageResult,
+    PageTask,
+    RequestSent,
+    WorkerSetup,
+)
 
 
 class StandInWorker:
     """What `EnginePool` sees of a worker: ready at once, alive until `die()`. What it has
     (`in_flight`, `sent`, `urls`) is the tests' to read; the converter keeps its own."""
 
-    def __init__(self, config: Config, server_url: str) -> None:
+    def __init__(self, setup: WorkerSetup | None = None) -> None:
         self.number = 0
         self.in_flight: set[tuple[int, int]] = set()
         self.sent: set[tuple[int, int]] = set()  # in flight and asked of the server
@@ -104,8 +114,8 @@ def converter_with_stand_in(tmp_path: Path, servers: Sequence[ServerHandle],
     config = Config.model_validate({"state_dir": str(tmp_path / "state"),
                                     "pipeline": {"workers": 1, **pipeline}})
     store = open_store(config)
-    worker = StandInWorker(config, config.server.base_url)
-    engines = EnginePool(config, new_worker=lambda config, url: worker)  # type: ignore[arg-type,return-value]
+    worker = StandInWorker()
+    engines = EnginePool(config, new_worker=lambda setup: worker)  # type: ignore[arg-type,return-value]
     return Converter(config, store, servers, engines=engines), worker, store, config
 
 
@@ -148,8 +158,8 @@ class Policy:
         self.now = 0.0
         self._handed = 0  # pages of the worker's `order` that `send()` returned already
 
-    def _new_worker(self, config: Config, server_url: str) -> StandInWorker:
-        self.workers.append(StandInWorker(config, server_url))
+    def _new_worker(self, setup: WorkerSetup) -> StandInWorker:
+        self.workers.append(StandInWorker(setup))
         self._handed = 0
         return self.workers[-1]
 
@@ -210,3 +220,8 @@ class Policy:
         docs = json.loads(status.render_status(self.config, as_json=True, everything=True))[
             "documents"]
         return next(d for d in docs if d["path"] == str(pdf))
+
+
+def real_worker(config: Config) -> EngineWorker:
+    """A real engine worker (not started) set up as the daemon sets one up for `config`."""
+    return EngineWorker(worker_setup(config, decide_placement(config)))

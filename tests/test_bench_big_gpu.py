@@ -248,7 +248,7 @@ def test_layout_on_the_gpu_keeps_the_layout_workers_memory_from_the_replicas() -
     from ocrvl_daemon.config.model import Config
     from ocrvl_daemon.server import autotune
     from ocrvl_daemon.server.autotune import UTILIZATION
-    from ocrvl_daemon.worker.layout_engine import Installed
+    from ocrvl_daemon.server.layout_engine import Installed
 
     installed = Installed(cpu=frozenset({"paddle", "transformers"}),
                           gpu=frozenset({"transformers"}))  # fmt: skip

@@ -23,9 +23,13 @@ from ocrvl_daemon.core.actions import Checkpoint, FailJob, SendAgain, Sent, Wake
 from ocrvl_daemon.core.decide import Rules, decide, release_held
 from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
-from ocrvl_daemon.worker import main as worker_main
+from ocrvl_daemon.engine.worker_settings import worker_setup
+from ocrvl_daemon.server.placement import Placement
+from ocrvl_daemon.worker import completions
 from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult, PageTask
-from ocrvl_daemon.worker.streaming import LOOP
+from ocrvl_daemon.worker.page_context import Asked, PageContext, on_page
+from ocrvl_daemon.worker.pipeline import replace_chat_completion
+from ocrvl_daemon.worker.streaming import LOOP, StreamedAnswer
 from testkit.core import URL, document, send_all
 from testkit.documents import make_pdf
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
@@ -56,7 +60,7 @@ def cut(page: int, block: int) -> BlockAnswer:
 def page_result(page: int, answers: list[BlockAnswer], max_new_tokens: int = LIMIT,
                 ceiling: int = 16384) -> PageResult:
     """What the worker sends back for a page of `answers` (its page-wide fields as
-    `worker.main._recognise` sets them)."""
+    `worker.page._recognise` sets them)."""
     bad = [a for a in answers if a.cut]
     return PageResult(
         1, page, markdown="\n\n".join(a.text for a in answers), url=URL,
@@ -213,9 +217,9 @@ def test_the_worker_reads_an_empty_answers_block_for_ink() -> None:
     asked = []
     for n, pixels in enumerate((white, inked)):
         done: Future[Any] = Future()
-        done.set_result(worker_main._Completion(worker_main.StreamedAnswer("", "stop", 1)))
-        asked.append(worker_main._Asked(f"b{n}", done, LIMIT, image=data_url(pixels)))
-    answers = worker_main._answers(asked)
+        done.set_result(completions.Completion(StreamedAnswer("", "stop", 1)))
+        asked.append(Asked(f"b{n}", done, LIMIT, image=data_url(pixels)))
+    answers = completions.answers(asked)
     assert [a.has_ink for a in answers] == [False, True], (
         "an empty answer's block was not read for ink: a blank block would be sent again and "
         "flag its page, or an inked one would be kept empty")
@@ -262,7 +266,7 @@ def test_a_redo_task_carries_the_answers_to_keep_and_the_loop_breaking_settings(
 
 
 class _Gate:
-    """What `_track_completions` needs of an endpoint's gate and sender: every request sent
+    """What `tracked_completions` needs of an endpoint's gate and sender: every request sent
     is noted and answered at once."""
 
     def __init__(self) -> None:
@@ -276,8 +280,7 @@ class _Gate:
              started: Any = None) -> Future[Any]:
         self.sent.append(messages)
         future: Future[Any] = Future()
-        future.set_result(worker_main._Completion(
-            worker_main.StreamedAnswer("fresh answer", "stop", 12)))
+        future.set_result(completions.Completion(StreamedAnswer("fresh answer", "stop", 12)))
         return future
 
 
@@ -293,12 +296,10 @@ def test_the_worker_answers_kept_blocks_at_once_and_sends_only_the_others() -> N
     pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(
         vl_rec_model=SimpleNamespace(genai_client=client)))
     endpoints = _Gate()
-    worker_main._track_completions(pipeline, endpoints)  # type: ignore[arg-type]
-    kept_key = worker_main.block_key(block_messages("AAAA"))
+    replace_chat_completion(pipeline, completions.tracked_completions(endpoints))  # type: ignore[arg-type]
+    kept_key = completions.block_key(block_messages("AAAA"))
     kept = BlockAnswer(kept_key, "kept answer", "stop", 80)
-    calls = worker_main._COMPLETIONS
-    calls.keep, calls.asked, calls.started = {kept_key: kept}, [], []
-    try:
+    with on_page(PageContext(URL, keep={kept_key: kept})) as page:
         first = client.create_chat_completion(block_messages("AAAA"), return_future=True,
                                               max_completion_tokens=LIMIT)
         second = client.create_chat_completion(block_messages("BBBB"), return_future=True,
@@ -307,9 +308,7 @@ def test_the_worker_answers_kept_blocks_at_once_and_sends_only_the_others() -> N
         assert second.result().choices[0].message.content == "fresh answer"
         assert endpoints.sent == [block_messages("BBBB")], (
             "a kept block was asked of the server again")
-        answers = worker_main._answers(calls.asked)
-    finally:
-        calls.keep, calls.asked, calls.started = {}, None, None
+        answers = completions.answers(page.asked)
     assert [(a.text, a.reused, a.tokens) for a in answers] == [
         ("kept answer", True, 80), ("fresh answer", False, 12)]
     result = PageResult(1, 0, tokens=92, answers=answers)
@@ -396,10 +395,8 @@ def test_a_failed_request_reaches_paddlex_as_an_empty_answer_so_the_others_run_o
     client = SimpleNamespace(create_chat_completion=None)
     pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(
         vl_rec_model=SimpleNamespace(genai_client=client)))
-    worker_main._track_completions(pipeline, Failing())  # type: ignore[arg-type]
-    calls = worker_main._COMPLETIONS
-    calls.asked, calls.started = [], []
-    try:
+    replace_chat_completion(pipeline, completions.tracked_completions(Failing()))  # type: ignore[arg-type]
+    with on_page(PageContext(URL)) as page:
         shown = client.create_chat_completion(block_messages("FAIL"), return_future=True,
                                               max_completion_tokens=LIMIT)
         other = client.create_chat_completion(block_messages("GOOD"), return_future=True,
@@ -407,15 +404,13 @@ def test_a_failed_request_reaches_paddlex_as_an_empty_answer_so_the_others_run_o
         failing[0].set_exception(RuntimeError("HTTP 500"))
         assert shown.result(5).choices[0].message.content == "", "PaddleX saw the failure"
         assert other.result(5).choices[0].message.content == "fresh answer"
-        assert isinstance(calls.asked[0].future.exception(), RuntimeError), (
+        assert isinstance(page.asked[0].future.exception(), RuntimeError), (
             "the failure is lost: the page would be kept with an empty block")
-        assert [a.text for a in worker_main._answers(calls.asked)] == ["fresh answer"]
+        assert [a.text for a in completions.answers(page.asked)] == ["fresh answer"]
         cancelled = client.create_chat_completion(block_messages("FAIL"), return_future=True,
                                                   max_completion_tokens=LIMIT)
-        assert cancelled.cancel() and calls.asked[-1].future.cancelled(), (
+        assert cancelled.cancel() and page.asked[-1].future.cancelled(), (
             "a request PaddleX cancelled still runs at the server")
-    finally:
-        calls.asked, calls.started = None, None
 
 
 # --- each redone block with the setting its own verdict calls for ---------------------------
@@ -535,14 +530,12 @@ def test_the_server_sees_each_redone_block_with_its_own_settings(tmp_path: Path)
         vl_rec_model=SimpleNamespace(genai_client=client)))
     blocks = {width: chat_payload(make_test_jpeg(width, (width, 64)))["messages"]
               for width in (cut_width, loop_width, plain_width)}
-    settings = {worker_main.block_key(blocks[cut_width]): Redo(LIMIT * REDO_GROWTH),
-                worker_main.block_key(blocks[loop_width]): Redo(LIMIT, LOOP_PENALTIES[0])}
-    calls = worker_main._COMPLETIONS
+    settings = {completions.block_key(blocks[cut_width]): Redo(LIMIT * REDO_GROWTH),
+                completions.block_key(blocks[loop_width]): Redo(LIMIT, LOOP_PENALTIES[0])}
     with server:
-        worker_main._track_completions(
-            pipeline, worker_main._Endpoints(config, f"{server.url}/v1"))
-        calls.blocks, calls.asked, calls.started = settings, [], []
-        try:
+        endpoints = completions.Endpoints(worker_setup(config, Placement(1)))
+        replace_chat_completion(pipeline, completions.tracked_completions(endpoints))
+        with on_page(PageContext(f"{server.url}/v1", blocks=settings)) as page:
             # As PaddleX asks for each block: the page's limit, no penalty.
             futures = [client.create_chat_completion(
                 messages, return_future=True, temperature=0, max_completion_tokens=LIMIT,
@@ -550,9 +543,7 @@ def test_the_server_sees_each_redone_block_with_its_own_settings(tmp_path: Path)
                 for messages in blocks.values()]
             for future in futures:
                 future.result(60)
-            answers = worker_main._answers(calls.asked)
-        finally:
-            calls.blocks, calls.asked, calls.started = {}, None, None
+            answers = completions.answers(page.asked)
     seen = {r["w"]: (r["max_tokens"], r["repetition_penalty"])
             for r in map(json.loads, log.read_text().splitlines())}
     assert seen == {cut_width: (LIMIT * REDO_GROWTH, None),

@@ -16,9 +16,10 @@ from ocrvl_daemon.config.models import (
     PROMPT_TOKEN_BUDGET,
 )
 from ocrvl_daemon.errors import ConfigError, ExitCode
-from ocrvl_daemon.server import gpu
-from ocrvl_daemon.server.autotune import engine_workers
-from ocrvl_daemon.worker import layout_engine
+from ocrvl_daemon.server import gpu, layout_engine
+from ocrvl_daemon.server.placement import decide_placement
+from testkit.documents import make_pdf
+from testkit.harness import free_port, start_fake_server
 from testkit.runner import ocrvl_argv, ocrvl_env, run_ocrvl, write_config
 
 MIN_LEN = DEFAULT_MAX_NEW_TOKENS + IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET
@@ -147,10 +148,10 @@ def test_auto_engine_workers_follow_the_cores_and_where_the_layout_model_runs(
     monkeypatch.setattr(gpu, "read_gpus", lambda: [])
     # Layout off (or on the GPU): a quarter of the cores, 1 to 4.
     off = {"pipeline": {"use_layout_detection": False}}
-    assert engine_workers(validate_config(off)) == workers
+    assert decide_placement(validate_config(off)).workers == workers
     # Layout on the CPU: a worker per 2 of three quarters of the cores, up to 8.
-    assert engine_workers(validate_config({})) == with_cpu_layout
-    assert engine_workers(validate_config({"pipeline": {"workers": 3}})) == 3
+    assert decide_placement(validate_config({})).workers == with_cpu_layout
+    assert decide_placement(validate_config({"pipeline": {"workers": 3}})).workers == 3
 
 
 @pytest.mark.quick
@@ -306,6 +307,21 @@ def test_an_unset_variable_in_the_config_is_an_error_naming_it(
     text = str(caught.value)
     assert key in text and "$OCRVL_TEST_UNSET is not set" in text, text
     assert "Fix: set OCRVL_TEST_UNSET" in text, text
+
+
+def test_an_api_key_holding_a_dollar_reaches_the_server_as_it_is(tmp_path: Path):
+    """`api_key: $KEY` is expanded once, by the daemon: a `$` inside the key itself is part of
+    the key, not a variable for the engine worker to expand again (issue 50, item 2)."""
+    key = "sk-a$bc"
+    book = make_pdf(tmp_path / "book.pdf", 2)
+    config = write_config(tmp_path / "config.yaml", server={"api_key": "$OCRVL_TEST_KEY"})
+    with start_fake_server(free_port(), "--api-key", key) as server:
+        result = run_ocrvl("convert", "--config", config, "--server-url", server.api_url, book,
+                           OCRVL_TEST_KEY=key)
+    assert "$bc is not set" not in result.stderr, (
+        "the engine worker expanded the API key a second time:\n" + result.stderr[-2000:])
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert book.with_suffix(".md").read_text("utf-8").count("<!-- page ") == 2
 
 
 def test_an_unset_variable_in_an_inbox_creates_no_folder_named_after_it(tmp_path: Path):

@@ -25,9 +25,8 @@ from ocrvl_daemon.commands.doctor import (
     run_doctor,
 )
 from ocrvl_daemon.config.file import load_config
-from ocrvl_daemon.server import gpu, vllm_release
+from ocrvl_daemon.server import gpu, layout_engine, layout_model, vllm_release
 from ocrvl_daemon.server.launchers import vllm_serve_command
-from ocrvl_daemon.worker import layout_engine, layout_model
 from testkit import fake_server_env
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer
 from testkit.fake_server_env import FakeVllm

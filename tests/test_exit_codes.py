@@ -185,6 +185,44 @@ def test_4_a_pdf_that_cannot_be_read_keeps_its_exit_code_through_the_conversion(
     assert "drop that in" not in result.stderr, "advice for the inbox given to `convert`"
 
 
+def test_4_a_pdf_locked_while_it_converts_fails_at_once_with_the_fix_not_retried_as_gone(
+        tmp_path: Path):
+    """The engine worker finds the PDF locked with a password (the same size and mtime: only
+    its bytes changed): that permanent input error keeps its kind across the pipe, so the
+    document fails with its message and fix, and is not retried as if the file had gone
+    (issue 50, item 3)."""
+    book = make_pdf(tmp_path / "book.pdf", 40)
+    locked = make_encrypted_pdf(tmp_path / "locked.pdf").read_bytes()
+    room = book.stat().st_size - len(locked)
+    assert room > 0, "the locked PDF must fit in the book's size"
+    config = write_config(tmp_path / "config.yaml",
+                          pipeline={"max_concurrency": 2, "min_concurrency": 1})
+    log = tmp_path / "convert.log"
+    with start_fake_server(free_port(), "--step-t0-ms", "25", "--output-tokens",
+                           "fixed:200") as server, log.open("wb") as out:
+        proc = subprocess.Popen(
+            ocrvl_argv("convert", "--config", config, "--server-url", server.api_url, book),
+            stdout=out, stderr=subprocess.STDOUT, env=ocrvl_env())
+        try:
+            wait_until(lambda: server.stats()["requests_received"] >= 2, 120,
+                       what="the book's first pages at the server")
+            before = book.stat()
+            with book.open("r+b") as f:  # the same file, its bytes now a locked PDF
+                f.write(locked + b"\n" + b"%" * (room - 1))
+            os.utime(book, ns=(before.st_atime_ns, before.st_mtime_ns))
+            code = proc.wait(180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text("utf-8")
+    assert "retrying in" not in text, (
+        "a permanent input error was retried as if the file had gone:\n" + text[-3000:])
+    assert code == ExitCode.INPUT_FILE, (code, text[-3000:])
+    assert "is encrypted with a password" in text and "save an unprotected copy" in text, (
+        text[-3000:])
+
+
 def test_2_a_server_url_that_is_not_a_url_is_a_command_line_error_naming_the_option(
     tmp_path: Path,
 ):
@@ -277,6 +315,22 @@ def test_6_missing_dependency(tmp_path: Path):
                        OCRVL_NVIDIA_SMI=str(RTX4060_SMI))
     assert result.returncode == ExitCode.DEPENDENCY, result.stderr
     assert f"server.python = {missing} is not an executable Python" in result.stderr
+
+
+def test_6_a_layout_device_on_a_gpu_not_there_fails_with_its_own_fix(
+        tmp_path: Path, fake_server: FakeServerProcess):
+    """The daemon decides where the layout model runs (once); a GPU the configuration names
+    and CUDA does not show fails every worker's start with that error's own kind and fix, not
+    a guess from its text (issue 50, items 2 and 3)."""
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    config = write_config(tmp_path / "config.yaml", pipeline={
+        "use_layout_detection": True, "layout_device": "gpu:7"})
+    result = run_ocrvl("convert", "--config", config, "--server-url", fake_server.api_url, pdf,
+                       timeout=120, OCRVL_NO_NVML="1", OCRVL_NVIDIA_SMI=str(RTX4060_SMI))
+    assert result.returncode == ExitCode.DEPENDENCY, (result.returncode, result.stderr[-2000:])
+    assert "pipeline.layout_device = 'gpu:7': no such GPU is visible here" in result.stderr
+    assert "Fix: set pipeline.layout_device: auto or cpu" in result.stderr, result.stderr[-2000:]
+    assert "reinstall ocrvl" not in result.stderr, "a fix guessed from the error's text"
 
 
 @pytest.mark.parametrize("command", ["convert", "run"])

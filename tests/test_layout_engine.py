@@ -1,16 +1,18 @@
 """Where the layout model runs: engine, device, threads and workers from what is installed,
-the GPU, its memory plan and the cores (`layout_engine.choose`, `autotune.layout_choice`)."""
+the GPU, its memory plan and the cores (`layout_engine.choose`, `placement.layout_choice`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.engine.worker_settings import worker_setup
 from ocrvl_daemon.errors import DependencyError
-from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server import autotune, gpu_memory, layout_engine, placement
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.worker import layout_engine
-from ocrvl_daemon.worker.layout_engine import Installed, LayoutChoice, choose, cpu_layout_plan
+from ocrvl_daemon.server.layout_engine import Installed, LayoutChoice, choose, cpu_layout_plan
+from ocrvl_daemon.server.placement import Placement
+from ocrvl_daemon.worker.pipeline import limit_torch_threads
 
 MODEL = "PP-DocLayoutV3"
 PADDLE_CPU = Installed(frozenset({"paddle"}), frozenset())
@@ -180,8 +182,8 @@ def test_an_8_gb_card_keeps_the_layout_models_room_and_the_server_still_fits() -
     assert layout_engine.LAYOUT_GPU_MIB <= room < layout_engine.LAYOUT_GPU_MIB + 0.02 * 8188
     assert not shared.warnings
     assert any("for the layout model" in r for r in shared.reasons)
-    assert autotune.layout_fits(config, rtx4060)
-    choice = autotune.layout_choice(config, [rtx4060], TORCH_CUDA, cores=2)
+    assert gpu_memory.layout_fits(config, rtx4060)
+    choice = placement.layout_choice(config, [rtx4060], TORCH_CUDA, cores=2)
     assert choice.device == "gpu:0"
 
 
@@ -191,9 +193,9 @@ def test_each_worker_with_the_layout_model_on_the_gpu_gets_its_room(
     monkeypatch.setattr(layout_engine, "cpu_count", lambda: 16)  # auto: up to 4 workers
     config = Config.model_validate({})
     rtx3060 = card(total=12282)
-    choice = autotune.layout_choice(config, [rtx3060], TORCH_CUDA)
+    choice = placement.layout_choice(config, [rtx3060], TORCH_CUDA)
     assert choice.device == "gpu:0" and choice.workers == 2  # 3 would leave vLLM too little
-    assert autotune.layout_choice(config, [card()], TORCH_CUDA).workers == 1  # 8 GB
+    assert placement.layout_choice(config, [card()], TORCH_CUDA).workers == 1  # 8 GB
     plan = autotune.plan_vllm_args(config, rtx3060, installed=TORCH_CUDA)
     assert f"{2 * layout_engine.LAYOUT_GPU_MIB / 1024:.1f} GiB for the layout model" in \
         " ".join(plan.reasons)
@@ -204,8 +206,8 @@ def test_each_worker_with_the_layout_model_on_the_gpu_gets_its_room(
 def test_a_card_too_small_for_both_keeps_the_layout_model_on_the_cpu() -> None:
     config = Config.model_validate({})
     small = card(total=4096, used=1024)
-    assert not autotune.layout_fits(config, small)
-    assert autotune.layout_choice(config, [small], TORCH_CUDA, cores=2).device == "cpu"
+    assert not gpu_memory.layout_fits(config, small)
+    assert placement.layout_choice(config, [small], TORCH_CUDA, cores=2).device == "cpu"
     plan = autotune.plan_vllm_args(config, small, installed=TORCH_CUDA)
     assert not any("layout" in r for r in plan.reasons)
 
@@ -216,9 +218,9 @@ def test_beside_a_managed_server_the_answer_does_not_change_once_the_server_hold
     # The workers choose while ocrvl's own server (and other workers) hold the card; the
     # server planned its room before: both must reach the same answer.
     config = Config.model_validate({})
-    assert autotune.layout_fits(config, card(used=1024))
-    assert autotune.layout_fits(config, card(used=7000))
-    assert autotune.layout_choice(config, [card(used=7000)], TORCH_CUDA).device == "gpu:0"
+    assert gpu_memory.layout_fits(config, card(used=1024))
+    assert gpu_memory.layout_fits(config, card(used=7000))
+    assert placement.layout_choice(config, [card(used=7000)], TORCH_CUDA).device == "gpu:0"
 
 
 @pytest.mark.quick
@@ -233,28 +235,28 @@ def test_a_server_squeezed_by_other_programs_and_the_layout_model_is_warned_abou
 def test_an_explicit_utilization_must_leave_the_room_free() -> None:
     tight = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.85}}})
     loose = Config.model_validate({"server": {"vllm_args": {"gpu-memory-utilization": 0.4}}})
-    assert not autotune.layout_fits(tight, card())
-    assert autotune.layout_fits(loose, card())
+    assert not gpu_memory.layout_fits(tight, card())
+    assert gpu_memory.layout_fits(loose, card())
 
 
 @pytest.mark.quick
 def test_beside_an_external_server_the_room_must_be_free_now() -> None:
     config = Config.model_validate({"server": {"mode": "external",
                                                "url": "http://gpu-box:8118/v1"}})
-    assert autotune.layout_fits(config, card(used=1024))
-    assert not autotune.layout_fits(config, card(used=7500))
+    assert gpu_memory.layout_fits(config, card(used=1024))
+    assert not gpu_memory.layout_fits(config, card(used=7500))
 
 
 @pytest.mark.quick
 def test_layout_device_gpu_keeps_the_room_even_where_auto_would_not() -> None:
     config = Config.model_validate({"pipeline": {"layout_device": "gpu"}})
     small = card(total=4096, used=1024)
-    assert autotune.layout_room_mib(config, small, TORCH_CUDA) == layout_engine.LAYOUT_GPU_MIB
-    assert autotune.layout_room_mib(Config.model_validate({}), small, TORCH_CUDA) == 0
+    assert placement.layout_room_mib(config, small, TORCH_CUDA) == layout_engine.LAYOUT_GPU_MIB
+    assert placement.layout_room_mib(Config.model_validate({}), small, TORCH_CUDA) == 0
     # An engine that cannot use the GPU: the worker reports it, nothing is kept.
-    assert autotune.layout_room_mib(config, small, PADDLE_CPU) == 0
+    assert placement.layout_room_mib(config, small, PADDLE_CPU) == 0
     off = Config.model_validate({"pipeline": {"use_layout_detection": False}})
-    assert autotune.layout_room_mib(off, card(), TORCH_CUDA) == 0
+    assert placement.layout_room_mib(off, card(), TORCH_CUDA) == 0
 
 
 def test_model_folders_are_paddlexs_download_names() -> None:
@@ -270,7 +272,9 @@ def test_model_folders_are_paddlexs_download_names() -> None:
 def test_a_torch_worker_on_the_cpu_keeps_to_its_threads() -> None:
     torch = pytest.importorskip("torch")
     choice = pick(Installed(frozenset({"transformers"}), frozenset()), cores=8, workers=3)
-    choice.limit_threads()
+    config = Config.model_validate({"pipeline": {"workers": 3}})
+    setup = worker_setup(config, Placement(3, choice))
+    limit_torch_threads(setup.torch_threads)  # as the worker and its layout process do
     assert torch.get_num_threads() == choice.threads == 2, (
         "each CPU layout worker must hold torch to its share of the cores, or the workers' "
         "threads fight over them")

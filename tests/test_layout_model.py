@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config.models import MODELS
-from ocrvl_daemon.worker import layout_model
+from ocrvl_daemon.server import layout_model
 
 # Run in a fresh interpreter: paddlex reads its environment variables when imported.
 PADDLEX_FACTS = """\

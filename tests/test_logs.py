@@ -14,11 +14,12 @@ from typing import IO, Any
 import pytest
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.engine.worker_handle import EngineWorker, PageResult, PageTask
+from ocrvl_daemon.engine.worker_handle import PageResult, PageTask
 from ocrvl_daemon.observe.logs import PriorityFormatter, doc_fields, set_level, setup_logging
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.plain_server import plain_openai_server
+from testkit.stand_in_worker import real_worker
 
 
 @pytest.fixture(autouse=True)
@@ -212,12 +213,12 @@ def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
     # An answer cut off at the token limit, from a server without /v1/models: the worker
     # warns that it cannot read the server's max_model_len.
     with plain_openai_server(lists_models=False, finish_reason="length") as url:
-        worker = EngineWorker(config, url)
+        worker = real_worker(config)
         worker.start()
         try:
             wait_until(lambda: worker.collect() == [] and worker.ready, 120,
                        what="the engine worker to start")
-            worker.submit(PageTask(1, str(pdf), 0, 1024, stat.st_size, stat.st_mtime))
+            worker.submit(PageTask(1, str(pdf), 0, 1024, stat.st_size, stat.st_mtime, url=url))
             results: list[PageResult] = []
             wait_until(lambda: results.extend(worker.collect()) or results, 120,
                        what="the page back")
@@ -226,6 +227,6 @@ def test_a_warning_logged_in_the_engine_worker_reaches_the_journal_as_a_warning(
     assert results[0].truncated_at == 1024, f"the answer was not seen as cut off: {results[0]}"
     lines = _lines(writer, reader)
     warnings = [line for line in lines if "cannot read max_model_len" in line]
-    assert warnings and all(line.startswith("<4>ocrvl_daemon.worker.main: ")
+    assert warnings and all(line.startswith("<4>ocrvl_daemon.worker.page: ")
                             for line in warnings), (
         f"the worker's warning did not reach the daemon's log as a warning: {lines}")

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from ocrvl_daemon.worker import main as worker
+from ocrvl_daemon.worker.page_context import PageContext, on_page
+from ocrvl_daemon.worker.pipeline import TakingTurns, Turns, model_turns
 
 PAGES = 8
 
@@ -37,19 +39,18 @@ class _Model:
         yield {"page": page}
 
 
-def _pages_call(model: _Model, turns: worker.Turns) -> tuple[set[int], dict[int, Any],
+def _pages_call(model: _Model, turns: Turns) -> tuple[set[int], dict[int, Any],
                                                                dict[int, list[Any]]]:
     """PAGES page threads calling `model` at once; their threads, what each got, its spans."""
-    taking_turns = worker._TakingTurns(model, turns)
+    taking_turns = TakingTurns(model, turns)
     found: dict[int, Any] = {}
     spans: dict[int, list[tuple[float, float]]] = {}
     askers: set[int] = set()
 
     def page(number: int) -> None:
         askers.add(threading.get_ident())
-        worker._TURN_SPANS.spans = spans.setdefault(number, [])
-        found[number] = taking_turns(number)
-        worker._TURN_SPANS.spans = None
+        with on_page(PageContext("", layout_spans=spans.setdefault(number, []))):
+            found[number] = taking_turns(number)
 
     threads = [threading.Thread(target=page, args=(n,)) for n in range(PAGES)]
     for thread in threads:
@@ -66,7 +67,7 @@ def _pages_call(model: _Model, turns: worker.Turns) -> tuple[set[int], dict[int,
 @pytest.mark.quick
 def test_with_torch_every_page_threads_model_call_runs_on_the_one_lane_thread() -> None:
     model = _Model()
-    turns = worker.model_turns("transformers")
+    turns = model_turns("transformers")
     assert isinstance(turns, ThreadPoolExecutor), "torch's calls are not on one thread"
     askers, _, _ = _pages_call(model, turns)
     turns.shutdown()
@@ -79,7 +80,7 @@ def test_with_torch_every_page_threads_model_call_runs_on_the_one_lane_thread() 
 def test_with_torch_the_warm_up_call_runs_on_the_lane_too() -> None:
     model = _Model()
     pipeline = SimpleNamespace(paddlex_pipeline=SimpleNamespace(layout_det_model=model))
-    turns = worker.model_turns("transformers")
+    turns = model_turns("transformers")
     worker._models_take_turns(pipeline, turns, None)
     warm_s = worker._warmed(pipeline, None)
     assert warm_s is not None and warm_s > 0 and len(model.threads) == 1, (
@@ -98,7 +99,7 @@ def test_with_torch_the_warm_up_call_runs_on_the_lane_too() -> None:
 def test_with_paddle_each_page_calls_on_its_own_thread_one_at_a_time(engine: str | None
                                                                       ) -> None:
     model = _Model()
-    askers, _, _ = _pages_call(model, worker.model_turns(engine))
+    askers, _, _ = _pages_call(model, model_turns(engine))
     assert model.threads == askers, (
         "Paddle's calls left their pages' threads: it holds the GIL for a whole call, and a "
         "lane going straight into the next one holds the finished page's requests off")
@@ -110,10 +111,10 @@ def test_a_model_error_reaches_the_page_that_asked(engine: str) -> None:
     def failing(_: int) -> Any:
         raise ValueError("bad page image")
 
-    turns = worker.model_turns(engine)
+    turns = model_turns(engine)
     with pytest.raises(ValueError, match="bad page image"):
-        worker._TakingTurns(failing, turns)(1)
-    assert worker._TakingTurns(lambda n: iter([n]), turns)(2) == [2], (
+        TakingTurns(failing, turns)(1)
+    assert TakingTurns(lambda n: iter([n]), turns)(2) == [2], (
         "the models stopped taking calls after one failed")
     if isinstance(turns, ThreadPoolExecutor):
         turns.shutdown()

@@ -26,8 +26,8 @@ from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_SHARE, KeptBecause, R
 from ocrvl_daemon.core.redo import WHOLE_PAGE, CutBlock, Later
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output.document_files import Page, write_document
-from ocrvl_daemon.worker.main import has_ink
 from ocrvl_daemon.worker.messages import PageResult
+from ocrvl_daemon.worker.request_images import has_ink
 from testkit.core import document
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import wait_until

@@ -25,7 +25,9 @@ from ocrvl_daemon.process.group import (
     group_members,
     kill_leftover,
 )
+from ocrvl_daemon.worker.messages import WorkerSetup
 from testkit.harness import wait_until
+from testkit.stand_in_worker import real_worker
 
 # A leader that starts a grandchild in its own group, prints both PIDs, then waits.
 LEADER = textwrap.dedent("""
@@ -166,7 +168,7 @@ def test_the_engine_worker_leads_its_own_group_and_a_stuck_one_is_killed(
     caplog.set_level(logging.INFO, "ocrvl_daemon.process.group")
     config = Config.model_validate({"state_dir": str(tmp_path / "state"),
                                     "pipeline": {"use_layout_detection": False}})
-    worker = EngineWorker(config, "http://127.0.0.1:9/v1")
+    worker = real_worker(config)
     worker.start()
     assert worker.pid is not None
     groups.append(worker.pid)
@@ -198,12 +200,11 @@ def test_a_pool_tells_every_worker_to_end_before_it_waits_for_any(
         def stop(self, timeout: float = 10.0) -> None:
             if not inputs_open_at_first_wait:
                 inputs_open_at_first_wait.append(sum(
-                    1 for w in made if w._process is not None and w._process.stdin is not None
-                    and not w._process.stdin.closed))
+                    1 for w in made if w._channel is not None and not w._channel.output_closed))
             super().stop(timeout)
 
-    def new_worker(config: Config, url: str) -> EngineWorker:
-        made.append(Observed(config, url))
+    def new_worker(setup: WorkerSetup) -> EngineWorker:
+        made.append(Observed(setup))
         return made[-1]
 
     pool = EnginePool(config, new_worker=new_worker)

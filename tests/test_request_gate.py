@@ -21,6 +21,7 @@ from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
 from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
+from testkit.stand_in_worker import real_worker
 
 
 def test_gate_holds_requests_above_the_limit_and_follows_resizes() -> None:
@@ -271,9 +272,9 @@ def test_a_bumped_request_cancelled_before_it_is_sent_again_is_not_sent_again() 
 
 
 @contextmanager
-def running_worker(config: Config, server_url: str) -> Iterator[EngineWorker]:
+def running_worker(config: Config) -> Iterator[EngineWorker]:
     """A real engine worker, started and ready; stopped afterwards."""
-    worker = EngineWorker(config, server_url)
+    worker = real_worker(config)
     worker.start()
     try:
         wait_until(lambda: worker.collect() == [] and worker.ready, 120,
@@ -283,11 +284,12 @@ def running_worker(config: Config, server_url: str) -> Iterator[EngineWorker]:
         worker.stop()
 
 
-def submit_pages(worker: EngineWorker, job: int, pdf: Path, pages: int, priority: int = 0) -> None:
+def submit_pages(worker: EngineWorker, url: str, job: int, pdf: Path, pages: int,
+                 priority: int = 0) -> None:
     stat = pdf.stat()
     for page in range(pages):
         worker.submit(PageTask(job, str(pdf), page, 1024, stat.st_size, stat.st_mtime,
-                               priority=priority))
+                               priority=priority, url=url))
 
 
 def results_of(worker: EngineWorker, count: int) -> list[PageResult]:
@@ -322,10 +324,10 @@ def test_the_server_never_holds_more_requests_than_the_limit_below_the_maximum(
     with (
         start_fake_server(free_port(), "--step-t0-ms", "5", "--output-tokens", "fixed:40",
                           "--request-log", str(log)) as srv,
-        running_worker(config, srv.api_url) as worker,
+        running_worker(config) as worker,
     ):
         worker.set_limit(GateLimit(srv.api_url, 3))
-        submit_pages(worker, 1, pdf, 12)
+        submit_pages(worker, srv.api_url, 1, pdf, 12)
         results_of(worker, 12)
     records = [json.loads(line) for line in log.read_text("utf-8").splitlines() if line]
     overlap = max_overlap([(r["t"], r["done"]) for r in records])
@@ -342,11 +344,11 @@ def test_a_letter_dropped_just_after_a_book_started_reaches_the_server_at_once(
     with (
         start_fake_server(free_port(), "--step-t0-ms", "20", "--output-tokens", "fixed:150",
                           "--request-log", str(log)) as srv,
-        running_worker(config, srv.api_url) as worker,
+        running_worker(config) as worker,
     ):
-        submit_pages(worker, 1, book, 6, priority=64)
+        submit_pages(worker, srv.api_url, 1, book, 6, priority=64)
         wait_until(lambda: srv.stats()["running"] == 4, 30, what="four book pages at the server")
-        submit_pages(worker, 2, letter, 1)
+        submit_pages(worker, srv.api_url, 2, letter, 1)
         results = results_of(worker, 7)
     records = request_records(log)
     first_book_done = min(r["done"] for r in records if r["status"] == 200)
@@ -401,14 +403,14 @@ def test_a_letter_dropped_during_a_books_first_batch_is_not_prepared_behind_it_a
     with (
         start_fake_server(free_port(), "--prepare-ms-per-image", "300", "--step-t0-ms", "5",
                           "--output-tokens", "fixed:20", "--request-log", str(log)) as srv,
-        running_worker(config, srv.api_url) as worker,
+        running_worker(config) as worker,
     ):
         worker.set_limit(GateLimit(srv.api_url, 12))
-        submit_pages(worker, 1, book, 12, priority=64)
+        submit_pages(worker, srv.api_url, 1, book, 12, priority=64)
         wait_until(lambda: srv.stats()["requests_received"] == 12, 30,
                    what="the book's twelve requests at the server")
         worker.set_limit(GateLimit(srv.api_url, 12, YieldCap(2, frozenset({1}))))
-        submit_pages(worker, 2, letter, 1)
+        submit_pages(worker, srv.api_url, 2, letter, 1)
         wait_until(lambda: results.extend(worker.collect()) or any(r.job_id == 2 for r in results),
                    60, what="the letter's page back")
         worker.set_limit(GateLimit(srv.api_url, 12))  # the letter is done: the book goes on
@@ -439,17 +441,17 @@ def test_a_letter_on_a_server_that_runs_four_at_once_does_not_wait_behind_the_bo
     with (
         start_fake_server(free_port(), "--max-num-seqs", "4", "--step-t0-ms", "25",
                           "--output-tokens", "fixed:80", "--request-log", str(log)) as srv,
-        running_worker(config, srv.api_url) as worker,
+        running_worker(config) as worker,
     ):
         worker.set_limit(GateLimit(srv.api_url, 28))
-        submit_pages(worker, 1, book, 28, priority=64)
+        submit_pages(worker, srv.api_url, 1, book, 28, priority=64)
         # Three rounds of four answered: the book's queued requests are older than young.
         wait_until(lambda: log.exists() and len(request_records(log)) >= 12, 60,
                    what="three rounds of the book's requests answered")
         assert srv.stats()["requests_received"] == 28, "the book's batch is not all at the server"
         worker.set_limit(GateLimit(srv.api_url, 28, YieldCap(8, frozenset({1}))))
         arrived = time.time()
-        submit_pages(worker, 2, letter, 1)
+        submit_pages(worker, srv.api_url, 2, letter, 1)
         wait_until(lambda: results.extend(worker.collect()) or any(r.job_id == 2 for r in results),
                    60, what="the letter's page back")
         worker.set_limit(GateLimit(srv.api_url, 28))  # the letter is done: the book goes on

@@ -230,7 +230,7 @@ def test_each_replica_gets_its_share_of_the_card() -> None:
     card = GpuReading(0, "GPU-x", H200[0], H200[1], 1024, H200[1] - 1024, "560", (9, 0), "nvml")
     whole = autotune.plan_vllm_args(validate_config({"server": {"replicas": 1}}), card)
     shared = autotune.plan_vllm_args(config, card)
-    assert shared.values[autotune.UTILIZATION] == autotune._floor2(
+    assert shared.values[autotune.UTILIZATION] == autotune.floor2(
         whole.values[autotune.UTILIZATION] / 2)
     explicit = validate_config({"server": {"replicas": 3, "vllm_args": {
         "gpu-memory-utilization": 0.9}}})

@@ -401,7 +401,7 @@ def test_with_a_gpu_the_layout_model_gets_the_servers_torch_and_no_second_copy(
     assert (own / SHARED_PTH).is_file(), "ocrvl's environment was not given the server's torch"
     # ocrvl's own python with that site-packages: its layout model's GPU engine is there now.
     probe = ("import site, sys; site.addsitedir(sys.argv[1]); import torch; "
-             "from ocrvl_daemon.worker.layout_engine import installed_engines; "
+             "from ocrvl_daemon.server.layout_engine import installed_engines; "
              "print(torch.version.cuda, sorted(installed_engines().gpu))")
     seen = subprocess.run([sys.executable, "-c", probe, str(own)], capture_output=True,
                           text=True, timeout=60, check=False)

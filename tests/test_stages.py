@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.engine import converter
 from ocrvl_daemon.observe.rate import RATE_WINDOW
 from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
-from ocrvl_daemon.worker import layout_engine
+from ocrvl_daemon.server import layout_engine, placement
 from testkit.stand_in_worker import Policy
 
 pytestmark = pytest.mark.quick
@@ -107,9 +106,9 @@ def test_a_layout_model_on_the_cpu_that_the_gpu_could_take_is_logged_once_with_t
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         why: str, warned: bool):
     choice = layout_engine.LayoutChoice("PP-DocLayoutV3", "paddle", "cpu", 2, 1, why)
-    monkeypatch.setattr(converter, "layout_choice", lambda config: choice)
-    policy = Policy(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.engine.converter"):
+    monkeypatch.setattr(placement, "layout_choice", lambda *args: choice)
+    with caplog.at_level(logging.WARNING, logger="ocrvl_daemon.server.placement"):
+        policy = Policy(tmp_path)  # the placement is decided here, once
         for now in (1.0, 2.0):
             load = policy.converter.stage_load(now)
     assert (load.layout_device, load.layout_why) == ("cpu", why)

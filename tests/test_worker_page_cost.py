@@ -4,7 +4,7 @@ so work that cannot change a page's result is not done."""
 from __future__ import annotations
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.worker.main import pipeline_kwargs
+from ocrvl_daemon.engine.worker_settings import pipeline_kwargs
 
 
 def test_without_layout_detection_paddlex_does_not_merge_the_one_block_of_each_page() -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.server import gpu
-from ocrvl_daemon.worker import layout_engine
-from ocrvl_daemon.worker.main import pipeline_kwargs
+from ocrvl_daemon.engine.worker_settings import pipeline_kwargs
+from ocrvl_daemon.server import gpu, layout_engine
 from testkit.documents import make_pdf
 from testkit.runner import PACKAGE_ROOT, run_ocrvl, write_config
 

@@ -74,10 +74,10 @@ from bench.gpu.run import PAGE_HEIGHT, Bench, add_layout_model_args, gpu_name, l
 from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, model_dir_parser, version
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server import autotune, placement
 from ocrvl_daemon.server.autotune import ReplicaRule
 from ocrvl_daemon.server.gpu import GpuReading, read_gpus
-from ocrvl_daemon.worker.layout_engine import Installed
+from ocrvl_daemon.server.layout_engine import Installed
 from testkit.documents import make_layout_pdf, make_pdf
 
 HERE = Path(__file__).resolve().parent
@@ -192,7 +192,7 @@ def layout_room(pipeline: dict[str, Any], gpu: GpuReading | None,
     if gpu is None:
         return {}
     config = Config.model_validate({"pipeline": pipeline})
-    if not autotune.layout_room_mib(config, gpu, installed):
+    if not placement.layout_room_mib(config, gpu, installed):
         return {}
     plan = autotune.plan_vllm_args(config, gpu, installed=installed)
     return {autotune.UTILIZATION: plan.values[autotune.UTILIZATION]}

@@ -62,7 +62,7 @@ from bench.gpu.run import (
 )
 from bench.loadgen import send_all
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.worker.layout_engine import cpu_layout_plan
+from ocrvl_daemon.server.layout_engine import cpu_layout_plan
 from testkit.documents import make_layout_pdf
 from testkit.runner import ocrvl_env
 
@@ -116,7 +116,7 @@ def layout_config(settings: dict[str, Any]) -> Config:
 
 def build_pipeline(config: Config, url: str) -> Any:
     """ocrvl's PaddleOCR-VL pipeline for `config`, built as its engine worker builds it."""
-    from ocrvl_daemon.worker.main import pipeline_kwargs
+    from ocrvl_daemon.engine.worker_settings import pipeline_kwargs
     from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 
     return import_paddleocr_vl()(**pipeline_kwargs(config, url))
@@ -184,7 +184,7 @@ def layout_alone_process(config: Config, pdf: Path, pages: list[int], ready: Pat
     """One process of the layout model alone: built as the pipeline builds it, warmed on one
     page, then (once `go` exists) called on each page as the pipeline calls it, for at most
     `seconds`."""
-    from ocrvl_daemon.worker.main import inner_pipeline
+    from ocrvl_daemon.worker.pipeline import inner_pipeline
 
     model = inner_pipeline(build_pipeline(config, NO_SERVER)).layout_det_model
     images = render(config, pdf, pages)
@@ -325,7 +325,7 @@ def use_layout_cache(cache: Path | None) -> Path | None:
 def layout_fields(settings: dict[str, Any]) -> dict[str, Any]:
     """What a layout-on result records of `settings` (layout_engine, layout_device): ocrvl's
     choice for them (engine, device, workers) and B2's constructor arguments for the same."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     choice = layout_choice(layout_config(settings))
     return {"layout_engine": choice.engine, "layout_device": choice.device,
@@ -602,7 +602,7 @@ class LayoutRun:
 
 def run_layout_on(args: argparse.Namespace) -> int:
     """`python -m bench.gpu --layout ...` (see the module's docstring)."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     parts = set(args.only.split(","))
     args.layout_cache = use_layout_cache(args.layout_cache)
@@ -730,7 +730,7 @@ def run_contenders(run: LayoutRun, parts: set[str], bench: Bench,
 def cpu_sweep(run: LayoutRun, bench: Bench, book: Path, work: Path,
               sweep: list[tuple[str, list[int]]]) -> None:  # fmt: skip
     """The layout model on the CPU, ocrvl held to each core count: alone, then convert."""
-    from ocrvl_daemon.server.autotune import layout_choice
+    from ocrvl_daemon.server.placement import layout_choice
 
     args, res = run.args, run.res
     settings = {"layout_engine": args.layout_engine, "layout_device": "cpu"}

@@ -51,7 +51,7 @@ from bench.gpu.teardown import stops_children
 from bench.gpu.vllm_server import Metrics, managed_vllm, model_dir_parser, version
 from bench.run import Ocrvl, drop, md_done
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.server.autotune import engine_workers
+from ocrvl_daemon.server.placement import decide_placement
 from testkit.documents import make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.runner import managed_fake_server, run_ocrvl, write_config
@@ -176,7 +176,7 @@ class ReplicaDaemon:
         if len(servers) != self.n or any(s["state"] != "ready" for s in servers):
             return False
         workers = sum(bool(WORKER_READY.search(line)) for line in self.proc.grep("ready in"))
-        if workers < engine_workers(Config(pipeline=PIPELINE)):
+        if workers < decide_placement(Config(pipeline=PIPELINE)).workers:
             return False
         self.urls = [s["url"].rstrip("/").removesuffix("/v1") for s in servers]
         return True
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(args.results.read_text()) if args.merge and args.results.exists() else {}
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
-        "cores": os.cpu_count(), "workers": engine_workers(Config(pipeline=PIPELINE)),
+        "cores": os.cpu_count(), "workers": decide_placement(Config(pipeline=PIPELINE)).workers,
         "server": "fake (testkit)" if args.fake else args.model_dir,
         "replicas": {k: v for k, v in (old.get("replicas") or {}).items()
                      if int(k) not in args.counts},

@@ -59,7 +59,7 @@ from bench.gpu.run import (
 from bench.gpu.teardown import process_name, stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.server import autotune
+from ocrvl_daemon.server import autotune, placement
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                   "layout_device": f"gpu:{real.index}"}  # fmt: skip
         # as many workers as the small card has room for (ocrvl's worker would read the big
         # card and take more): ocrvl's own choice on the small card's reading, made explicit
-        choice = autotune.layout_choice(Config.model_validate({"pipeline": layout}), [card])
+        choice = placement.layout_choice(Config.model_validate({"pipeline": layout}), [card])
         layout["workers"] = choice.workers
         log(f"layout on the card: {choice.describe()}, {choice.workers} worker(s) "
             f"({choice.why})")  # fmt: skip

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from ocrvl_daemon.config.file import advice_command, load_config
-from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.errors import (
     ConfigError,

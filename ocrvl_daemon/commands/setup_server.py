@@ -39,7 +39,8 @@ from ruamel.yaml.comments import CommentedMap
 from ruamel.yaml.error import YAMLError
 
 from ocrvl_daemon.config.file import DEFAULT_CONFIG_PATH
-from ocrvl_daemon.config.model import Config, expand_path
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import expand_path
 from ocrvl_daemon.errors import ConfigError, DependencyError, ExitCode
 from ocrvl_daemon.files.atomic import write_atomic
 from ocrvl_daemon.server import driver_check, vllm_release

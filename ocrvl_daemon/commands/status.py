@@ -15,7 +15,8 @@ import psutil
 
 from ocrvl_daemon.commands.install_service import start_command
 from ocrvl_daemon.config.file import advice_command
-from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.core.document import MAX_ACTIVE_DOCUMENTS
 from ocrvl_daemon.errors import OcrvlError
 from ocrvl_daemon.files.names import shell_quote, shown

@@ -15,7 +15,8 @@ import yaml
 from pydantic import ValidationError
 
 from ocrvl_daemon.config.errors import config_error
-from ocrvl_daemon.config.model import Config, expand_path
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import expand_path
 from ocrvl_daemon.errors import ConfigError
 from ocrvl_daemon.files.names import shell_quote
 

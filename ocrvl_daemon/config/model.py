@@ -1,7 +1,9 @@
 """The configuration model: every section and key, validated completely before anything starts.
 
-`~` and `$VARS` are expanded in paths. Every error names the key, the bad value and the fix
-(worded in `config_errors`); `config_file` finds and reads the YAML file.
+`~` and `$VARS` are expanded in paths and the API key, once, here (`values`): the daemon hands
+the expanded values on. Every error names the key, the bad value and the fix (worded in
+`config.errors`); `config.file` finds and reads the YAML file. The `server` section is
+`server_section`'s.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from ocrvl_daemon.config.errors import KeyProblem, KeyProblems
+from ocrvl_daemon.config.layout import AUTO, ENGINES, parse_device
 from ocrvl_daemon.config.models import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MODEL,
@@ -32,80 +33,12 @@ from ocrvl_daemon.config.models import (
     MODELS,
     VLModel,
 )
-from ocrvl_daemon.errors import UnsetVariableError
-from ocrvl_daemon.worker import layout_engine
-
-AUTO = "auto"
-# vLLM flags ocrvl computes from the GPU unless the user gives a number.
-AUTO_VLLM_ARGS = ("gpu-memory-utilization", "max-model-len", "max-num-seqs")
-# vLLM flags that other keys decide; setting them in vllm_args would contradict those.
-RESERVED_VLLM_ARGS = {
-    "host": "server.host", "port": "server.port", "served-model-name": "model.served_name",
-    "model": "model.weights", "api-key": "server.api_key",
-}
+from ocrvl_daemon.config.section import Section, named_twice
+from ocrvl_daemon.config.server_section import ServerConfig
+from ocrvl_daemon.config.values import expand_path, folder_problem
 
 
-# `$NAME` or `${NAME}`, as os.path.expandvars reads them.
-_VARIABLE = re.compile(r"\$(?:(\w+)|\{([^}]*)\})")
-
-
-def expand_vars(value: str) -> str:
-    """`$VARS` replaced from the environment. An unset one raises UnsetVariableError: left
-    as it is, it would become a folder named `$NOPE` or a literal API key."""
-
-    def value_of(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        if name not in os.environ:
-            raise UnsetVariableError(name)
-        return os.environ[name]
-
-    return _VARIABLE.sub(value_of, value)
-
-
-def expand_path(value: str | Path) -> Path:
-    """`~` and `$VARS` expanded (see `expand_vars`); relative paths stay relative to the
-    working directory."""
-    return Path(expand_vars(os.path.expanduser(str(value))))
-
-
-def folder_problem(folder: Path) -> str | None:
-    """Why this user cannot use `folder` (or create it, where it is missing); None if it can."""
-    existing = folder
-    # os.path.exists: a folder on the way that cannot be entered reads as missing, and its
-    # parent then says why.
-    while not os.path.exists(existing) and existing != existing.parent:
-        existing = existing.parent
-    missing = "" if existing == folder else "cannot be created: "
-    if not existing.is_dir():
-        return f"{missing}{existing} is not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{missing}{existing} is not writable for this user"
-    return None
-
-
-class _Section(BaseModel):
-    # Unknown keys are typos until proven otherwise.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _empty_mapping_is_default(cls, data: Any) -> Any:
-        """A section or mapping key left empty (`pipeline:` followed only by comments, as
-        when config.example.yaml is edited) reads as its defaults, not as a type error."""
-        if not isinstance(data, dict):
-            return data
-        return {key: value for key, value in data.items()
-                if value is not None or not _holds_a_mapping(cls, key)}
-
-
-def _holds_a_mapping(model: type[BaseModel], key: str) -> bool:
-    field = model.model_fields.get(key)
-    annotation = field.annotation if field else None
-    return get_origin(annotation) is dict or (
-        isinstance(annotation, type) and issubclass(annotation, BaseModel))
-
-
-class InboxConfig(_Section):
+class InboxConfig(Section):
     """Folders watched for PDFs."""
 
     paths: list[Path] = Field(
@@ -133,7 +66,7 @@ class InboxConfig(_Section):
         return [expand_path(p) for p in value]
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which PaddleOCR-VL model both the pipeline and the server use."""
 
     name: str = DEFAULT_MODEL
@@ -166,14 +99,14 @@ class ModelConfig(_Section):
         return self.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """PaddleOCR-VL pipeline settings and how pages are fed to it."""
 
     use_layout_detection: bool = True
     use_doc_orientation_classify: bool = False
     use_doc_unwarping: bool = False
     use_chart_recognition: bool = False
-    # Where and on what the layout model runs (see `worker.layout_engine`); `device` is the
+    # Where and on what the layout model runs (see `config.layout`); `device` is the
     # older name of layout_device, kept so that existing configs still work.
     layout_device: str = AUTO
     layout_engine: str = AUTO
@@ -207,7 +140,7 @@ class PipelineConfig(_Section):
         if value is None:
             return None
         try:
-            kind, index = layout_engine.parse_device(value)
+            kind, index = parse_device(value)
         except ValueError as exc:
             raise KeyProblem(f"pipeline.{info.field_name}", value, f"{exc}; auto puts the "
                              "layout model on the GPU where an engine for it is installed "
@@ -217,7 +150,7 @@ class PipelineConfig(_Section):
     @field_validator("layout_engine")
     @classmethod
     def _layout_engine(cls, value: str) -> str:
-        if value not in (AUTO, *layout_engine.ENGINES):
+        if value not in (AUTO, *ENGINES):
             raise KeyProblem("pipeline.layout_engine", value, "must be auto, paddle "
                              "(PaddlePaddle: the [cpu] extra, or paddlepaddle-gpu), onnxruntime "
                              "or transformers (torch: the [gpu-layout] extra)")
@@ -257,161 +190,12 @@ class PipelineConfig(_Section):
         return self
 
 
-class ServerConfig(_Section):
-    """The model server: started and looked after by ocrvl (`managed`) or someone else's."""
-
-    mode: Literal["managed", "external"] = "managed"
-    launcher: Literal["vllm", "genai_server", "command"] = "vllm"
-    url: str | None = None
-    # Several endpoints (external only); each also normalised to .../v1.
-    urls: list[str] | None = None
-    # vLLM servers per GPU and the GPUs they run on (managed only); see `server.replicas`.
-    replicas: int | Literal["auto"] = "auto"
-    gpus: list[int] | Literal["auto"] = "auto"
-    # NVIDIA MPS for the replicas of one GPU (managed only); see `server.mps`.
-    mps: Literal["auto", "on", "off"] = "auto"
-    host: str = "127.0.0.1"
-    port: int = Field(8118, ge=1, le=65535)
-    python: Path | None = None
-    command: list[str] | None = None
-    startup_timeout: float = Field(900.0, gt=0)
-    health_interval: float = Field(5.0, gt=0)
-    stall_timeout: float = Field(300.0, gt=0)
-    stop_timeout: float = Field(30.0, gt=0)
-    restart_backoff_initial: float = Field(2.0, gt=0)
-    restart_backoff_max: float = Field(300.0, gt=0)
-    api_key: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    vllm_args: dict[str, Any] = Field(default_factory=lambda: {k: AUTO for k in AUTO_VLLM_ARGS})
-
-    @field_validator("python")
-    @classmethod
-    def _expand_python(cls, value: Path | None) -> Path | None:
-        return expand_path(value) if value is not None else None
-
-    @field_validator("api_key")
-    @classmethod
-    def _expand_key(cls, value: str | None) -> str | None:
-        return expand_vars(value) if value else value
-
-    @field_validator("url")
-    @classmethod
-    def _openai_base(cls, value: str | None) -> str | None:
-        return None if value is None else openai_base_url(value)
-
-    @field_validator("urls")
-    @classmethod
-    def _openai_bases(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        if not value:
-            raise ValueError("is an empty list; give at least one URL, or use server.url")
-        urls = [openai_base_url(url) for url in value]
-        if len(set(urls)) < len(urls):
-            raise KeyProblem("server.urls", value, f"names {_twice(urls)} twice; each "
-                            "endpoint must be listed once (a second entry would not add a "
-                            "server, only send it twice the work)")
-        return urls
-
-    # Before pydantic's own checks: a union's error would name its branch ("replicas.int").
-    @field_validator("replicas", mode="before")
-    @classmethod
-    def _at_least_one(cls, value: Any) -> Any:
-        if value == AUTO:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError("must be 'auto' or a whole number of at least 1")
-        return value
-
-    @field_validator("mps", mode="before")
-    @classmethod
-    def _mps(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare on/off as true/false.
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if value not in (AUTO, "on", "off"):
-            raise KeyProblem("server.mps", value, "must be auto (MPS when replicas share a GPU "
-                             "and nvidia-cuda-mps-control is installed), on or off")
-        return value
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpu_indices(cls, value: Any) -> Any:
-        if value == AUTO:
-            return value
-        if not isinstance(value, list) or not value or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
-            raise ValueError("must be 'auto' (every visible GPU) or a list of GPU indices as "
-                             "CUDA numbers them, e.g. [0, 1]")
-        if len(set(value)) < len(value):
-            raise KeyProblem("server.gpus", value, f"names GPU {_twice(value)} twice; list "
-                            "each GPU once and use server.replicas for more servers per GPU")
-        return value
-
-    @field_validator("command")
-    @classmethod
-    def _argv(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and not value:
-            raise ValueError(
-                "is an empty list; give the server's argv, e.g. [my-server, --port, '{port}']"
-            )
-        return value
-
-    @field_validator("vllm_args", mode="before")
-    @classmethod
-    def _flags(cls, value: Any) -> Any:
-        if not isinstance(value, dict):
-            return value
-        # `max_model_len` and `--max-model-len` mean the same flag; keep one spelling.
-        merged: dict[str, Any] = {k: AUTO for k in AUTO_VLLM_ARGS}
-        for key, arg in value.items():
-            merged[str(key).lstrip("-").replace("_", "-")] = arg
-        return merged
-
-    @field_validator("vllm_args")
-    @classmethod
-    def _auto_or_number(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key, fix in RESERVED_VLLM_ARGS.items():
-            if key in value:
-                raise KeyProblem(f"server.vllm_args.{key}", value[key],
-                                f"is set by ocrvl itself; remove it and use {fix} instead")
-        for key in AUTO_VLLM_ARGS:
-            arg = value[key]
-            if arg == AUTO:
-                continue
-            name = f"server.vllm_args.{key}"
-            if isinstance(arg, bool) or not isinstance(arg, (int, float)) or arg <= 0:
-                raise KeyProblem(name, arg, "must be 'auto' or a positive number")
-            if key == "gpu-memory-utilization" and not 0 < arg <= 1:
-                raise KeyProblem(
-                    name,
-                    arg,
-                    "is a fraction of the GPU's memory: use 'auto' or a value such as 0.8",
-                )
-            if key != "gpu-memory-utilization" and int(arg) != arg:
-                raise KeyProblem(name, arg, "must be a whole number or 'auto'")
-        return value
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI base URL (ending in /v1) the pipeline talks to (the first of several)."""
-        if self.mode == "external" and (self.url or self.urls):
-            return self.url or (self.urls or [""])[0]
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}/v1"
-
-    @property
-    def root_url(self) -> str:
-        """The server root, where `/health` and `/metrics` live."""
-        return self.base_url.removesuffix("/v1")
-
-
 # What a hook's argv may contain; each is also in its environment as OCRVL_<NAME>.
 HOOK_PLACEHOLDERS = ("pdf", "md", "json", "images", "pages", "flagged", "error")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-class HooksConfig(_Section):
+class HooksConfig(Section):
     """Programs run after each document: argv lists, no shell, placeholders filled in."""
 
     on_done: list[str] | None = None
@@ -441,12 +225,13 @@ class HooksConfig(_Section):
         return value
 
 
-class OutputConfig(_Section):
+class OutputConfig(Section):
     """What is written, and where."""
 
     # markdown: <stem>.md (always); json: also <stem>.json (pages, quality, layout blocks);
     # pdf: also <stem>.ocr.pdf (the original pages with an invisible text layer).
-    formats: list[Literal["markdown", "json", "pdf"]] = ["markdown"]  # pydantic copies it
+    # pydantic copies the default (ruff cannot tell `Section` is a pydantic model).
+    formats: list[Literal["markdown", "json", "pdf"]] = ["markdown"]  # noqa: RUF012
     dir: Path | None = None
     # How a page's start is marked in the Markdown: anchor (a comment and `<a id="page-N">`,
     # inside a paragraph that runs on) or rule (`---` and the comment: each page apart).
@@ -476,7 +261,7 @@ class OutputConfig(_Section):
         return value
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     """The daemon's own Prometheus endpoint."""
 
     listen: str | None = None
@@ -504,18 +289,6 @@ class MetricsConfig(_Section):
                             "anyone on the network could read it; use 127.0.0.1:PORT, or "
                             "set metrics.allow_remote: true if that is what you want")
         return self
-
-
-def _twice(names: list[Any]) -> Any:
-    return next(n for n in names if names.count(n) > 1)
-
-
-def openai_base_url(value: str) -> str:
-    """`value` as an OpenAI API base URL (ending in /v1); ValueError says what it must be."""
-    if not value.startswith(("http://", "https://")):
-        raise ValueError("must start with http:// or https://, e.g. http://127.0.0.1:8118/v1")
-    value = value.rstrip("/")
-    return value if value.endswith("/v1") else value + "/v1"
 
 
 def _is_loopback(host: str) -> bool:
@@ -550,7 +323,7 @@ class Recipe:
         return f"{self.model} ({', '.join(parts)})" if parts else self.model
 
 
-class Config(_Section):
+class Config(Section):
     """The whole ocrvl configuration."""
 
     inbox: InboxConfig = Field(default_factory=InboxConfig)
@@ -629,7 +402,7 @@ class Config(_Section):
                 "inbox.paths",
                 [str(p) for p in self.inbox.paths],
                 f"with output.dir set, each inbox's results go to output.dir/<its folder "
-                f"name>/, and two inboxes are both called {_twice(names)!r}; rename one",
+                f"name>/, and two inboxes are both called {named_twice(names)!r}; rename one",
             ))
         max_len = server.vllm_args["max-model-len"]
         new_tokens = self.model.effective_max_new_tokens

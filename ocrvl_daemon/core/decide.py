@@ -118,8 +118,9 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
         return _keeping_what_came(_server_failed(
             document, page, result.error, result.url or rules.server_url, rules),
             document, result)
-    if result.error_kind is Failure.INPUT:
-        return FailJob(InputVanishedError(result.error or "the file changed"))
+    if result.error_kind is Failure.INPUT:  # the worker's own error, of its own kind
+        return FailJob(result.problem.rebuilt() if result.problem is not None
+                       else InputVanishedError(result.error or "the file changed"))
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
     action = page_failed(document, page, error, rules)

@@ -50,7 +50,6 @@ from ocrvl_daemon.observe.progress import DocumentProgress, Progress
 from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output.hooks import DocumentHooks
-from ocrvl_daemon.server.autotune import layout_choice
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.storage.jobs import DAEMON_RETRY, job_fields
 from ocrvl_daemon.storage.store import JobState, Store
@@ -98,7 +97,6 @@ class Converter:
         self.rules = Rules.from_config(config, again)
         # Each stage's work, from the spans the workers time (`stage_load`).
         self._busy = {stage: BusyMeter() for stage in Stage}
-        self._layout: tuple[str, str] | None = None  # read when first shown
         # How many pages suspected of the last worker crash may be in flight together.
         self._suspects_together = 1
         self._now = 0.0  # the owner's clock at the last tick
@@ -298,7 +296,6 @@ class Converter:
         self.engines.reconfigure(config)
         self.endpoints.reconfigure(config)
         self.documents.reconfigure(config)
-        self._layout = None
 
     # --- status and stop ----------------------------------------------------------------
 
@@ -329,16 +326,14 @@ class Converter:
         the managed servers' GPUs as last read, whose busy share tells a server held by its
         GPU from one held by its CPU side."""
         busy = [g.busy_pct / 100 for g in gpus if g.busy_pct is not None]
-        if self._layout is None:
-            self._layout = _layout_place(self.config)
         workers = self.engines.size
         bound = sum(e.concurrency.limit for e in self.endpoints.endpoints)
         return StageLoad(
             rendering=self._busy[Stage.RENDERING].busy(now, workers),
             layout=self._busy[Stage.LAYOUT].busy(now, workers),
             server=self._busy[Stage.SERVER].busy(now, bound),
-            layout_device=self._layout[0],
-            layout_why=self._layout[1],
+            layout_device=self.engines.placement.device,
+            layout_why=self.engines.placement.why,
             server_gpu_busy=sum(busy) / len(busy) if busy else None,
         )
 
@@ -370,18 +365,3 @@ class Converter:
         self.hooks.kill()
 
 
-def _layout_place(config: Config) -> tuple[str, str]:
-    """Where the workers run the layout model ("cpu", "gpu:0") and why there; ("", "") with
-    layout detection off, or when it cannot run (the workers report why). A layout model on
-    the CPU that the GPU could take is logged once, with the fix: it is the slow stage of
-    every page."""
-    if not config.pipeline.use_layout_detection:
-        return "", ""
-    try:
-        choice = layout_choice(config)
-    except OcrvlError:
-        return "", ""
-    if choice.to_the_gpu:
-        log.warning("the layout model runs on the CPU (%s), the slow stage of every page: %s",
-                    choice.why, choice.to_the_gpu)
-    return choice.device, choice.why

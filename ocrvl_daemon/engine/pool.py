@@ -1,11 +1,17 @@
 """The engine workers pages go to: started, restarted with backoff and recycled.
 
-`EnginePool` keeps `pipeline.workers` workers taking pages (`submit` hands a page to the one
+`EnginePool` keeps the placement's workers taking pages (`submit` hands a page to the one
 the plan chose, by its `number`; `collect`) and the retiring ones that finish what they have;
 the converter asks it at each tick to `maintain` them and learns which workers stopped: the
 pages they had (recorded on the pages, `document.SentPage.worker`) go back to their
 documents. Each worker is started, restarted and recycled on its own: one crashing costs
 only its own pages.
+
+The placement (where the layout model runs, how many workers) is decided once per
+configuration, here (`server.placement`), and every worker is set up with it
+(`worker_settings`). The request bound of each endpoint is shared by all workers: each gets a
+part of it in proportion to the pages it has there (`shares`), re-balanced as pages come and
+go, so the pages of a busy worker never wait on an idle worker's part.
 """
 
 from __future__ import annotations
@@ -14,16 +20,25 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Container
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.engine.worker_handle import EngineWorker
+from ocrvl_daemon.engine.worker_settings import worker_setup
 from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
 from ocrvl_daemon.observe.units import counted
-from ocrvl_daemon.server.autotune import engine_workers
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
+from ocrvl_daemon.server.placement import Placement, decide_placement
+from ocrvl_daemon.worker.messages import (
+    ErrorRecord,
+    GateLimit,
+    PageResult,
+    PageTask,
+    RequestSent,
+    WorkerSetup,
+)
 from ocrvl_daemon.worker.request_gate import YieldCap
 
 log = logging.getLogger(__name__)
@@ -50,20 +65,28 @@ class EnginePool:
 
     A worker that fails to start is started again, ever less often, until `starts` starts in
     a row have failed (None: forever, as the daemon does). `new_worker` makes a worker from
-    the configuration and the server's URL (tests give a stand-in).
+    its setup (tests give a stand-in); `placement`: as decided for `config` (None: decided
+    here).
     """
 
     def __init__(
         self,
         config: Config,
         starts: int | None = None,
-        new_worker: Callable[[Config, str], EngineWorker] = EngineWorker,
+        new_worker: Callable[[WorkerSetup], EngineWorker] = EngineWorker,
+        placement: Placement | None = None,
     ) -> None:
         self.config = config
+        self.placement = decide_placement(config) if placement is None else placement
+        self._setup = worker_setup(config, self.placement)
         self.starts = starts
         self._new_worker = new_worker
         # The workers taking pages, one place each (None: to be started at its _retry_at).
-        self._slots: list[EngineWorker | None] = [None] * engine_workers(config)
+        self._slots: list[EngineWorker | None] = [None] * self.placement.workers
+        # Each endpoint's request bound, for all workers together, and the pages in flight:
+        # (job id, page) -> (worker number, endpoint, job id).
+        self._bounds: dict[str, GateLimit] = {}
+        self._held: dict[tuple[int, int], tuple[int, str, int]] = {}
         self._retry_at = [0.0] * len(self._slots)
         self._retiring: list[EngineWorker] = []
         self._arrived = threading.Event()  # any worker's message
@@ -97,24 +120,50 @@ class EnginePool:
 
     def set_limit(self, gate: GateLimit) -> None:
         """How many requests the workers may have at the server at `gate.url`, in all, and how
-        many of them big documents may hold (`RequestGate.resize`): each worker's request
-        gate gets an even share."""
-        taking = self.taking()
-        caps: list[YieldCap | None] = [None] * len(taking)
-        if gate.cap is not None:
-            caps = [replace(gate.cap, places=n)
-                    for n in _even_shares(gate.cap.places, len(taking))]
-        for worker, share, cap_share in zip(taking, _even_shares(gate.limit, len(taking)), caps,
-                                            strict=True):
-            worker.set_limit(GateLimit(gate.url, share, cap_share))
+        many of them big documents may hold (`RequestGate.resize`): shared between the
+        workers by the pages each has there (`_share`)."""
+        self._bounds[gate.url] = gate
+        self._share(gate.url)
 
     def submit(self, number: int, task: PageTask) -> None:
-        """Hand one page to the worker `number` of those taking pages."""
-        next(w for w in self.taking() if w.number == number).submit(task)
+        """Hand one page to the worker `number` of those taking pages; its part of the bound
+        is told first, so the page's requests never wait for a part it has not been given."""
+        worker = next(w for w in self.taking() if w.number == number)
+        self._held[task.job_id, task.page] = (number, task.url, task.job_id)
+        self._share(task.url)
+        worker.submit(task)
 
     def collect(self, timeout: float = 0.0) -> list[PageResult]:
         """Results that arrived from every worker; each waits up to `timeout` for its first."""
-        return [result for worker in self._workers() for result in worker.collect(timeout)]
+        results, freed = [], set()
+        for worker in self._workers():
+            for result in worker.collect(timeout):
+                results.append(result)
+                held = self._held.get((result.job_id, result.page))
+                if held is not None and held[0] == worker.number:  # not a late answer
+                    del self._held[result.job_id, result.page]
+                    freed.add(held[1])
+        for url in freed:
+            self._share(url)
+        return results
+
+    def _share(self, url: str) -> None:
+        """Give each worker its part of `url`'s bound: in proportion to its pages there (the
+        pages of the capped documents for the cap), evenly while none has any."""
+        bound = self._bounds.get(url)
+        if bound is None:
+            return
+        workers = [w for w in self._workers() if w.ready]
+        held = [(number, job) for number, at, job in self._held.values() if at == url]
+        pages = Counter(number for number, _ in held)
+        limits = shares(bound.limit, [pages[w.number] for w in workers])
+        caps: list[YieldCap | None] = [None] * len(workers)
+        if bound.cap is not None:
+            big = Counter(number for number, job in held if job in bound.cap.documents)
+            caps = [replace(bound.cap, places=n)
+                    for n in shares(bound.cap.places, [big[w.number] for w in workers])]
+        for worker, limit, cap in zip(workers, limits, caps, strict=True):
+            worker.set_limit(GateLimit(url, limit, cap))
 
     def requests_sent(self) -> list[RequestSent]:
         """The pages whose first request left for the server, collected since last asked."""
@@ -149,6 +198,7 @@ class EnginePool:
         for old in list(self._retiring):
             if old.number not in busy or not old.alive():
                 stopped.append(StoppedWorker(old.number))
+                self._forget(old.number)
                 old.stop()
                 self._retiring.remove(old)
         for slot in range(len(self._slots)):
@@ -174,12 +224,13 @@ class EnginePool:
                 # Workers started together fail together: the wait doubles once per round.
                 rounds = (self.start_failures - 1) // len(self._slots)
                 delay = WORKER_START_BACKOFF.delay(rounds + 1)
-                self.start_error = start_failure(failure)
+                self.start_error = start_failure(failure, self.placement.problem)
                 if self.gave_up:
                     delay = float("inf")
                 log.error("%s (failed start %d; %s)", self.start_error, self.start_failures,
                           "giving up" if self.gave_up else f"trying again in {delay:.0f} s")
             stopped.append(StoppedWorker(worker.number, failure))
+            self._forget(worker.number)
             worker.stop()
             self._slots[slot] = None
             self._retry_at[slot] = now + delay
@@ -198,8 +249,15 @@ class EnginePool:
             self._start(slot)
         return stopped
 
+    def _forget(self, number: int) -> None:
+        """Worker `number` stopped: its pages go back, and its part of the bound with them."""
+        urls = {url for n, url, _ in self._held.values() if n == number}
+        self._held = {key: held for key, held in self._held.items() if held[0] != number}
+        for url in urls:
+            self._share(url)
+
     def _start(self, slot: int) -> None:
-        worker = self._new_worker(self.config, self.config.server.base_url)
+        worker = self._new_worker(self._setup)
         worker.arrived = self._arrived
         worker.number = next(self._numbers)
         self._slots[slot] = worker
@@ -213,18 +271,19 @@ class EnginePool:
             self._slots[slot] = None
 
     def reconfigure(self, config: Config) -> None:
-        """Apply a reloaded configuration; the workers are replaced if their settings
-        changed."""
+        """Apply a reloaded configuration; where the settings the workers run with changed,
+        the placement is decided again and the workers are replaced."""
         old, self.config = self.config, config
-        if (old.pipeline, old.model, old.server) != (
-            config.pipeline,
-            config.model,
-            config.server,
-        ) and any(self._slots):
+        if (old.pipeline, old.model, old.server) == (config.pipeline, config.model,
+                                                     config.server):
+            return
+        self.placement = decide_placement(config)
+        self._setup = worker_setup(config, self.placement)
+        if any(self._slots):
             log.info("pipeline settings changed; replacing the engine workers")
             for slot in range(len(self._slots)):
                 self._retire(slot)
-        count = engine_workers(config)
+        count = self.placement.workers
         self._slots = (self._slots + [None] * count)[:count]
         self._retry_at = (self._retry_at + [0.0] * count)[:count]
 
@@ -245,6 +304,7 @@ class EnginePool:
             worker.stop()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
+        self._held.clear()
 
     def kill(self) -> None:
         """A forced stop: SIGKILL every worker's process group now and reap it."""
@@ -252,12 +312,17 @@ class EnginePool:
             worker.kill()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
+        self._held.clear()
 
 
-def start_failure(failure: str) -> OcrvlError:
+def start_failure(failure: str, cause: OcrvlError | None = None) -> OcrvlError:
     """Why the recognition pipeline could not start (the worker's `failure`), with the fix
     and exit code of its usual causes: a layout model that cannot be downloaded, a missing
-    package."""
+    package; `cause`: the error the daemon itself found (the placement's), of its own kind
+    and with its own fix."""
+    if cause is not None:
+        return ErrorRecord(type(cause).__name__, "The recognition pipeline could not start: "
+                           f"{cause.message.rstrip('.')}.", cause.fix).rebuilt()
     message = f"The recognition pipeline could not start: {failure.rstrip('.')}."
     if "model hosting" in failure or "model hoster" in failure:
         return ModelDownloadError(
@@ -271,6 +336,21 @@ def start_failure(failure: str) -> OcrvlError:
                       "installation")
 
 
-def _even_shares(total: int, count: int) -> list[int]:
-    """`total` split over `count` as evenly as whole numbers allow, each at least 1."""
-    return [max(1, total // count + (n < total % count)) for n in range(count)]
+def shares(total: int, demands: list[int]) -> list[int]:
+    """`total` split in proportion to `demands` (largest remainders first), each demand
+    above 0 getting at least 1 while there is one to give, and none to a demand of 0; evenly
+    where nothing is demanded (each at least 1, as a worker's gate always had)."""
+    if not any(demands):
+        count = len(demands)
+        return [max(1, total // count + (n < total % count)) for n in range(count)]
+    weight = sum(demands)
+    exact = [total * d / weight for d in demands]
+    parts = [int(e) for e in exact]
+    for n in sorted(range(len(demands)), key=lambda n: parts[n] - exact[n])[:total - sum(parts)]:
+        parts[n] += 1
+    for n, demand in enumerate(demands):
+        richest = max(range(len(parts)), key=parts.__getitem__)
+        if demand and not parts[n] and parts[richest] > 1:
+            parts[richest] -= 1
+            parts[n] = 1
+    return parts

@@ -1,10 +1,11 @@
-"""The daemon's side of the engine worker: page tasks and results, the worker's handle, the pipe.
+"""The daemon's side of an engine worker: its handle, which carries page tasks and results.
 
 The parent submits `PageTask`s and collects `PageResult`s; the worker process
 (`worker.main`) renders each page itself (so page images never cross the process boundary
 or pile up in the daemon) and runs the real `paddleocr.PaddleOCRVL` pipeline on it.
 paddleocr's host memory grows over many `predict` calls, hence the worker is replaced after
-N pages or above an RSS limit.
+N pages or above an RSS limit. The worker is set up once, with plain values
+(`WorkerSetup`, from `engine.worker_settings`); the pipe is `process.channel`'s.
 """
 
 from __future__ import annotations
@@ -14,19 +15,15 @@ import logging
 import os
 import pickle
 import queue
-import signal
-import struct
 import subprocess
-import sys
 import threading
 import time
-from typing import IO, Any
 
 import psutil
 
-from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.observe.sd_notify import child_env
-from ocrvl_daemon.process.group import die_with_parent, stop_process_group
+from ocrvl_daemon.process.channel import Channel, start_child
+from ocrvl_daemon.process.group import stop_process_group
 from ocrvl_daemon.worker.messages import (
     GateLimit,
     LogRecord,
@@ -42,62 +39,6 @@ from ocrvl_daemon.worker.messages import (
 log = logging.getLogger(__name__)
 
 
-class _Channel:
-    """Length-prefixed pickles over a pair of pipes; `send` is safe from many threads."""
-
-    _HEADER = struct.Struct(">I")
-
-    def __init__(self, reader: IO[bytes], writer: IO[bytes]) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._lock = threading.Lock()  # guards _writer: one message's bytes go together
-
-    def send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self._writer.write(self._HEADER.pack(len(data)) + data)
-            self._writer.flush()
-
-    def receive(self) -> Any:
-        """The next message (a `messages` dataclass); None at end of input."""
-        header = self._reader.read(self._HEADER.size)
-        if len(header) < self._HEADER.size:
-            return None
-        (size,) = self._HEADER.unpack(header)
-        data = self._reader.read(size)
-        if len(data) < size:
-            return None
-        return pickle.loads(data)
-
-
-def start_child(module: str, **popen: Any) -> tuple[subprocess.Popen[bytes], _Channel]:
-    """Start `module`'s `serve()` in a Python child process that answers over its stdin and
-    stdout (`child_channel` is its end); `popen`: more `subprocess.Popen` arguments."""
-    argv = [sys.executable, "-c", f"from {module} import serve; serve()", str(os.getpid())]
-    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **popen)
-    assert process.stdin is not None and process.stdout is not None
-    return process, _Channel(process.stdout, process.stdin)
-
-
-def child_channel() -> _Channel:
-    """The child's end of `start_child`, set up first thing in its `serve()`: it dies with
-    its parent however that ends (SIGKILL), leaves Ctrl-C to the daemon, and keeps fd 1 for
-    the messages (anything a library prints goes to stderr instead)."""
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != int(sys.argv[1]):  # the parent died before the line above
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
-    channel = _Channel(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))
-    os.dup2(2, 1)
-    return channel
-
-
-def relay_record(record: LogRecord) -> None:
-    """Log a record a child process sent, at its level and under its logger's name, so the
-    daemon's handler (journald's priority among its fields) treats it like its own."""
-    logging.getLogger(record.name).log(record.level, "%s", record.text)
-
-
 class EngineWorker:
     """One worker process; `submit` pages, `collect` results, `stop` when done.
 
@@ -105,11 +46,10 @@ class EngineWorker:
     not here: the handle only carries messages.
     """
 
-    def __init__(self, config: Config, server_url: str) -> None:
-        self._config_json = config.model_dump_json()
-        self._server_url = server_url
+    def __init__(self, setup: WorkerSetup) -> None:
+        self._setup = setup
         self._process: subprocess.Popen[bytes] | None = None
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._inbox: queue.Queue[WorkerMessage] = queue.Queue()
         # Set when a message arrives; the pool shares one between its workers.
         self.arrived = threading.Event()
@@ -130,7 +70,7 @@ class EngineWorker:
             "ocrvl_daemon.worker.main", env=child_env(os.environ), start_new_session=True)
         self._reader = threading.Thread(target=self._read, name="engine-results", daemon=True)
         self._reader.start()
-        self._channel.send(WorkerSetup(self._config_json, self._server_url))
+        self._channel.send(self._setup)
         log.info("engine worker started (pid %s)", self._process.pid)
 
     def _read(self) -> None:
@@ -138,7 +78,7 @@ class EngineWorker:
         try:
             while (message := self._channel.receive()) is not None:
                 if isinstance(message, LogRecord):
-                    relay_record(message)
+                    message.relay()
                     continue
                 self._inbox.put(message)
                 self.arrived.set()
@@ -228,10 +168,9 @@ class EngineWorker:
     def close_input(self) -> None:
         """Tell the worker no more pages come: it finishes what it has and exits. (`stop`
         does this too; a pool closes every input first so that its workers end together.)"""
-        process = self._process
-        if process is not None and process.stdin is not None:
+        if self._channel is not None:
             with contextlib.suppress(OSError, ValueError):
-                process.stdin.close()
+                self._channel.close_output()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Close the worker's input (it finishes what it has), then stop its process group
@@ -245,5 +184,5 @@ class EngineWorker:
         stop_process_group(process, timeout, "engine worker")
         if self._reader is not None:
             self._reader.join(timeout)
-        assert process.stdout is not None
-        process.stdout.close()
+        if self._channel is not None:
+            self._channel.close_input()

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ocrvl_daemon.config.layout import ON_CPU_ASKED, TO_THE_GPU
 from ocrvl_daemon.observe.rate import RATE_WINDOW
-from ocrvl_daemon.worker.layout_engine import ON_CPU_ASKED, TO_THE_GPU
 
 # A stage at or above this share of its capacity is where pages queue.
 SATURATED = 0.85
@@ -85,7 +85,7 @@ class StageLoad:
     layout: float = 0.0
     server: float = 0.0
     layout_device: str = ""  # "cpu", "gpu:0"; "" with layout detection off
-    layout_why: str = ""  # why it runs there (`layout_engine.LayoutChoice.why`)
+    layout_why: str = ""  # why it runs there (`server.layout_engine.LayoutChoice.why`)
     server_gpu_busy: float | None = None  # the managed servers' GPUs (0-1); None: not known
 
     def loads(self) -> dict[Stage, float]:

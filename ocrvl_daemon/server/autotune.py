@@ -1,14 +1,12 @@
 """`auto` vLLM settings from the GPU's memory, and stepping them down after an out-of-memory start.
 
 Pure functions apart from the small JSON file that remembers what an out-of-memory recovery
-settled on. Memory model for the 0.9B PaddleOCR-VL models (sizes in MiB):
-
-    budget (utilization × total) = weights + start-up spike + KV cache
-    each server's process = budget + VLLM_BEYOND_BUDGET_MIB
+settled on. The memory model is `gpu_memory`'s.
 
 vLLM refuses to start when free memory < utilization × total, so utilization is planned from
 what other programs leave free, minus a safety margin, minus what each server holds beyond
-its budget, minus the layout model's room when it runs on the same GPU (`layout_choice`).
+its budget, minus the layout model's room when it runs on the same GPU
+(`placement.layout_room_mib`).
 vLLM's failure text is read by `vllm_diagnosis`.
 """
 
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,55 +21,45 @@ from typing import Any
 
 from ocrvl_daemon.config.model import AUTO, Config
 from ocrvl_daemon.config.models import IMAGE_TOKEN_BUDGET, PROMPT_TOKEN_BUDGET
-from ocrvl_daemon.errors import DependencyError
 from ocrvl_daemon.files.atomic import write_atomic
-from ocrvl_daemon.server import gpu as gpus
 from ocrvl_daemon.server import vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.worker import layout_engine
-from ocrvl_daemon.worker.layout_engine import LAYOUT_GPU_MIB, Installed, LayoutChoice
+from ocrvl_daemon.server.gpu_memory import (
+    KV_BYTES_PER_TOKEN,
+    LENGTH_STEP,
+    MAX_MODEL_LEN,
+    MIN_UTILIZATION_BESIDE_LAYOUT,
+    PLANNED_BATCHED_TOKENS,
+    STARTUP_SPIKE_MIB,
+    UTILIZATION,
+    VLLM_BEYOND_BUDGET_MIB,
+    WEIGHTS_MIB,
+    available_mib,
+    floor2,
+    kept_mib,
+    margin_mib,
+    model_budget,
+    replicas_of,
+    round_up,
+)
+from ocrvl_daemon.server.layout_engine import Installed
+from ocrvl_daemon.server.placement import layout_room_mib
 
 log = logging.getLogger(__name__)
 
-UTILIZATION = "gpu-memory-utilization"
-MAX_MODEL_LEN = "max-model-len"
 MAX_NUM_SEQS = "max-num-seqs"
 BATCHED_TOKENS = "max-num-batched-tokens"
 # What ocrvl may choose and lower. max-num-batched-tokens is not an `auto` config key: it is
 # ocrvl's to set whenever the config does not mention it.
 TUNED_KEYS = (UTILIZATION, MAX_MODEL_LEN, MAX_NUM_SEQS, BATCHED_TOKENS)
 
-# vLLM's own account of its budget for the 0.9B model (vLLM 0.26, the 8 GB emulation of
-# 2026-12-06): bf16 weights (NaViT vision encoder + ERNIE-4.5-0.3B) 1.63 GiB; the activations
-# profiled at max-num-batched-tokens (16384 here) 0.56 GiB, non-torch memory 0.23 and CUDA
-# graphs 0.10 (the start-up spike). The rest of the budget is the KV cache.
-WEIGHTS_MIB = 1.63 * 1024
-STARTUP_SPIKE_MIB = 0.89 * 1024
-PLANNED_BATCHED_TOKENS = 16384
-# KV cache per token of ERNIE-4.5-0.3B: 2 (K and V) x 18 layers x 2 KV heads x 128 head dim
-# x 2 bytes (bf16) = 18 KiB.
-KV_BYTES_PER_TOKEN = 2 * 18 * 2 * 128 * 2
 # A typical page request: a full-size image, the prompt and ~1000 generated tokens.
 TYPICAL_OUTPUT_TOKENS = 1000
 TYPICAL_SEQUENCE_TOKENS = IMAGE_TOKEN_BUDGET + PROMPT_TOKEN_BUDGET + TYPICAL_OUTPUT_TOKENS
 MIN_UTILIZATION, MAX_UTILIZATION = 0.5, 0.95
-# The floor where the layout model shares the card: 0.4 of an 8 GB card still holds a KV
-# cache of ~0.7 GiB, ~16 pages at once (a second layout worker there would leave too little).
-MIN_UTILIZATION_BESIDE_LAYOUT = 0.4
-# What vLLM's engine process holds beyond utilization x total: its CUDA context (~0.5 GiB;
-# vLLM measures free memory after creating it) and what its allocator adds while serving
-# (~0.85 GiB). Measured: 6,514 MiB at its peak against 0.63 x 8,188 = 5,158 on the 8 GB card
-# emulated on an H100 (bench/gpu/small_card_layout_h100_2026-12-06b.json).
-VLLM_BEYOND_BUDGET_MIB = 1360
-# Kept free besides other programs' memory and the servers' own: covers their growth.
-MIN_MARGIN_MIB, MARGIN_FRACTION = 512, 0.05
 MIN_NUM_SEQS, MAX_NUM_SEQS_CAP, NUM_SEQS_STEP = 8, 256, 8
-LENGTH_STEP = 256
 UTILIZATION_STEP = 0.05
 FREE_MEMORY_HEADROOM = 0.02  # below the free share vLLM reported, for the next attempt
-# What a desktop session typically holds of the card (Xorg or Wayland, a browser): assumed
-# by `layout_fits`, which cannot tell other programs' memory from ocrvl's own.
-DESKTOP_MIB = 1024
 # Without a GPU reading: values that start on an 8 GB card with a desktop running.
 FALLBACK_UTILIZATION, FALLBACK_NUM_SEQS = 0.64, 32
 TUNING_FILE = "server-tuning.json"
@@ -109,10 +96,6 @@ class TunedArgs:
     warnings: list[str] = field(default_factory=list)  # the server will probably not start
 
 
-def model_budget(config: Config) -> int:
-    """Tokens one page request can need: max-model-len may never be below this."""
-    return config.model.vl_model.request_token_budget(config.model.effective_max_new_tokens)
-
 
 def auto_replicas(total_mib: int | None, mps: bool = False) -> int:
     """`server.replicas: auto` for a card with `total_mib` of memory (None: no reading: one),
@@ -122,11 +105,6 @@ def auto_replicas(total_mib: int | None, mps: bool = False) -> int:
     rule = max((r for r in REPLICA_RULES if total_mib >= r.from_mib), key=lambda r: r.from_mib)
     return rule.mps if mps else rule.plain
 
-
-def replicas_of(config: Config) -> int:
-    """Servers sharing each GPU (`auto` is resolved by the server set before planning)."""
-    replicas = config.server.replicas
-    return replicas if isinstance(replicas, int) else 1
 
 
 def replicas_fit_problem(config: Config, gpu: GpuReading, replicas: int) -> str | None:
@@ -159,121 +137,7 @@ def tunable_keys(config: Config) -> tuple[str, ...]:
     return tuple(k for k in TUNED_KEYS if args.get(k, AUTO) == AUTO)
 
 
-def layout_choice(config: Config, visible: list[GpuReading] | None = None,
-                  installed: Installed | None = None, cores: int | None = None
-                  ) -> LayoutChoice:
-    """Where the layout model runs with `config` on this machine (`layout_engine.choose`):
-    `visible` the GPUs CUDA sees (None: read them), `installed` the engines (None: from
-    package metadata), `cores` the usable cores (None: this process's)."""
-    visible = gpus.read_gpus() if visible is None else visible
-    _, index = layout_engine.parse_device(config.pipeline.wanted_layout_device)
-    gpu = visible[index or 0] if (index or 0) < len(visible) else None
-    return _choose_layout(config, gpu, installed, cores)
 
-
-def engine_workers(config: Config) -> int:
-    """How many engine worker processes run: `pipeline.workers`, or for `auto` as the layout
-    model's place decides (`layout_engine.choose`).
-
-    Layout on the CPU: a worker runs its layout model one page at a time, so workers are
-    added (up to 8) until each has 2 of three quarters of the cores. Otherwise a quarter of
-    the cores, 1 to 4 (on the GPU, no more than its memory has room for): each worker's pages
-    take a core between them (rendering, encoding) and the daemon, the server's own
-    preprocessing and the system need the rest; beyond 4 the server, not the client, is the
-    limit.
-    """
-    workers = config.pipeline.workers
-    if isinstance(workers, int):
-        return workers
-    if not config.pipeline.use_layout_detection:
-        return layout_engine.default_workers(layout_engine.cpu_count())
-    try:
-        return layout_choice(config).workers
-    except DependencyError:  # the worker itself reports it, with the fix
-        return layout_engine.default_workers(layout_engine.cpu_count())
-
-
-def _choose_layout(config: Config, gpu: GpuReading | None, installed: Installed | None,
-                   cores: int | None = None) -> LayoutChoice:
-    """`layout_choice` with `gpu` the GPU the layout's device names."""
-    p = config.pipeline
-    return layout_engine.choose(
-        model=config.model.vl_model.layout_model, engine=p.layout_engine,
-        device=p.wanted_layout_device,
-        installed=layout_engine.installed_engines() if installed is None else installed,
-        gpu=gpu, gpu_room=lambda card, workers: layout_fits(config, card, workers),
-        cores=cores or layout_engine.cpu_count(),
-        workers=p.workers if isinstance(p.workers, int) else None)
-
-
-def _server_plans(config: Config, gpu: GpuReading) -> bool:
-    """Whether a managed vLLM server plans its memory on `gpu` (indices as CUDA numbers them;
-    the same as nvidia-smi's on the one-GPU machines ocrvl is for)."""
-    server = config.server
-    if server.mode != "managed" or server.launcher == "command":
-        return False
-    return server.gpus == AUTO or gpu.index in server.gpus
-
-
-def _available_mib(gpu: GpuReading) -> float:
-    # Other programs' memory as the driver counts it, or as free memory shows it, whichever
-    # is worse (WSL2 can report less free than total - used).
-    return min(gpu.total_mib - gpu.used_mib, gpu.free_mib)
-
-
-def _margin_mib(gpu: GpuReading) -> float:
-    return max(MIN_MARGIN_MIB, MARGIN_FRACTION * gpu.total_mib)
-
-
-def _kept_mib(gpu: GpuReading, replicas: int) -> float:
-    """Memory of `gpu` outside the servers' budgets: the margin and what `replicas` servers
-    hold beyond theirs."""
-    return _margin_mib(gpu) + replicas * VLLM_BEYOND_BUDGET_MIB
-
-
-def layout_fits(config: Config, gpu: GpuReading, workers: int = 1) -> bool:
-    """Whether `gpu` has LAYOUT_GPU_MIB for each of `workers` layout models beside what the
-    server takes.
-
-    Beside a managed server the card counts as holding DESKTOP_MIB of other programs' memory,
-    whatever it holds now: ocrvl's own server and layout workers may hold some of it, and the
-    server (planning at its start) and each worker (at its own start) must reach the same
-    answer; what other programs really hold is taken off when the server plans (with a
-    warning where the room then squeezes the server). With `auto`, the utilization left once
-    the room is taken off must still reach MIN_UTILIZATION_BESIDE_LAYOUT and a KV cache for
-    one request of max-model-len; with an explicit one, what it leaves must hold the room,
-    the margin and each server's memory beyond its budget (VLLM_BEYOND_BUDGET_MIB). No
-    server of ocrvl's here: the room and the margin must be free now.
-    """
-    room, replicas = workers * LAYOUT_GPU_MIB, replicas_of(config)
-    if not _server_plans(config, gpu):
-        return _available_mib(gpu) - room >= _margin_mib(gpu)
-    kept = _kept_mib(gpu, replicas)
-    utilization = config.server.vllm_args[UTILIZATION]
-    if utilization != AUTO:
-        return gpu.total_mib * (1 - float(utilization)) - DESKTOP_MIB - kept >= room
-    card_share = _floor2((gpu.total_mib - DESKTOP_MIB - kept - room) / gpu.total_mib)
-    kv_mib = card_share / replicas * gpu.total_mib - WEIGHTS_MIB - STARTUP_SPIKE_MIB
-    length = config.server.vllm_args[MAX_MODEL_LEN]
-    tokens = _round_up(model_budget(config), LENGTH_STEP) if length == AUTO else int(length)
-    return (card_share >= MIN_UTILIZATION_BESIDE_LAYOUT
-            and kv_mib * 1024 * 1024 >= tokens * KV_BYTES_PER_TOKEN)
-
-
-def layout_room_mib(config: Config, gpu: GpuReading, installed: Installed | None = None
-                    ) -> float:
-    """The memory of `gpu` kept for the layout models: LAYOUT_GPU_MIB per worker where they
-    run there (asked for with pipeline.layout_device: gpu, or chosen by auto), else 0."""
-    if not config.pipeline.use_layout_detection:
-        return 0
-    _, index = layout_engine.parse_device(config.pipeline.wanted_layout_device)
-    if gpu.index != (index or 0):
-        return 0
-    try:
-        choice = _choose_layout(config, gpu, installed)
-    except DependencyError:  # the worker reports it; nothing of this GPU is its
-        return 0
-    return choice.workers * LAYOUT_GPU_MIB if choice.on_gpu else 0
 
 
 def plan_vllm_args(config: Config, gpu: GpuReading | None,
@@ -292,7 +156,7 @@ def plan_vllm_args(config: Config, gpu: GpuReading | None,
         if key not in tunable and values.get(key) is not None:
             reasons.append(f"{key} {values[key]}: set in the config")
     if MAX_MODEL_LEN in tunable:
-        values[MAX_MODEL_LEN] = _round_up(budget, LENGTH_STEP)
+        values[MAX_MODEL_LEN] = round_up(budget, LENGTH_STEP)
         reasons.append(
             f"{MAX_MODEL_LEN} {values[MAX_MODEL_LEN]}: a page request can need {budget} tokens "
             f"({config.model.effective_max_new_tokens} new + image and prompt), rounded up "
@@ -331,11 +195,11 @@ def _plan_for_gpu(tuned: TunedArgs, tunable: tuple[str, ...], gpu: GpuReading,
     layout model."""
     values, reasons, warnings = tuned.values, tuned.reasons, tuned.warnings
     total = gpu.total_mib
-    free_share = _floor2(gpu.free_mib / total)
+    free_share = floor2(gpu.free_mib / total)
     if UTILIZATION in tunable:
-        margin = _margin_mib(gpu)
-        available = _available_mib(gpu)
-        share = _floor2((available - _kept_mib(gpu, replicas) - layout_mib) / total)
+        margin = margin_mib(gpu)
+        available = available_mib(gpu)
+        share = floor2((available - kept_mib(gpu, replicas) - layout_mib) / total)
         floor = MIN_UTILIZATION_BESIDE_LAYOUT if layout_mib else MIN_UTILIZATION
         values[UTILIZATION] = min(MAX_UTILIZATION, max(floor, share))
         if layout_mib and share < floor:
@@ -379,7 +243,7 @@ def _share(tuned: TunedArgs, replicas: int) -> None:
     # vLLM checks free >= utilization x total per server: with each server at its share, one
     # that restarts passes the check while the others keep theirs.
     if replicas > 1 and tuned.values.get(UTILIZATION) is not None:
-        share = tuned.values[UTILIZATION] = _floor2(float(tuned.values[UTILIZATION]) / replicas)
+        share = tuned.values[UTILIZATION] = floor2(float(tuned.values[UTILIZATION]) / replicas)
         tuned.reasons.append(f"{UTILIZATION} {share:.2f} each: the card's share split between "
                              f"{replicas} servers (server.replicas)")
 
@@ -425,7 +289,7 @@ def suggestion(current: dict[str, Any], config: Config, failure_text: str) -> st
     changed = [k for k in explicit if lowered[k] != current.get(k)]
     them = "them" if len(changed) > 1 else "it"
     # The config's utilization is for the whole card: each of the replicas has its share.
-    lines = ", ".join(f"`{k}: {_floor2(lowered[k] * replicas) if k == UTILIZATION else lowered[k]}`"
+    lines = ", ".join(f"`{k}: {floor2(lowered[k] * replicas) if k == UTILIZATION else lowered[k]}`"
                       for k in changed)
     return (f"{head} The config sets {', '.join(changed)} explicitly, so ocrvl leaves {them} "
             f"alone; try these lines under `server: vllm_args:` in config.yaml: {lines} (or "
@@ -441,12 +305,12 @@ def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budg
         # Only a lower utilization passes vLLM's free-memory check at start-up.
         if UTILIZATION not in lowerable or utilization <= floor_utilization:
             return None
-        target = _floor2(free - FREE_MEMORY_HEADROOM)
+        target = floor2(free - FREE_MEMORY_HEADROOM)
         if target >= utilization:
-            target = _floor2(utilization - UTILIZATION_STEP)
+            target = floor2(utilization - UTILIZATION_STEP)
         new[UTILIZATION] = max(floor_utilization, target)
         return new
-    length = int(_get(current, MAX_MODEL_LEN, _round_up(budget, LENGTH_STEP)))
+    length = int(_get(current, MAX_MODEL_LEN, round_up(budget, LENGTH_STEP)))
     estimated = vllm_diagnosis.estimated_max_len(text)
     if estimated is not None and MAX_MODEL_LEN in lowerable and estimated >= budget:
         fits = max(budget, estimated // LENGTH_STEP * LENGTH_STEP)
@@ -472,7 +336,7 @@ def _lower(current: dict[str, Any], lowerable: list[str] | tuple[str, ...], budg
     # When the KV cache is what is too small, a smaller share of the GPU only shrinks it.
     if (UTILIZATION in lowerable and utilization > floor_utilization
             and not vllm_diagnosis.kv_cache_too_small(text)):
-        new[UTILIZATION] = max(floor_utilization, _floor2(utilization - UTILIZATION_STEP))
+        new[UTILIZATION] = max(floor_utilization, floor2(utilization - UTILIZATION_STEP))
         return new
     return None
 
@@ -524,14 +388,6 @@ def save_remembered(state_dir: Path, gpu: GpuReading | None, model_name: str,
     state_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
-
-def _floor2(value: float) -> float:
-    # The epsilon keeps 0.81 from flooring to 0.80 through binary rounding.
-    return math.floor(value * 100 + 1e-9) / 100
-
-
-def _round_up(value: int, step: int) -> int:
-    return -(-value // step) * step
 
 
 def _gib(mib: float) -> str:

@@ -8,8 +8,8 @@ the layout model's time, and the layout model is what limits a worker on the CPU
 (bench/gpu/RESULTS.md). Here the model runs alone: the worker sends the page images and gets
 the boxes back, and its threads run while the model does.
 
-The process builds the same pipeline as the worker (`pipeline_kwargs`) and serves its
-layout model; it dies with the worker (its parent death signal) and ends at end of input.
+The process builds the same pipeline as the worker (the `WorkerSetup` the daemon sent it) and
+serves its layout model; it dies with the worker (its parent death signal) and ends at end of input.
 Its log records reach the daemon through the worker: ocrvl's from WARNING, the libraries'
 from ERROR, as the worker, building the same pipeline, says the rest once.
 """
@@ -27,8 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from ocrvl_daemon.engine.worker_handle import _Channel, child_channel, relay_record, start_child
-from ocrvl_daemon.worker.messages import LogRecord
+from ocrvl_daemon.process.channel import Channel, child_channel, start_child
+from ocrvl_daemon.worker.child_logs import library_logs_to_daemon, log_to_daemon
+from ocrvl_daemon.worker.messages import LogRecord, WorkerSetup
+from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
+from ocrvl_daemon.worker.pipeline import inner_pipeline, limit_torch_threads, warm_layout_model
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class LayoutProcess:
     why not. `batch_sampler` is the worker's own model's, which the pipeline reads.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], channel: _Channel) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], channel: Channel) -> None:
         self._process = process
         self._channel = channel
         self._lock = threading.Lock()
@@ -59,11 +62,11 @@ class LayoutProcess:
         self.on_ended: Callable[[str], None] | None = None
 
     @classmethod
-    def started(cls, config_json: str, server_url: str) -> LayoutProcess:
-        """Start the process for the worker's configuration (its pipeline's arguments)."""
+    def started(cls, setup: WorkerSetup) -> LayoutProcess:
+        """Start the process for the worker's setup (its pipeline's arguments)."""
         # No session of its own: whatever stops the worker's process group stops it too.
         process, channel = start_child(__name__)
-        channel.send((config_json, server_url))
+        channel.send(setup)
         return cls(process, channel)
 
     @property
@@ -100,7 +103,7 @@ class LayoutProcess:
     def _receive(self) -> Any:
         """The process's next answer; the log records it sent before it are logged here."""
         while isinstance(message := self._channel.receive(), LogRecord):
-            relay_record(message)
+            message.relay()
         return message
 
     def _ended(self, what: str) -> None:
@@ -110,9 +113,8 @@ class LayoutProcess:
 
     def close(self) -> None:
         """End the process (end of input, then a bounded wait, then SIGKILL) and reap it."""
-        if self._process.stdin is not None:
-            with contextlib.suppress(OSError):  # already broken: it is gone
-                self._process.stdin.close()
+        with contextlib.suppress(OSError):  # already broken: it is gone
+            self._channel.close_output()
         try:
             self._process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -135,27 +137,15 @@ def _answer(results: list[Any]) -> list[tuple[tuple[str, str], dict[str, Any]]]:
 def serve() -> None:
     """The process's main: build the worker's pipeline, then answer calls until end of input."""
     channel = child_channel()
-    from ocrvl_daemon.worker.main import log_to_daemon
-
     log_to_daemon(channel, logging.WARNING)
-    setup = channel.receive()
+    setup: WorkerSetup | None = channel.receive()
     if setup is None:
         return
-    config_json, server_url = setup
     try:
-        from ocrvl_daemon.config.model import Config
-        from ocrvl_daemon.worker.main import (
-            inner_pipeline,
-            library_logs_to_daemon,
-            pipeline_kwargs,
-            warm_layout_model,
-        )
-        from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
-
-        kwargs = pipeline_kwargs(Config.model_validate_json(config_json), server_url)
         pipeline_class = import_paddleocr_vl()
         library_logs_to_daemon(logging.ERROR)
-        model = inner_pipeline(pipeline_class(**kwargs)).layout_det_model
+        limit_torch_threads(setup.torch_threads)
+        model = inner_pipeline(pipeline_class(**setup.pipeline)).layout_det_model
         warm_s = warm_layout_model(model)
     except BaseException as exc:  # report anything, even SystemExit from a dependency check
         channel.send(f"{type(exc).__name__}: {exc}")

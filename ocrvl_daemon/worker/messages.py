@@ -1,7 +1,9 @@
 """The messages between the daemon and an engine worker process, one dataclass each.
 
-They cross the pipe as pickles (`client._Channel`); the reader dispatches on the class, so a
-new kind of message is a new class here, never a tag or a string to match.
+They cross the pipe as pickles (`process.channel.Channel`); the reader dispatches on the class,
+so a new kind of message is a new class here, never a tag or a string to match. They hold plain
+values only: what the daemon decided (its configuration validated and expanded, the placement)
+arrives decided, and a worker may as well run on another machine.
 
 Daemon to worker: `WorkerSetup` (first, once), then `PageTask`s and `GateLimit`s.
 Worker to daemon: `WorkerReady` or `WorkerFailed`, then `RequestSent` and `PageResult` for each
@@ -10,10 +12,13 @@ page, and `LogRecord`s at any time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
+from ocrvl_daemon import errors
 from ocrvl_daemon.core.quality import Redo, looks_like_a_loop
 from ocrvl_daemon.worker.request_gate import YieldCap
 from ocrvl_daemon.worker.streaming import LOOP
@@ -21,10 +26,53 @@ from ocrvl_daemon.worker.streaming import LOOP
 
 @dataclass(frozen=True)
 class WorkerSetup:
-    """The configuration (as JSON) and the server URL the worker builds its pipeline with."""
+    """What a worker builds its pipeline and sends its requests with, as the daemon decided it
+    (`engine.worker_settings`): no worker reads or validates the configuration again.
 
-    config_json: str
-    server_url: str
+    `pipeline`: `PaddleOCRVL`'s arguments (the layout model's engine, device and threads
+    among them); `layout_process`: the layout model runs in a process of its own
+    (`worker.layout_process`); `torch_threads`: torch's threads in this process, where
+    PaddleX's transformers engine takes no count. `headers`: those of every request (the API
+    key's). `failure`: why no pipeline can be built here (the placement found it): the worker
+    fails to start with it at once.
+    """
+
+    pipeline: Mapping[str, Any]
+    served_model: str
+    headers: Mapping[str, str]
+    max_concurrency: int
+    stop_loops_early: bool
+    render_scale: float
+    page_pixel_limit: int
+    request_overhead_tokens: int  # what the image and prompt take of a request's budget
+    layout_process: bool = False
+    torch_threads: int | None = None
+    failure: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """An `OcrvlError` raised in a worker, as plain values: its class's name, message and fix.
+    `rebuilt` makes the same error again on the daemon's side, so its kind (permanent or
+    not, its exit code) is the class's own, never guessed from where it was raised."""
+
+    kind: str
+    message: str
+    fix: str | None = None
+
+    @classmethod
+    def of(cls, error: errors.OcrvlError) -> ErrorRecord:
+        """The record of `error`."""
+        return cls(type(error).__name__, error.message, error.fix)
+
+    def rebuilt(self) -> errors.OcrvlError:
+        """The error again, of its own class (a class `errors` does not have: OcrvlError)."""
+        kind = getattr(errors, self.kind, errors.OcrvlError)
+        if not (isinstance(kind, type) and issubclass(kind, errors.OcrvlError)):
+            kind = errors.OcrvlError
+        error = kind.__new__(kind)  # its own __init__ may take other arguments
+        errors.OcrvlError.__init__(error, self.message, self.fix)
+        return error
 
 
 @dataclass(frozen=True)
@@ -76,7 +124,7 @@ class PageTask:
     priority: int = 0
     # vLLM's loop-breaking sampling parameter, only when the page is sent again after a loop.
     repetition_penalty: float | None = None
-    # The server endpoint (OpenAI base URL) its requests go to; "": the worker's first one.
+    # The server endpoint (OpenAI base URL) its requests go to: the converter chose it.
     url: str = ""
     # A redo of some of the page's blocks: the answers kept from its last try, by key. A block
     # asked for again with one of these keys gets its answer at once, with no request; the
@@ -130,6 +178,11 @@ class LogRecord:
     name: str
     text: str
 
+    def relay(self) -> None:
+        """Log it in this process, at its level and under its logger's name, so that this
+        process's handler (journald's priority among its fields) treats it as its own."""
+        logging.getLogger(self.name).log(self.level, "%s", self.text)
+
 
 class Failure(str, Enum):
     """Why a page came back without an answer; the converter's policy differs for each."""
@@ -140,7 +193,7 @@ class Failure(str, Enum):
     # The server answered with an HTTP 5xx status: it is there but fails the request. Each
     # one counts an attempt, and the page waits a while before it is sent again.
     SERVER_ERROR = "server-error"
-    INPUT = "input"  # the file changed or vanished
+    INPUT = "input"  # the file cannot be read as it was queued: `PageResult.problem` says how
     DAMAGED = "damaged"  # the page itself cannot be rendered: the same every time
     PAGE = "page"  # anything else about this page (a 4xx answer, a pipeline error)
 
@@ -169,6 +222,7 @@ class PageResult:
     images: dict[str, bytes] = field(default_factory=dict)
     error: str | None = None
     error_kind: Failure | None = None
+    problem: ErrorRecord | None = None  # with Failure.INPUT: the error, to raise again
     seconds: float = 0.0
     # Set when an answer of the page was cut off at the token limit (finish_reason
     # "length"): the limit that cut it off. The converter decides whether to redo the page.

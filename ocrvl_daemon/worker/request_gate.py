@@ -90,7 +90,7 @@ class RequestGate:
         # Guards _limit, _open (and each open place's `bumped`), _waiting and `bumps`.
         # Re-entrant: bumping cancels a request, whose callback gives its place back here.
         self._cond = threading.Condition(threading.RLock())
-        self._limit = max(1, limit)
+        self._limit = max(0, limit)
         self._bump_after = bump_after
         self._cap: YieldCap | None = None
         self._open: list[GatePlace] = []
@@ -101,6 +101,8 @@ class RequestGate:
 
     def resize(self, limit: int, cap: YieldCap | None = None) -> None:
         """New bound; requests already sent above it finish, no new one starts until below.
+        0 holds every request back: the worker's part of a bound shared by several workers
+        while it has no pages at that endpoint (`engine.pool.shares`).
 
         `cap`: small documents run beside big ones, whose requests may hold at most
         `cap.places` places until a resize without a cap. Their young requests above it
@@ -111,7 +113,7 @@ class RequestGate:
         their batch. A young request costs little to redo: it has mostly waited.
         """
         with self._cond:
-            self._limit = max(1, limit)
+            self._limit = max(0, limit)
             self._cap = cap
             if cap is not None:
                 self._take_back_above(cap)

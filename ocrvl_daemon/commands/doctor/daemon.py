@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 
 from ocrvl_daemon.commands.doctor.report import Check
-from ocrvl_daemon.config.model import Config, folder_problem
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.process.group import GroupRecord, group_members
 from ocrvl_daemon.server.managed import port_in_use
 from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix

@@ -18,10 +18,19 @@ from packaging.version import InvalidVersion, Version
 from ocrvl_daemon.commands.doctor.report import Check, Status
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import DependencyError, ServerConfigError
-from ocrvl_daemon.server import autotune, driver_check, gpu, launchers, mps, vllm_release
+from ocrvl_daemon.server import (
+    autotune,
+    driver_check,
+    gpu,
+    launchers,
+    layout_engine,
+    layout_model,
+    mps,
+    placement,
+    vllm_release,
+)
 from ocrvl_daemon.server.launchers import server_env
-from ocrvl_daemon.worker import layout_engine, layout_model
-from ocrvl_daemon.worker.layout_engine import LayoutChoice
+from ocrvl_daemon.server.layout_engine import LayoutChoice
 
 WSL_CONF = Path("/etc/wsl.conf")
 
@@ -253,7 +262,7 @@ def layout_model_checks(config: Config) -> list[Check]:
     if not config.pipeline.use_layout_detection:
         return []
     try:
-        choice = autotune.layout_choice(config)
+        choice = placement.layout_choice(config)
     except DependencyError as exc:
         return [Check("layout engine", "fail", exc.message, exc.fix)]
     workers = f"{choice.workers} worker{'s' if choice.workers != 1 else ''}"

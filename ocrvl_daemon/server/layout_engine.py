@@ -1,7 +1,7 @@
 """Which engine, device and threads run the layout model (PP-DocLayoutV2/V3) on this machine.
 
 `choose` is a plain function of what is installed, the GPU the layout model may use (one
-whose VRAM plan leaves it room: `server.autotune.layout_choice` decides that) and the cores,
+whose VRAM plan leaves it room: `server.placement` decides that) and the cores,
 so the worker, `ocrvl doctor` and the tests reach the same answer. Only the layout model (and
 the optional page preprocessing models) follow this choice: the VL recognition goes to the
 server whatever the engine, since PaddleX's VLRecognition sub-config has a server
@@ -22,12 +22,23 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from ocrvl_daemon.config.layout import (
+    AUTO,
+    ENGINES,
+    INSTALL,
+    ON_CPU_ASKED,
+    ON_CPU_NO_GPU,
+    ON_CPU_NO_GPU_ENGINE,
+    ON_CPU_NO_ROOM,
+    ON_GPU_ASKED,
+    ON_GPU_AUTO,
+    TO_THE_GPU,
+    parse_device,
+)
 from ocrvl_daemon.errors import DependencyError
+from ocrvl_daemon.server import layout_model
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.worker import layout_model
 
-AUTO = "auto"
-ENGINES = ("paddle", "onnxruntime", "transformers")
 # PaddleX's engine for each choice: `paddle` is the static graph, faster than the dynamic one
 # on the CPU (bench/RESULTS.md).
 PADDLEX_ENGINE = {"paddle": "paddle_static", "onnxruntime": "onnxruntime",
@@ -35,12 +46,6 @@ PADDLEX_ENGINE = {"paddle": "paddle_static", "onnxruntime": "onnxruntime",
 # The folder each engine loads under official_models/ (paddlex's `_format_download_model_name`
 # for the format it reads: paddle, onnx, safetensors).
 MODEL_SUFFIX = {"paddle": "", "onnxruntime": "_onnx", "transformers": "_safetensors"}
-# How to install each engine (README, "Layout detection: which engine").
-INSTALL = {"paddle": "pip install 'ocrvl-daemon[cpu]' (PaddlePaddle's CPU build)",
-           "onnxruntime": "pip install onnxruntime",
-           "transformers": "`ocrvl setup-server` (it lends ocrvl the server environment's "
-                           "torch, transformers and torchvision), or pip install "
-                           "'ocrvl-daemon[gpu-layout]' (a copy of its own)"}
 # A file each engine's model folder must hold (any one of them) for PaddleX to load it.
 MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
                "onnxruntime": ("inference.onnx",), "transformers": ("model.safetensors",)}
@@ -51,22 +56,6 @@ MODEL_FILES = {"paddle": ("inference.json", "inference.pdmodel"),
 # PyPI-only install gets (`[gpu-layout]`); onnxruntime-gpu needs matching cuDNN.
 CPU_ORDER = ("transformers", "paddle", "onnxruntime")
 GPU_ORDER = ("paddle", "transformers", "onnxruntime")
-# Why the layout model runs where it does (`LayoutChoice.why`; `ocrvl status` and `doctor`
-# advise from these).
-ON_GPU_ASKED = ON_CPU_ASKED = "pipeline.layout_device asks for it"
-ON_GPU_AUTO = "auto: the fastest place here, with room beside the server"
-ON_CPU_NO_GPU = "auto: no GPU here"
-ON_CPU_NO_ROOM = "auto: the GPU's memory plan leaves it no room"
-ON_CPU_NO_GPU_ENGINE = "auto: no engine that can use the GPU is installed"
-# What would put the layout model on the GPU, by why it runs on the CPU ("": nothing would).
-TO_THE_GPU = {
-    ON_CPU_ASKED: "set pipeline.layout_device: gpu (or auto) to put it on the GPU",
-    ON_CPU_NO_GPU_ENGINE: "no engine that can use the GPU is installed; with "
-                          f"{INSTALL['transformers']} it moves there by itself",
-    ON_CPU_NO_ROOM: "the GPU's memory plan leaves it no room beside the server; a lower "
-                    "server.vllm_args.gpu-memory-utilization leaves it some",
-    ON_CPU_NO_GPU: "",
-}
 # The first transformers with PP-DocLayoutV2 and V3 (the [gpu-layout] extra's floor).
 MIN_TRANSFORMERS = Version("5.13")
 # GPU memory the layout model takes beside the server, per worker process (each loads its
@@ -182,15 +171,6 @@ class LayoutChoice:
                 args["engine_config"] = {"intra_op_num_threads": self.threads}
         return args
 
-    def limit_threads(self) -> None:
-        """Hold torch to this choice's threads in this process: PaddleX's transformers engine
-        takes no thread count, and torch would otherwise start a thread per core in every
-        worker, each worker's threads fighting the others' for the same cores."""
-        if self.engine == "transformers" and self.threads is not None:
-            import torch
-
-            torch.set_num_threads(self.threads)
-
     @property
     def to_the_gpu(self) -> str:
         """What would put it on the GPU, when it runs on the CPU although the GPU could take
@@ -203,18 +183,6 @@ class LayoutChoice:
         if self.threads is not None:
             how += f", {self.threads} thread{'s' if self.threads != 1 else ''}"
         return f"{self.model} on {self.device} ({how})"
-
-
-def parse_device(value: str) -> tuple[str, int | None]:
-    """("auto" | "cpu" | "gpu", index or None) of a layout_device value; ValueError says what
-    it must be."""
-    text = value.strip().lower()
-    if text in (AUTO, "cpu", "gpu"):
-        return text, None
-    kind, _, index = text.partition(":")
-    if kind == "gpu" and index.isdigit():
-        return "gpu", int(index)
-    raise ValueError("must be auto, cpu, gpu or gpu:N (N a CUDA device number, e.g. gpu:0)")
 
 
 def default_workers(cores: int) -> int:
