@@ -8,9 +8,9 @@ from pathlib import Path
 from ocrvl_daemon.config.models import DEFAULT_MODEL
 from ocrvl_daemon.core.actions import Checkpoint, Sent
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.job import Job, JobState
+from ocrvl_daemon.core.messages import PageResult
 from ocrvl_daemon.core.quality import assess
-from ocrvl_daemon.storage.store import Job, JobState
-from ocrvl_daemon.worker.messages import PageResult
 
 URL = "http://127.0.0.1:8118/v1"
 

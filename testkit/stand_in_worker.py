@@ -13,15 +13,8 @@ from typing import Any
 
 from ocrvl_daemon.commands import status
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.engine.converter import Converter, ServerHandle
-from ocrvl_daemon.engine.pool import WORKER_RESTART_SECONDS, EnginePool
-from ocrvl_daemon.engine.worker_handle import EngineWorker
-from ocrvl_daemon.engine.worker_settings import worker_setup
-from ocrvl_daemon.server.placement import decide_placement
-from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
-from ocrvl_daemon.storage.jobs import enqueue_file, open_store
-from ocrvl_daemon.storage.store import Job, Store
-from ocrvl_daemon.worker.messages import (
+from ocrvl_daemon.core.job import Job
+from ocrvl_daemon.core.messages import (
     Failure,
     GateLimit,
     PageResult,
@@ -29,6 +22,14 @@ from ocrvl_daemon.worker.messages import (
     RequestSent,
     WorkerSetup,
 )
+from ocrvl_daemon.engine.converter import Converter, ServerHandle
+from ocrvl_daemon.engine.pool import WORKER_RESTART_SECONDS, EnginePool
+from ocrvl_daemon.engine.worker_handle import EngineWorker
+from ocrvl_daemon.engine.worker_settings import worker_setup
+from ocrvl_daemon.server.placement import decide_placement
+from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
+from ocrvl_daemon.storage.jobs import enqueue_file, open_store
+from ocrvl_daemon.storage.store import Store
 
 
 class StandInWorker:

@@ -21,6 +21,7 @@ from bench.gpu.answer_lengths import LognormalAnswerLengths, MoveDirectionality
 from bench.gpu.dummy_model import write_model_dir
 from bench.gpu.lengths import ENV, SHORTEST, AnswerLengths
 from bench.gpu.loop_pages import LoopingAnswerLengths
+from ocrvl_daemon.core.messages import LOOP
 from ocrvl_daemon.core.quality import (
     LOOP_COMPRESSION_RATIO,
     LOOP_WINDOW_CHARS,
@@ -28,7 +29,7 @@ from ocrvl_daemon.core.quality import (
     looks_like_a_loop,
     repetition,
 )
-from ocrvl_daemon.worker.streaming import CHECK_EVERY_TOKENS, LOOP, stream_completion
+from ocrvl_daemon.worker.streaming import CHECK_EVERY_TOKENS, stream_completion
 
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers.decoders import DecodeStream  # noqa: E402

@@ -22,14 +22,14 @@ from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.actions import Checkpoint, FailJob, SendAgain, Sent, Wake
 from ocrvl_daemon.core.decide import Rules, decide, release_held
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.messages import LOOP, BlockAnswer, Failure, PageResult, PageTask
 from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_GROWTH, Redo, Verdict
 from ocrvl_daemon.engine.worker_settings import worker_setup
 from ocrvl_daemon.server.placement import Placement
 from ocrvl_daemon.worker import completions
-from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult, PageTask
 from ocrvl_daemon.worker.page_context import Asked, PageContext, on_page
 from ocrvl_daemon.worker.pipeline import replace_chat_completion
-from ocrvl_daemon.worker.streaming import LOOP, StreamedAnswer
+from ocrvl_daemon.worker.streaming import StreamedAnswer
 from testkit.core import URL, document, send_all
 from testkit.documents import make_pdf
 from testkit.fake_server import FakeServerConfig, InProcessFakeServer

@@ -23,9 +23,9 @@ from ocrvl_daemon.core.decide import (
     release_held,
 )
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.messages import Failure, PageResult
 from ocrvl_daemon.core.quality import LOOP_PENALTIES, Redo, Verdict
 from ocrvl_daemon.errors import ExitCode, InputVanishedError, PagesFailedError
-from ocrvl_daemon.worker.messages import Failure, PageResult
 from testkit.core import URL, document, send_all
 
 RULES = Rules(page_retries=2, fail_on_page_error=False, external_server=False, server_url=URL)

@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.job import JobState
+from ocrvl_daemon.core.messages import Failure, PageResult
 from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.engine.endpoints import SUSPEND_SECONDS
 from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.server.external import ExternalServer
 from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.storage.jobs import enqueue_file, open_store
-from ocrvl_daemon.storage.store import JobState, Store
-from ocrvl_daemon.worker.messages import Failure, PageResult
+from ocrvl_daemon.storage.store import Store
 from testkit.documents import make_pdf
 from testkit.harness import FakeServerProcess, free_port, start_fake_server, wait_until
 from testkit.stand_in_worker import ReadyServer, converter_with_stand_in

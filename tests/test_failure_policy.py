@@ -20,12 +20,12 @@ import yaml
 
 from ocrvl_daemon.commands import retry, status
 from ocrvl_daemon.core.backoff import Backoff
+from ocrvl_daemon.core.job import Job, JobState
+from ocrvl_daemon.core.messages import Failure, PageResult
 from ocrvl_daemon.core.quality import looks_like_a_loop
 from ocrvl_daemon.errors import InputFileError
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.storage.jobs import enqueue_file
-from ocrvl_daemon.storage.store import Job, JobState
-from ocrvl_daemon.worker.messages import Failure, PageResult
 from testkit.documents import deny_reading, make_pdf, make_random_bytes
 from testkit.harness import read_only_folder, wait_until
 from testkit.inbox_daemon import Setup, wait_for_markdown

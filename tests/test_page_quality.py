@@ -22,11 +22,11 @@ import yaml
 
 from ocrvl_daemon.core.actions import SendAgain
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.messages import PageResult
 from ocrvl_daemon.core.quality import LOOP_PENALTIES, REDO_SHARE, KeptBecause, Redo, Verdict, assess
 from ocrvl_daemon.core.redo import WHOLE_PAGE, CutBlock, Later
 from ocrvl_daemon.errors import NotOursError
 from ocrvl_daemon.output.document_files import Page, write_document
-from ocrvl_daemon.worker.messages import PageResult
 from ocrvl_daemon.worker.request_images import has_ink
 from testkit.core import document
 from testkit.documents import make_pdf, sent_width

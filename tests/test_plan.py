@@ -11,10 +11,9 @@ import pytest
 
 from ocrvl_daemon.core.actions import ReachedServer, Sent, TakenBack
 from ocrvl_daemon.core.document import SMALL_DOCUMENT_PAGES, Document
+from ocrvl_daemon.core.messages import SHORT_OF_PAGES, GateLimit, PageResult, YieldCap
 from ocrvl_daemon.core.plan import SHORT_EXTRA, EndpointRoom, Plan, plan, ready_margin, yield_room
 from ocrvl_daemon.storage.jobs import enqueue_file
-from ocrvl_daemon.worker.messages import GateLimit, PageResult
-from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
 from testkit.core import URL, checkpointed, document, job
 from testkit.documents import make_pdf
 from testkit.stand_in_worker import ReadyServer, converter_with_stand_in

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.messages import WorkerSetup
 from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.engine.worker_handle import EngineWorker
 from ocrvl_daemon.process.group import (
@@ -25,7 +26,6 @@ from ocrvl_daemon.process.group import (
     group_members,
     kill_leftover,
 )
-from ocrvl_daemon.worker.messages import WorkerSetup
 from testkit.harness import wait_until
 from testkit.stand_in_worker import real_worker
 

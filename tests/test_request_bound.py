@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.messages import GateLimit, PageResult, PageTask, WorkerSetup, YieldCap
 from ocrvl_daemon.engine.pool import EnginePool, shares
 from ocrvl_daemon.server.placement import Placement
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, WorkerSetup
-from ocrvl_daemon.worker.request_gate import YieldCap
 from testkit.stand_in_worker import StandInWorker
 
 URL = "http://127.0.0.1:8118/v1"

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.messages import SHORT_OF_PAGES, GateLimit, PageResult, PageTask, YieldCap
 from ocrvl_daemon.engine.worker_handle import EngineWorker
-from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask
-from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, GatedRequest, RequestGate, YieldCap
+from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from testkit.documents import make_pdf, sent_width
 from testkit.harness import free_port, start_fake_server, wait_until
 from testkit.stand_in_worker import real_worker

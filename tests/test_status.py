@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.commands.status import finish_times
+from ocrvl_daemon.core.job import PageFailure
 from ocrvl_daemon.observe.daemon_state import write_runtime_file
 from ocrvl_daemon.observe.stages import StageLoad
-from ocrvl_daemon.storage.store import PageFailure, Store
+from ocrvl_daemon.storage.store import Store
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.runner import (

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.storage.store import Job, JobState, PageFailure, Store
+from ocrvl_daemon.core.job import Job, JobState, PageFailure
+from ocrvl_daemon.storage.store import Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ocrvl_daemon"
 MODEL = "PaddleOCR-VL-1.6-0.9B"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.worker.messages import BlockAnswer, PageResult
-from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate, YieldCap
+from ocrvl_daemon.core.messages import BlockAnswer, PageResult, YieldCap
+from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from testkit.documents import make_pdf
 from testkit.harness import wait_until
 from testkit.stand_in_worker import Policy

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from ocrvl_daemon.core.messages import ErrorRecord
 from ocrvl_daemon.errors import (
     ExitCode,
     InputFileError,
@@ -14,7 +15,6 @@ from ocrvl_daemon.errors import (
     OcrvlError,
     UnsetVariableError,
 )
-from ocrvl_daemon.worker.messages import ErrorRecord
 
 
 def across_the_pipe(error: OcrvlError) -> OcrvlError:

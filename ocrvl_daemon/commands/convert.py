@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
+from ocrvl_daemon.core.job import JobState
 from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
@@ -38,7 +39,7 @@ from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.storage.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
-from ocrvl_daemon.storage.store import JobState, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

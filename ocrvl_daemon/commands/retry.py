@@ -9,12 +9,13 @@ from ocrvl_daemon.commands.install_service import start_command
 from ocrvl_daemon.commands.status import daemon_alive
 from ocrvl_daemon.config.file import advice_command
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.job import Job, JobState
 from ocrvl_daemon.errors import ExitCode, InputFileError, UsageError
 from ocrvl_daemon.files.names import shell_quote, shown
 from ocrvl_daemon.files.pdf import page_count, parse_pages
 from ocrvl_daemon.observe.daemon_state import read_runtime_file
 from ocrvl_daemon.storage.jobs import open_store
-from ocrvl_daemon.storage.store import Job, JobState, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

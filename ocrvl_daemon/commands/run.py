@@ -28,6 +28,7 @@ from pathlib import Path
 from ocrvl_daemon.config.file import advice_command, load_config
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.config.values import folder_problem
+from ocrvl_daemon.core.job import JobState
 from ocrvl_daemon.engine.converter import Converter
 from ocrvl_daemon.errors import (
     ConfigError,
@@ -56,7 +57,6 @@ from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.storage.disk_pause import StatePause
 from ocrvl_daemon.storage.jobs import enqueue_file, open_store
 from ocrvl_daemon.storage.lock import StateLock
-from ocrvl_daemon.storage.store import JobState
 
 log = logging.getLogger(__name__)
 

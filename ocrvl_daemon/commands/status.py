@@ -18,6 +18,7 @@ from ocrvl_daemon.config.file import advice_command
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.core.document import MAX_ACTIVE_DOCUMENTS
+from ocrvl_daemon.core.job import Job, JobState, PageFailure
 from ocrvl_daemon.errors import OcrvlError
 from ocrvl_daemon.files.names import shell_quote, shown
 from ocrvl_daemon.files.pdf import page_count, repair_fix, retry_command
@@ -33,7 +34,7 @@ from ocrvl_daemon.output.document_files import (
 )
 from ocrvl_daemon.storage.jobs import open_store
 from ocrvl_daemon.storage.lock import paused_note
-from ocrvl_daemon.storage.store import Job, JobState, PageFailure, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

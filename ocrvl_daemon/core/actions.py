@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ocrvl_daemon.core.messages import PageResult
 from ocrvl_daemon.core.page import Held
 from ocrvl_daemon.core.quality import PageQuality
 from ocrvl_daemon.core.redo import Ledger
 from ocrvl_daemon.errors import OcrvlError
-from ocrvl_daemon.worker.messages import PageResult
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.actions import Action, Checkpoint, FailJob, Placeholder, SendAgain
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import Document
+from ocrvl_daemon.core.messages import BlockAnswer, Failure, PageResult
 from ocrvl_daemon.core.page import Held
 from ocrvl_daemon.core.quality import (
     KeptBecause,
@@ -39,7 +40,6 @@ from ocrvl_daemon.errors import (
     ServerError,
 )
 from ocrvl_daemon.files.pdf import retry_command
-from ocrvl_daemon.worker.messages import BlockAnswer, Failure, PageResult
 
 # A page the server failed (HTTP 5xx) waits before it is sent again, longer after each
 # failure: a server failing every request is not hammered, and one that failed a moment has

@@ -26,10 +26,10 @@ from ocrvl_daemon.core.actions import (
     TakenBack,
     Wake,
 )
+from ocrvl_daemon.core.job import Job
 from ocrvl_daemon.core.page import DONE, PENDING, Done, Held, Page, Pending, Resting, SentPage
 from ocrvl_daemon.core.redo import Ledger, RedoBudget
 from ocrvl_daemon.files.pdf import FileStamp
-from ocrvl_daemon.storage.store import Job
 
 # Documents converted at once, sharing the server; the queue behind them waits for a slot.
 MAX_ACTIVE_DOCUMENTS = 64

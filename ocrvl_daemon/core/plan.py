@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ocrvl_daemon.core.document import Document
-from ocrvl_daemon.worker.messages import GateLimit
-from ocrvl_daemon.worker.request_gate import SHORT_OF_PAGES, YieldCap
+from ocrvl_daemon.core.messages import SHORT_OF_PAGES, GateLimit, YieldCap
 
 # Pages an engine worker has in preparation (rendering, layout, encoding) at most, and what
 # the plan keeps each one given: the page being prepared and the next.

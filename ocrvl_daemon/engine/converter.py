@@ -37,6 +37,8 @@ from ocrvl_daemon.core.document import (
     pages_of_worker,
     pages_per_endpoint,
 )
+from ocrvl_daemon.core.job import JobState
+from ocrvl_daemon.core.messages import Failure, PageResult, PageTask
 from ocrvl_daemon.core.plan import EndpointRoom, isolation_bound, plan
 from ocrvl_daemon.core.quality import Redo
 from ocrvl_daemon.engine.active_documents import ActiveDocuments, unexpected
@@ -52,8 +54,7 @@ from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.storage.jobs import DAEMON_RETRY, job_fields
-from ocrvl_daemon.storage.store import JobState, Store
-from ocrvl_daemon.worker.messages import Failure, PageResult, PageTask
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 
 from ocrvl_daemon.core.actions import Checkpoint, Placeholder
+from ocrvl_daemon.core.job import Job, PageFailure
 from ocrvl_daemon.observe.rate import RateMeter
 from ocrvl_daemon.storage.jobs import job_fields
-from ocrvl_daemon.storage.store import Job, PageFailure, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

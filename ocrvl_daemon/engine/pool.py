@@ -26,20 +26,20 @@ from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
-from ocrvl_daemon.engine.worker_handle import EngineWorker
-from ocrvl_daemon.engine.worker_settings import worker_setup
-from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
-from ocrvl_daemon.observe.units import counted
-from ocrvl_daemon.server.placement import Placement, decide_placement
-from ocrvl_daemon.worker.messages import (
+from ocrvl_daemon.core.messages import (
     ErrorRecord,
     GateLimit,
     PageResult,
     PageTask,
     RequestSent,
     WorkerSetup,
+    YieldCap,
 )
-from ocrvl_daemon.worker.request_gate import YieldCap
+from ocrvl_daemon.engine.worker_handle import EngineWorker
+from ocrvl_daemon.engine.worker_settings import worker_setup
+from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
+from ocrvl_daemon.observe.units import counted
+from ocrvl_daemon.server.placement import Placement, decide_placement
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,7 @@ import time
 
 import psutil
 
-from ocrvl_daemon.observe.sd_notify import child_env
-from ocrvl_daemon.process.channel import Channel, start_child
-from ocrvl_daemon.process.group import stop_process_group
-from ocrvl_daemon.worker.messages import (
+from ocrvl_daemon.core.messages import (
     GateLimit,
     LogRecord,
     PageResult,
@@ -35,6 +32,9 @@ from ocrvl_daemon.worker.messages import (
     WorkerReady,
     WorkerSetup,
 )
+from ocrvl_daemon.observe.sd_notify import child_env
+from ocrvl_daemon.process.channel import Channel, start_child
+from ocrvl_daemon.process.group import stop_process_group
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.messages import WorkerSetup
 from ocrvl_daemon.server.placement import Placement, decide_placement
 from ocrvl_daemon.server.probe import bearer_header
-from ocrvl_daemon.worker.messages import WorkerSetup
 
 
 def worker_setup(config: Config, placement: Placement) -> WorkerSetup:

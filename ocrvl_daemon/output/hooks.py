@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ocrvl_daemon.config.model import HOOK_PLACEHOLDERS, HooksConfig
+from ocrvl_daemon.core.job import Job, PageFailure
 from ocrvl_daemon.observe.logs import doc_fields
 from ocrvl_daemon.process.group import ProcessGroup
-from ocrvl_daemon.storage.store import Job, PageFailure, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 # A hook's own output, line by line.

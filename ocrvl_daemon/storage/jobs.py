@@ -11,11 +11,12 @@ from pathlib import Path
 
 from ocrvl_daemon.config.model import Config, Recipe
 from ocrvl_daemon.core.backoff import Backoff
+from ocrvl_daemon.core.job import Job, JobState
 from ocrvl_daemon.errors import InputFileError, InputVanishedError, OcrvlError
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.logs import doc_fields
 from ocrvl_daemon.output import document_files
-from ocrvl_daemon.storage.store import Job, JobState, Store
+from ocrvl_daemon.storage.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,10 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from ocrvl_daemon.core.job import Job, JobState, PageFailure, StoredPage
 from ocrvl_daemon.errors import ConfigError, StateFullError
 from ocrvl_daemon.files.names import shown
 from ocrvl_daemon.storage.schema import apply_schema
@@ -30,65 +29,6 @@ from ocrvl_daemon.storage.schema import apply_schema
 SQLITE_FULL = 13  # "database or disk is full"
 # Pages read per query when assembling a document.
 PAGE_BATCH = 256
-
-
-class JobState(str, Enum):
-    """Where a document is in its life."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    GONE = "gone"  # its file was deleted while it was being converted; nothing was written
-
-
-class PageFailure(IntEnum):
-    """How a page ended, as stored in `pages.failed`."""
-
-    NONE = 0
-    RETRYABLE = 1  # every attempt failed; another may succeed (`ocrvl retry --pages`)
-    DAMAGED = 2  # the page is damaged in the PDF itself: only a repaired file can help
-
-
-@dataclass(frozen=True)
-class Job:
-    """A row of the jobs table."""
-
-    id: int
-    path: Path
-    sha256: str
-    size: int
-    mtime: float
-    model: str
-    state: JobState
-    attempts: int
-    last_error: str | None
-    page_count: int | None
-    created: float
-    updated: float
-    started: float | None
-    finished: float | None
-    not_before: float
-    redo_tokens: int  # extra tokens its last conversion took redoing cut-off pages
-    hook_error: str | None = None  # why the last hook run for it failed
-
-
-@dataclass(frozen=True)
-class StoredPage:
-    """A checkpointed page."""
-
-    page: int
-    markdown: str
-    note: str | None
-    failed: bool
-    images: dict[str, bytes]
-    quality: dict[str, Any] | None = None  # page_quality.PageQuality.to_json()
-    layout: dict[str, Any] | None = None  # {"size": [w, h], "blocks": [...]}
-
-    @property
-    def verdict(self) -> str | None:
-        """ok, suspect or bad (None: recorded before quality records, or a placeholder)."""
-        return self.quality["verdict"] if self.quality else None
 
 
 class Store:

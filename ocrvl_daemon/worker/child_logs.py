@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import warnings
 
+from ocrvl_daemon.core.messages import LogRecord
 from ocrvl_daemon.observe.logs import PrintableFormatter
 from ocrvl_daemon.process.channel import Channel
-from ocrvl_daemon.worker.messages import LogRecord
 
 
 class _DaemonLog(logging.Handler):

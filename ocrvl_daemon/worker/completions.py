@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from ocrvl_daemon.core.messages import BlockAnswer, WorkerSetup
 from ocrvl_daemon.core.quality import Redo
-from ocrvl_daemon.worker.messages import BlockAnswer, WorkerSetup
 from ocrvl_daemon.worker.page_context import Asked, this_page
 from ocrvl_daemon.worker.request_gate import GatedRequest, RequestGate
 from ocrvl_daemon.worker.request_images import has_ink, image_url, pixels_of, within_aspect

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from ocrvl_daemon.core.messages import LogRecord, WorkerSetup
 from ocrvl_daemon.process.channel import Channel, child_channel, start_child
 from ocrvl_daemon.worker.child_logs import library_logs_to_daemon, log_to_daemon
-from ocrvl_daemon.worker.messages import LogRecord, WorkerSetup
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.pipeline import inner_pipeline, limit_torch_threads, warm_layout_model
 

@@ -16,17 +16,17 @@ import sys
 import threading
 from typing import Any
 
-from ocrvl_daemon.process.channel import child_channel
-from ocrvl_daemon.worker.child_logs import library_logs_to_daemon, log_to_daemon
-from ocrvl_daemon.worker.completions import Endpoints, tracked_completions
-from ocrvl_daemon.worker.layout_process import LayoutProcess
-from ocrvl_daemon.worker.messages import (
+from ocrvl_daemon.core.messages import (
     GateLimit,
     PageTask,
     WorkerFailed,
     WorkerReady,
     WorkerSetup,
 )
+from ocrvl_daemon.process.channel import child_channel
+from ocrvl_daemon.worker.child_logs import library_logs_to_daemon, log_to_daemon
+from ocrvl_daemon.worker.completions import Endpoints, tracked_completions
+from ocrvl_daemon.worker.layout_process import LayoutProcess
 from ocrvl_daemon.worker.paddlex_import import import_paddleocr_vl
 from ocrvl_daemon.worker.page import run_page
 from ocrvl_daemon.worker.pipeline import (

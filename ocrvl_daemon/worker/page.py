@@ -18,13 +18,7 @@ from typing import Any
 
 import httpx
 
-from ocrvl_daemon.core.quality import repetition
-from ocrvl_daemon.errors import OcrvlError, PageDamagedError
-from ocrvl_daemon.files.pdf import PDFIUM_LOCK, check_unchanged, render_page
-from ocrvl_daemon.observe.logs import doc_fields
-from ocrvl_daemon.process.channel import Channel
-from ocrvl_daemon.worker import completions
-from ocrvl_daemon.worker.messages import (
+from ocrvl_daemon.core.messages import (
     Block,
     ErrorRecord,
     Failure,
@@ -33,6 +27,12 @@ from ocrvl_daemon.worker.messages import (
     RequestSent,
     WorkerSetup,
 )
+from ocrvl_daemon.core.quality import repetition
+from ocrvl_daemon.errors import OcrvlError, PageDamagedError
+from ocrvl_daemon.files.pdf import PDFIUM_LOCK, check_unchanged, render_page
+from ocrvl_daemon.observe.logs import doc_fields
+from ocrvl_daemon.process.channel import Channel
+from ocrvl_daemon.worker import completions
 from ocrvl_daemon.worker.page_context import PageContext, TimedRequests, on_page
 from ocrvl_daemon.worker.request_images import has_ink
 from ocrvl_daemon.worker.streaming import StatusError

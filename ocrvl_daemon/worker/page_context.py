@@ -16,8 +16,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from ocrvl_daemon.core.messages import BlockAnswer
 from ocrvl_daemon.core.quality import Redo
-from ocrvl_daemon.worker.messages import BlockAnswer
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
-# A document with fewer pages than this in flight (a letter, a book just dropped) is short of
-# pages: the plan sends its next pages at once (`plan.SHORT_EXTRA`), and here they may bump a
-# young request of a document with many pages in flight instead of waiting for one to finish.
-SHORT_OF_PAGES = 4
-
+from ocrvl_daemon.core.messages import SHORT_OF_PAGES, YieldCap
 
 # How long a request short of pages waits for a place before it bumps one (RequestGate).
 BUMP_AFTER = 1.0
@@ -33,15 +29,6 @@ BUMP_AFTER = 1.0
 # server's own queue (sent, no answer begun): the server still has its next request at hand,
 # and a letter's request sent now has at most these ahead of it there, on a server of any size.
 QUEUED_WHILE_CAPPED = 2
-
-
-@dataclass(frozen=True)
-class YieldCap:
-    """While small documents run beside big ones: the big `documents` (job ids) may hold at
-    most `places` requests at the server (`RequestGate.resize`)."""
-
-    places: int
-    documents: frozenset[int]
 
 
 @dataclass(eq=False)

@@ -25,11 +25,11 @@ from typing import Any
 
 import httpx
 
+from ocrvl_daemon.core.messages import LOOP
 from ocrvl_daemon.core.quality import LOOP_WINDOW_CHARS, looks_like_a_loop
 
 log = logging.getLogger(__name__)
 
-LOOP = "loop"  # the finish reason of an answer cut short because it looped
 # vLLM's finish reasons beyond OpenAI's "stop" and "length": its own loop detection ends an
 # answer with "repetition"; "abort" and "error" end one unfinished.
 REPEATED = "repetition"

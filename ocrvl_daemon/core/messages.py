@@ -20,8 +20,21 @@ from typing import Any
 
 from ocrvl_daemon import errors
 from ocrvl_daemon.core.quality import Redo, looks_like_a_loop
-from ocrvl_daemon.worker.request_gate import YieldCap
-from ocrvl_daemon.worker.streaming import LOOP
+
+# A document with fewer pages than this in flight (a letter, a book just dropped) is short of
+# pages: the plan sends its next pages at once (`plan.SHORT_EXTRA`), and here they may bump a
+# young request of a document with many pages in flight instead of waiting for one to finish.
+SHORT_OF_PAGES = 4
+LOOP = "loop"  # the finish reason of an answer cut short because it looped (streaming)
+
+
+@dataclass(frozen=True)
+class YieldCap:
+    """While small documents run beside big ones: the big `documents` (job ids) may hold at
+    most `places` requests at the server (`RequestGate.resize`)."""
+
+    places: int
+    documents: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ class BlockAnswer:
 
     key: str
     text: str
-    finish_reason: str | None  # "stop", "length", or streaming.LOOP (stopped as a loop)
+    finish_reason: str | None  # "stop", "length", or LOOP (stopped as a loop)
     tokens: int  # completion tokens the answer took when the server generated it
     reused: bool = False  # kept from an earlier answer: not asked of the server this time
     limit: int = 0  # the token limit its request asked for (0: not known)
