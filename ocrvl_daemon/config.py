@@ -476,6 +476,34 @@ class OutputConfig(_Section):
         return value
 
 
+class ClusterConfig(_Section):
+    """Engine hosts on a Ray cluster (`ocrvl_daemon.cluster`); unset address: local workers."""
+
+    # Ray's own address forms: "HOST:PORT" of the head's GCS, "auto" (the cluster `ray start`
+    # made on this machine), "ray://HOST:10001" (Ray Client).
+    address: str | None = None
+    # The address this machine is known by in the cluster (Ray's `_node_ip_address`); null:
+    # Ray's own guess.
+    node_ip: str | None = None
+    # How each node gets a document's PDF: auto (its own copy at the same path when it sees
+    # the same file there, else one fetched once through Ray's object store), shared_path
+    # (always the same path: the inbox is mounted alike everywhere), object_store (always
+    # fetched).
+    pdfs: Literal["auto", "shared_path", "object_store"] = "auto"
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None or value == "auto" or value.startswith("ray://"):
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise KeyProblem("cluster.address", value, "must be Ray's address: HOST:PORT of "
+                            "the head (the one `ray start --head` prints), auto, or "
+                            "ray://HOST:10001; or null to run the engine here")
+        return value
+
+
 class MetricsConfig(_Section):
     """The daemon's own Prometheus endpoint."""
 
@@ -560,6 +588,7 @@ class Config(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
     hooks: HooksConfig = Field(default_factory=HooksConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     progress_seconds: float = Field(30.0, gt=0)
@@ -623,6 +652,11 @@ class Config(_Section):
                 "paddleocr genai_server serves the model under model.name only; remove "
                 "model.served_name, or use server.launcher: vllm",
             ))
+        if self.cluster.address is not None and server.mode != "managed":
+            problems.append(KeyProblem(
+                "server.mode", server.mode,
+                "with cluster.address set each node runs its own server (managed); set "
+                "server.mode: managed, or remove cluster.address to use this server"))
         names = [p.name for p in self.inbox.paths]
         if self.output.dir is not None and len(set(names)) < len(names):
             problems.append(KeyProblem(

@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ocrvl_daemon import output, pdf
+from ocrvl_daemon.cluster import engine_side
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.driver import Converter
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
@@ -34,10 +35,8 @@ from ocrvl_daemon.progress import (
 )
 from ocrvl_daemon.server.launchers import vllm_serve_command
 from ocrvl_daemon.server.managed import BackoffPolicy
-from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.shutdown import StopSignals
 from ocrvl_daemon.store import JobState, Store
-from ocrvl_daemon.worker.pool import EnginePool
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +133,15 @@ def _run(
 ) -> dict[Path, OcrvlError]:
     # Replicas that cannot fit are refused before anything starts; a managed server that
     # keeps failing (its port taken...) is given up on, as this command must end.
-    servers = ServerSet(config, backoff=lambda: BackoffPolicy(
+    servers, engines = engine_side(config, ENGINE_START_ATTEMPTS, backoff=lambda: BackoffPolicy(
         initial=config.server.restart_backoff_initial, cap=config.server.restart_backoff_max,
         give_up_after=SERVER_ATTEMPTS))
     signals = StopSignals()
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
     signals.install()
-    converter = Converter(config, store, servers.endpoints, set(jobs), again,
-                          EnginePool(config, ENGINE_START_ATTEMPTS), ONESHOT_RETRY)
+    converter = Converter(config, store, servers.endpoints, set(jobs), again, engines,
+                          ONESHOT_RETRY)
     try:
         servers.start()
         if config.server.mode == "external" and not servers.wait_ready(EXTERNAL_PROBE_SECONDS):

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ocrvl_daemon.cluster import engine_side
 from ocrvl_daemon.config import Config, folder_problem
 from ocrvl_daemon.config_file import advice_command, load_config
 from ocrvl_daemon.daemon_state import (
@@ -110,7 +111,7 @@ class Daemon:
         try:
             # Replicas that cannot fit the GPU, or a managed vLLM without one, are refused
             # here, before anything starts.
-            self.servers = ServerSet(config)
+            self.servers, engines = engine_side(config)
         except BaseException:
             self.lock.release()
             self.store.close()
@@ -130,12 +131,12 @@ class Daemon:
                 self.store.forget(job.id)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.servers.endpoints,
-                                   again=self.again)
+                                   again=self.again, engines=engines)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.state)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
-            if config.server.mode == "managed":
+            if config.server.mode == "managed" and config.cluster.address is None:
                 self.gpus.start()
             self.servers.start()
             self.watcher.start()
@@ -293,6 +294,7 @@ class Daemon:
                 name=load.name, url=load.url, state=state.value, phase=status.phase,
                 in_flight=load.in_flight, pages_per_s=round(load.pages_per_s, 3),
                 bound=load.bound, restarts=status.restart_count, last_error=status.last_error,
+                node=status.node, gpu=status.gpu,
             ))
         return views
 
@@ -306,12 +308,13 @@ class Daemon:
             self.notifier.ready()
             return
         old = self.config
-        for key in ("state_dir", "metrics"):
+        for key in ("state_dir", "metrics", "cluster"):
             if getattr(new, key) != getattr(old, key):
                 log.warning("%s changed; that takes effect at the next restart", key)
                 new = new.model_copy(update={key: getattr(old, key)})
         servers = None
-        if new.config_for_server != old.config_for_server:
+        # A cluster's hosts keep their own servers: the pool replaces them (reconfigure).
+        if new.config_for_server != old.config_for_server and new.cluster.address is None:
             try:
                 servers = ServerSet(new)  # replicas that cannot fit are refused here
             except ServerConfigError as exc:

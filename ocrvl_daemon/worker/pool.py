@@ -14,8 +14,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
@@ -25,12 +26,75 @@ from ocrvl_daemon.worker.client import EngineWorker
 from ocrvl_daemon.worker.messages import GateLimit, PageResult, PageTask, RequestSent
 from ocrvl_daemon.worker.request_gate import YieldCap
 
+if TYPE_CHECKING:
+    from ocrvl_daemon.dispatch import ServerHandle
+
 log = logging.getLogger(__name__)
 
 WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_RESTART_MAX_SECONDS = 300.0
+
+
+class WorkerHandle(Protocol):
+    """What the pool needs of a worker: a local process (`EngineWorker`), or one on a
+    cluster's engine host (`cluster.link.RayWorker`)."""
+
+    number: int  # the pool's name for it, on the pages it has
+    arrived: threading.Event  # set when a message arrives; the pool shares one
+    ready: bool
+    failure: str | None
+    pages_done: int
+
+    @property
+    def pid(self) -> int | None:
+        """Its process id (on its own machine)."""
+        ...
+
+    def start(self) -> None:
+        """Start it; it reports readiness through `collect`."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether its process still runs."""
+        ...
+
+    def rss_mb(self) -> float:
+        """Its resident memory, in MiB."""
+        ...
+
+    def submit(self, task: PageTask) -> None:
+        """Hand it one page."""
+        ...
+
+    def set_limit(self, gate: GateLimit) -> None:
+        """Its request gate for `gate.url`."""
+        ...
+
+    def pending(self) -> bool:
+        """Whether results wait to be collected."""
+        ...
+
+    def collect(self, timeout: float = 0.0) -> list[PageResult]:
+        """Results that arrived; waits up to `timeout` for the first one."""
+        ...
+
+    def requests_sent(self) -> list[RequestSent]:
+        """The pages whose first request left for the server, since last asked."""
+        ...
+
+    def close_input(self) -> None:
+        """No more pages: it finishes what it has and exits."""
+        ...
+
+    def stop(self) -> None:
+        """Stop it (bounded)."""
+        ...
+
+    def kill(self) -> None:
+        """Stop it now."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -56,22 +120,22 @@ class EnginePool:
         self,
         config: Config,
         starts: int | None = None,
-        new_worker: Callable[[Config, str], EngineWorker] = EngineWorker,
+        new_worker: Callable[[Config, str], WorkerHandle] = EngineWorker,
     ) -> None:
         self.config = config
         self.starts = starts
         self._new_worker = new_worker
         # The workers taking pages, one place each (None: to be started at its _retry_at).
-        self._slots: list[EngineWorker | None] = [None] * engine_workers(config)
+        self._slots: list[WorkerHandle | None] = [None] * engine_workers(config)
         self._retry_at = [0.0] * len(self._slots)
-        self._retiring: list[EngineWorker] = []
+        self._retiring: list[WorkerHandle] = []
         self._arrived = threading.Event()  # any worker's message
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
         self.start_error: OcrvlError | None = None
         self._numbers = itertools.count(1)
 
-    def _workers(self) -> list[EngineWorker]:
+    def _workers(self) -> list[WorkerHandle]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
 
     @property
@@ -79,13 +143,22 @@ class EnginePool:
         """How many workers it keeps (taking pages or being started)."""
         return len(self._slots)
 
-    def taking(self) -> list[EngineWorker]:
+    def taking(self) -> list[WorkerHandle]:
         """The workers that take pages now."""
         return [w for w in self._slots if w is not None and w.ready]
 
     def taking_numbers(self) -> list[int]:
         """The numbers of the workers that take pages now."""
         return [w.number for w in self.taking()]
+
+    def servers(self) -> list[ServerHandle] | None:
+        """The endpoints its workers bring (a cluster's engine hosts: each its node's server);
+        None: its workers use the owner's."""
+        return None
+
+    def serves(self) -> Mapping[int, frozenset[str]]:
+        """The endpoints each worker may send pages to, by number; one not named: any."""
+        return {}
 
     # --- pages --------------------------------------------------------------------------
 
@@ -227,7 +300,7 @@ class EnginePool:
         self._slots = (self._slots + [None] * count)[:count]
         self._retry_at = (self._retry_at + [0.0] * count)[:count]
 
-    def _worn(self, worker: EngineWorker) -> bool:
+    def _worn(self, worker: WorkerHandle) -> bool:
         p = self.config.pipeline
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 
