@@ -18,6 +18,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -73,9 +74,11 @@ class PdfShelf:
 class NodePdfs:
     """A node's side: the path a page is rendered from, fetching the copy when needed."""
 
-    def __init__(self, folder: Path, mode: str) -> None:
+    def __init__(self, folder: Path, mode: str,
+                 fetch: Callable[[PdfCopy], bytes] | None = None) -> None:
         self.folder = folder
         self.mode = mode
+        self._bytes = fetch or _from_object_store
         self._lock = threading.Lock()  # one fetch of a document at a time
 
     def local(self, task: PageTask, copy: PdfCopy | None) -> PageTask:
@@ -92,9 +95,7 @@ class NodePdfs:
         return replace(task, pdf=str(path), size=stat.st_size, mtime=stat.st_mtime)
 
     def _fetch(self, copy: PdfCopy, path: Path) -> None:
-        import ray
-
-        data = ray.get(copy.ref)
+        data = self._bytes(copy)
         self.folder.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f"{path.name}.{os.getpid()}.part")  # hosts share the cache
         part.write_bytes(data)
@@ -102,6 +103,12 @@ class NodePdfs:
         copies = sorted(self.folder.glob("*.pdf"), key=lambda p: p.stat().st_mtime)
         for old in copies[:-NODE_COPIES]:
             old.unlink(missing_ok=True)
+
+
+def _from_object_store(copy: PdfCopy) -> bytes:
+    import ray
+
+    return bytes(ray.get(copy.ref))
 
 
 def _same_file(task: PageTask) -> bool:
