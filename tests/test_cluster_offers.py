@@ -12,8 +12,8 @@ from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
 from ocrvl_daemon.config import Config
 from ocrvl_daemon.plan import EndpointRoom, plan
 from ocrvl_daemon.worker.messages import PageTask
-from testkit.documents import make_pdf
 from testkit.core import document
+from testkit.documents import make_pdf
 
 pytestmark = pytest.mark.quick
 
@@ -94,6 +94,6 @@ def test_a_cluster_needs_managed_servers():
 
 
 def test_cluster_address_must_be_one_ray_understands():
-    with pytest.raises(ValueError, match="cluster.address") as info:
+    with pytest.raises(ValueError, match=r"cluster\.address") as info:
         Config.model_validate({"cluster": {"address": "http://head"}})
     assert "ray start --head" in str(info.value)

@@ -28,6 +28,7 @@ from pathlib import Path
 from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy
 from ocrvl_daemon.config import AUTO, ClusterConfig, Config
 from ocrvl_daemon.errors import OcrvlError
+from ocrvl_daemon.server.autotune import engine_workers
 from ocrvl_daemon.server.probe import ServerMetrics
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerStatus
@@ -82,6 +83,7 @@ class HostPlace:
     hostname: str
     gpus: str | None  # CUDA_VISIBLE_DEVICES as Ray set it for the host
     urls: tuple[str, ...]  # its servers' OpenAI base URLs, as the node reaches them
+    workers: int  # engine workers it runs, as a local pool would on this node (engine_workers)
     pid: int
 
 
@@ -133,6 +135,11 @@ class EngineHost:
 
     def __init__(self, config_json: str, slot: str) -> None:
         self.slot = slot
+        # Ray sets OMP_NUM_THREADS=1 in an actor that asks for no CPU; the workers and server
+        # started here inherit the environment and must see the node as a local daemon's do
+        # (the layout model plans its own threads).
+        if os.environ.get("OMP_NUM_THREADS") == "1":
+            del os.environ["OMP_NUM_THREADS"]
         self._records = _Records(slot)
         root = logging.getLogger()
         root.addHandler(self._records)
@@ -156,7 +163,8 @@ class EngineHost:
         context = ray.get_runtime_context()
         return HostPlace(context.get_node_id(), ray.util.get_node_ip_address(),
                          socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                         tuple(e.url for e in self.servers.endpoints), os.getpid())
+                         tuple(e.url for e in self.servers.endpoints),
+                         engine_workers(self.config), os.getpid())
 
     def start_worker(self, number: int) -> None:
         """Start engine worker `number` (the daemon's name for it) on this node."""

@@ -29,7 +29,12 @@ from ocrvl_daemon.errors import ClusterError, DependencyError, ServerError
 from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from ocrvl_daemon.worker.messages import GateLimit
-from ocrvl_daemon.worker.pool import WORKER_RESTART_SECONDS, EnginePool, StoppedWorker
+from ocrvl_daemon.worker.pool import (
+    WORKER_RESTART_SECONDS,
+    EnginePool,
+    StoppedWorker,
+    share_gate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +92,20 @@ class ClusterPool(EnginePool):
         if now >= self._next_look:
             self._next_look = now + OFFERS_SECONDS
             stopped += self._look()
+        self._add_workers()
         return stopped + super().maintain(now, busy)
+
+    def _add_workers(self) -> None:
+        """Give each placed host as many worker places as a local pool would have on its
+        node (its first place is made when its slot is offered)."""
+        for name, link in self._links.items():
+            if link.place is None or link.dead is not None:
+                continue
+            places = [slot for slot, offer in enumerate(self._offers) if offer.slot == name]
+            for _ in range(link.place.workers - len(places)):
+                self._offers.append(self._offers[places[0]])
+                self._slots.append(None)
+                self._retry_at.append(0.0)
 
     def _hosts_gone(self, now: float) -> list[StoppedWorker]:
         stopped = []
@@ -162,10 +180,9 @@ class ClusterPool(EnginePool):
         return {w.number: w.link.urls for w in self.taking() if isinstance(w, RayWorker)}
 
     def set_limit(self, gate: GateLimit) -> None:
-        """A server's gate goes whole to the worker on its host that takes pages."""
-        for worker in self.taking():
-            if isinstance(worker, RayWorker) and gate.url in worker.link.urls:
-                worker.set_limit(gate)
+        """A server's gate is shared by the workers of its own host that take pages."""
+        share_gate(gate, [w for w in self.taking()
+                          if isinstance(w, RayWorker) and gate.url in w.link.urls])
 
     def reconfigure(self, config: Config) -> None:
         """Apply a reloaded configuration: with other engine or server settings every host

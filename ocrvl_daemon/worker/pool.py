@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -171,14 +171,7 @@ class EnginePool:
         """How many requests the workers may have at the server at `gate.url`, in all, and how
         many of them big documents may hold (`RequestGate.resize`): each worker's request
         gate gets an even share."""
-        taking = self.taking()
-        caps: list[YieldCap | None] = [None] * len(taking)
-        if gate.cap is not None:
-            caps = [replace(gate.cap, places=n)
-                    for n in _even_shares(gate.cap.places, len(taking))]
-        for worker, share, cap_share in zip(taking, _even_shares(gate.limit, len(taking)), caps,
-                                            strict=True):
-            worker.set_limit(GateLimit(gate.url, share, cap_share))
+        share_gate(gate, self.taking())
 
     def submit(self, number: int, task: PageTask) -> None:
         """Hand one page to the worker `number` of those taking pages."""
@@ -324,6 +317,17 @@ class EnginePool:
             worker.kill()
         self._slots = [None] * len(self._slots)
         self._retiring.clear()
+
+
+def share_gate(gate: GateLimit, taking: Sequence[WorkerHandle]) -> None:
+    """`gate` split evenly between the workers `taking` pages for its endpoint."""
+    caps: list[YieldCap | None] = [None] * len(taking)
+    if gate.cap is not None:
+        caps = [replace(gate.cap, places=n)
+                for n in _even_shares(gate.cap.places, len(taking))]
+    for worker, share, cap_share in zip(taking, _even_shares(gate.limit, len(taking)), caps,
+                                        strict=True):
+        worker.set_limit(GateLimit(gate.url, share, cap_share))
 
 
 def start_failure(failure: str) -> OcrvlError:
