@@ -132,6 +132,11 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
             ("inbox", lambda: _inbox_checks(given)),
             ("server", lambda: [_server_check(given)]),
         ]
+        if config.cluster.address is not None:
+            # The GPU and the server are each node's: the cluster's check asks the nodes.
+            sections = [(name, run) for name, run in sections
+                        if name not in ("GPU", "server environment", "server")]
+            sections.append(("cluster", lambda: _cluster_checks(given)))
     sections += [("WSL2", lambda: _wsl_checks(osrelease)), ("systemd", _systemd_checks)]
     for name, run in sections:
         try:
@@ -139,6 +144,13 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
         except Exception as exc:  # a bug or an odd system must not hide the other checks
             report.checks.append(Check(name, "warn", f"could not be checked: {exc!r}"))
     return report
+
+
+def _cluster_checks(config: Config) -> list[Check]:
+    """The Ray cluster of cluster.address (`cluster.doctor`)."""
+    from ocrvl_daemon.cluster.doctor import cluster_findings
+
+    return [Check("cluster", f.status, f.detail, f.fix) for f in cluster_findings(config)]
 
 
 def render_text(report: DoctorReport) -> str:
