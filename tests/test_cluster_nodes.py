@@ -104,7 +104,7 @@ def test_a_book_across_three_nodes_gets_a_share_from_every_node(tmp_path: Path,
     assert len(shares) == NODES and all(shares.values()), (
         f"every node's server should have recognised pages; requests per server: {shares}")
     assert sum(shares.values()) == 24, f"some pages were recognised twice: {shares}"
-    assert lines.count("(node 127.0.0.1") == NODES, (
+    assert lines.count("server node 127.0.0.1 #0: ready") == NODES, (
         f"`ocrvl status` should show each engine host's node:\n{lines}")
 
 
@@ -187,6 +187,16 @@ def test_a_node_whose_server_fails_leaves_its_pages_to_the_others(tmp_path: Path
         proc.wait()
     assert_every_page_once_in_order(tmp_path / "book.md", 36)
     assert f":{port}/v1 did not answer" in output, output[-4000:]
+
+
+def test_doctor_checks_the_cluster_and_its_engine_slots(tmp_path: Path, cluster: LocalCluster):
+    result = run_ocrvl("doctor", "--json", "--config", cluster_config(tmp_path, cluster),
+                       timeout=120, **LOOPBACK_ENV)
+    checks = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "cluster"]
+    assert checks and all(c["status"] == "ok" for c in checks), (
+        f"doctor should find the cluster reachable, alike everywhere, with engine slots: "
+        f"{checks}")
+    assert f"{NODES} engine slot(s)" in checks[-1]["detail"], checks[-1]
 
 
 def status(config: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def test_a_node_offers_one_host_per_gpu_and_a_cpu_only_node_none():
     slots = offers([node("1", GPU=2.0), node("2")])
     assert [(s.node_ip, s.unit, s.gpus) for s in slots] == [("10.0.0.1", 0, 1.0),
                                                           ("10.0.0.1", 1, 1.0)]
-    assert [s.where for s in slots] == ["node 10.0.0.1 GPU 0", "node 10.0.0.1 GPU 1"]
+    assert [s.where for s in slots] == ["node 10.0.0.1 #0", "node 10.0.0.1 #1"]
 
 
 def test_the_ocrvl_engine_resource_decides_over_the_gpus_and_shares_them():

@@ -44,7 +44,7 @@ from ocrvl_daemon.server.gpu import read_gpus
 from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.ray_cluster import LOOPBACK_ENV
-from testkit.runner import DaemonProcess, run_ocrvl, write_config
+from testkit.runner import DaemonProcess, managed_fake_server, run_ocrvl, write_config
 
 WORKER_READY = re.compile(r"engine worker \d+ ready in")
 # Each block's answer length with layout on: bench.gpu's median of 500 tokens a page over the
@@ -55,6 +55,7 @@ LAYOUT_PIPELINE = {"use_layout_detection": True, "layout_engine": "transformers"
 START_TIMEOUT_S = 600
 BOOK_TIMEOUT_S = 600
 TARGET = 0.95
+FAKE_ANSWERS = ("--output-tokens", "fixed:20", "--step-t0-ms", "50", "--max-num-seqs", "16")
 
 
 def pipeline_for(mode: str) -> dict[str, Any]:
@@ -72,8 +73,9 @@ def daemon_config(args: argparse.Namespace, work: Path, mode: str,
                   address: str | None) -> Path:
     """`ocrvl run`'s config: managed vLLM on the card, the mode's pipeline, and with
     `address` the cluster."""
-    sections = managed_vllm(args.model_dir, args.vllm_python, args.vllm_pythonpath,
-                            free_port())
+    sections = ({"server": managed_fake_server(free_port(), *FAKE_ANSWERS)} if args.fake else
+                managed_vllm(args.model_dir, args.vllm_python, args.vllm_pythonpath,
+                             free_port()))
     pipeline = pipeline_for(mode)
     if mode == "on":
         sections["server"]["env"][LENGTHS_ENV] = LAYOUT_LENGTHS
@@ -158,18 +160,22 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def start_cluster() -> Any:
-    """A one-node Ray cluster on the loopback whose head offers this machine's GPU."""
+def start_cluster(fake: bool) -> Any:
+    """A one-node Ray cluster on the loopback whose head offers this machine's GPU (`fake`:
+    one ocrvl_engine unit instead)."""
     from ray.cluster_utils import Cluster
 
     os.environ.update(LOOPBACK_ENV)
+    offer: dict[str, Any] = ({"resources": {"ocrvl_engine": 1}} if fake else {"num_gpus": 1})
     return Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": os.cpu_count(), "num_gpus": 1, "node_ip_address": "127.0.0.1",
-        "include_dashboard": False})
+        "num_cpus": os.cpu_count(), "node_ip_address": "127.0.0.1",
+        "include_dashboard": False, **offer})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = model_dir_parser("python -m bench.gpu.ray_vs_local", __doc__)
+    ap = model_dir_parser("python -m bench.gpu.ray_vs_local", __doc__, required=False)
+    ap.add_argument("--fake", action="store_true",
+                    help="a dry run without a GPU: the stand-in server, layout off only")
     ap.add_argument("--layout-cache", type=Path, default=Path("/tmp/lm"),
                     help="the layout stand-in (python -m testkit.layout_model DIR --format "
                     "transformers; made there if missing)")
@@ -182,6 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--results", type=Path, default=Path("bench/gpu/ray_vs_local.json"))
     ap.add_argument("--log-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    if not args.fake and not args.model_dir:
+        ap.error("--model-dir is required (or --fake)")
     args.log_dir = args.log_dir or args.results.parent / "ray_vs_local-logs"
     args.log_dir.mkdir(parents=True, exist_ok=True)
     return args
@@ -190,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @stops_children
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    modes = args.modes.split(",")
+    modes = ["off"] if args.fake else args.modes.split(",")
     if "on" in modes and not args.layout_cache.is_dir():
         subprocess.run(["python3", "-m", "testkit.layout_model", str(args.layout_cache),
                         "--format", "transformers"], check=True)
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": gpu_name(),
                            "ray": ray.__version__, "rows": []}
-    cluster = start_cluster()
+    cluster = start_cluster(args.fake)
     try:
         with tempfile.TemporaryDirectory(prefix="ocrvl-ray-vs-local-") as tmp:
             for mode in modes:

@@ -162,7 +162,7 @@ class EngineHost:
 
         context = ray.get_runtime_context()
         return HostPlace(context.get_node_id(), ray.util.get_node_ip_address(),
-                         socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         socket.gethostname(), os.environ.get("CUDA_VISIBLE_DEVICES") or None,
                          tuple(e.url for e in self.servers.endpoints),
                          engine_workers(self.config), os.getpid())
 

@@ -328,7 +328,7 @@ class HostServer:
 
     @property
     def name(self) -> str:
-        """Its node and slot, e.g. "node 10.0.0.5 GPU 1"."""
+        """Its node and slot, e.g. "node 10.0.0.5 #1"."""
         return self._name
 
     @property

@@ -38,9 +38,9 @@ class Offer:
 
     @property
     def where(self) -> str:
-        """The slot in words, for logs and status: "node 10.0.0.5 GPU 1"."""
-        kind = "GPU" if self.gpus and not self.engine_units else "engine"
-        return f"node {self.node_ip} {kind} {self.unit}"
+        """The slot in words, for logs and status: "node 10.0.0.5 #1" (its second slot; which
+        GPU Ray gives its host is known once it is placed)."""
+        return f"node {self.node_ip} #{self.unit}"
 
 
 def offers(nodes: Iterable[Mapping[str, Any]]) -> list[Offer]:

@@ -211,8 +211,14 @@ class ClusterPool(EnginePool):
 
     @property
     def size(self) -> int:
-        """How many engine slots the cluster offers now."""
+        """How many engine worker places the cluster's hosts have now."""
         return len(self._slots)
+
+    @property
+    def gave_up(self) -> bool:
+        """As the local pool's, once there are places: a cluster with none (yet, or any
+        more) waits for nodes (`ClusterServers.error` says when it has none at all)."""
+        return bool(self._slots) and super().gave_up
 
 
 class ClusterServers(ServerSet):
