@@ -157,6 +157,9 @@ class HostLink:
             if not self._closing.is_set():
                 log.warning("engine host on %s is gone (%s); its pages go to the other hosts",
                             self.offer.where, reason)
+                # Unreachable is not always dead (a network blip): ended for good, so that
+                # it holds no GPU its successor on this slot needs.
+                self.kill(reason)
         self.arrived.set()
 
     def note_progress(self, index: int, in_flight: int, answered: int) -> None:
