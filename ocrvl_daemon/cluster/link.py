@@ -190,15 +190,20 @@ class HostLink:
 
 
 def _death_reason(offer: Offer, exc: Exception) -> str:
-    """Why a host died, in words: its node lost, or the host itself."""
+    """Why a host is gone, in words: its node left the cluster, cannot be reached (its raylet
+    killed, the network down: Ray says so before its head declares the node dead), or the
+    host itself died."""
     import ray
+    from ray.exceptions import ActorUnavailableError
 
+    node = f"node {offer.node_ip} ({offer.node_id[:12]})"
     with contextlib.suppress(Exception):
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if offer.node_id not in alive:
-            return f"node {offer.node_ip} ({offer.node_id[:12]}) left the cluster"
-    text = str(exc).strip().splitlines()
-    return f"engine host died: {text[0] if text else type(exc).__name__}"
+        if offer.node_id not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+            return f"{node} left the cluster"
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, ActorUnavailableError):
+        return f"{node} cannot be reached ({text})"
+    return f"engine host died: {text}"
 
 
 class RayWorker:
