@@ -13,7 +13,8 @@ talks to it through Ray). For each layout mode (`off`: whole pages, a `--pages-o
 pages), the contenders run one after the other (`--order`, default local then ray; the GPU
 to itself): each starts, waits for its server and every engine worker, converts a warm-up
 book (not timed), then `--rounds` books; a book's time is from its rename into the inbox to
-its Markdown. Each contender's figure is its median round; the ratio is ray / local.
+its Markdown. Each contender's figure is its median round (of an even count, the slower
+middle one); the ratio is ray / local.
 Target: >= 0.95 in both modes. Writes `--results` after every contender (a run cut short
 keeps what it measured); the daemons' logs go to `--log-dir` (default beside --results).
 """
@@ -180,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the layout stand-in (python -m testkit.layout_model DIR --format "
                     "transformers; made there if missing)")
     ap.add_argument("--modes", default="off,on")
-    ap.add_argument("--rounds", type=int, default=2, help="books timed per daemon")
+    ap.add_argument("--rounds", type=int, default=3, help="books timed per daemon")
     ap.add_argument("--order", default="local,ray",
                     help="the daemons of each mode, in turn (local,ray,ray,local: each twice)")
     ap.add_argument("--pages-off", type=int, default=96)
