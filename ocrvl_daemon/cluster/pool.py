@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Container, Mapping
 
-from ocrvl_daemon.cluster.link import HostLink, HostServer, RayWorker
+from ocrvl_daemon.cluster.link import HostLink, HostServer, RayWorker, stop_hosts
 from ocrvl_daemon.cluster.offers import Offer, offers
 from ocrvl_daemon.cluster.pdf_copies import PdfShelf
 from ocrvl_daemon.config import Config
@@ -146,7 +146,9 @@ class ClusterPool(EnginePool):
                 stopped.append(StoppedWorker(worker.number))
             link = self._links.pop(offer.slot, None)
             if link is not None:
-                link.kill(f"node {offer.node_ip} left the cluster")
+                log.warning("%s left the cluster; its pages go to the other hosts",
+                            offer.where)
+                link.kill(f"node {offer.node_ip} ({offer.node_id[:12]}) left the cluster")
                 self._gone.extend(link.servers)
             del self._slots[slot], self._retry_at[slot], self._offers[slot]
         known = {o.slot for o in self._offers}
@@ -196,18 +198,20 @@ class ClusterPool(EnginePool):
             self.shelf = PdfShelf(config.cluster.pdfs)
 
     def stop(self) -> None:
-        """Stop every worker (pages in flight are redone), then every host."""
-        super().stop()
-        for link in self._links.values():
-            link.stop()
+        """Stop every host at once: each stops its workers (pages in flight are redone), then
+        its server."""
+        stop_hosts(list(self._links.values()))
         self._links.clear()
+        self._slots = [None] * len(self._slots)
+        self._retiring.clear()
 
     def kill(self) -> None:
-        """End every host now."""
-        super().kill()
+        """End every host now (its workers and server die with it)."""
         for link in self._links.values():
             link.kill()
         self._links.clear()
+        self._slots = [None] * len(self._slots)
+        self._retiring.clear()
 
     @property
     def size(self) -> int:
