@@ -172,7 +172,10 @@ class EngineHost:
         worker.arrived = self._arrived
         worker.number = number
         self._workers[number] = worker
-        self._spawner.submit(worker.start).result()
+        try:
+            self._spawner.submit(worker.start).result()
+        except OSError as exc:  # reported as a worker that failed to start, as locally
+            worker.failure = f"could not start the engine worker: {exc}"
 
     def submit(self, number: int, task: PageTask, pdf: PdfCopy | None) -> None:
         """Hand a page to worker `number`, its PDF from here or fetched (`pdf`)."""
