@@ -1,15 +1,19 @@
-"""Which engine hosts a Ray cluster's nodes offer, and that a cluster's worker sends pages
-only to its own node's server (no Ray needed: the pure parts)."""
+"""The parts of the Ray cluster support that need no Ray: which engine hosts the nodes offer,
+that a cluster's worker sends pages only to its own node's server, how a node gets a PDF,
+the config's rules, and /metrics naming each host's node."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from ocrvl_daemon.cluster.offers import offers
 from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
 from ocrvl_daemon.config import Config
+from ocrvl_daemon.daemon_state import DaemonState, EndpointState
+from ocrvl_daemon.metrics import _SnapshotCollector
 from ocrvl_daemon.plan import EndpointRoom, plan
 from ocrvl_daemon.worker.messages import PageTask
 from testkit.core import document
@@ -97,3 +101,13 @@ def test_cluster_address_must_be_one_ray_understands():
     with pytest.raises(ValueError, match=r"cluster\.address") as info:
         Config.model_validate({"cluster": {"address": "http://head"}})
     assert "ray start --head" in str(info.value)
+
+
+def test_metrics_name_each_engine_hosts_node_and_gpu():
+    state = DaemonState(endpoints=(EndpointState(
+        "node 10.0.0.5 #1", "http://10.0.0.5:41234/v1", "ready", node="10.0.0.5", gpu="3"),))
+    registry = CollectorRegistry()
+    registry.register(_SnapshotCollector(lambda: state))
+    text = generate_latest(registry).decode()
+    assert ('ocrvl_engine_host_info{endpoint="http://10.0.0.5:41234/v1",gpu="3",'
+            'node="10.0.0.5"} 1.0') in text, text
