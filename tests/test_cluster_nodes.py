@@ -190,6 +190,21 @@ def test_a_node_whose_server_fails_leaves_its_pages_to_the_others(tmp_path: Path
     assert f":{port}/v1 did not answer" in output, output[-4000:]
 
 
+def test_a_daemon_killed_leaves_no_engine_host_or_server_on_the_nodes(tmp_path: Path,
+                                                                      cluster: LocalCluster):
+    config = cluster_config(tmp_path, cluster)
+    daemon = DaemonProcess(config, **LOOPBACK_ENV).start()
+    try:
+        every_host_ready(daemon)
+        ports = [int(s["url"].rsplit(":", 1)[1].split("/")[0])
+                 for s in status(config)["servers"]]
+        assert len(ports) == NODES and all(map(listening, ports)), ports
+    finally:
+        daemon.kill()
+    wait_until(lambda: not any(map(listening, ports)), 30, ignore=(),
+               what="the nodes' servers to end with the daemon (its Ray actors die with it)")
+
+
 def test_doctor_checks_the_cluster_and_its_engine_slots(tmp_path: Path, cluster: LocalCluster):
     result = run_ocrvl("doctor", "--json", "--config", cluster_config(tmp_path, cluster),
                        timeout=120, **LOOPBACK_ENV)
@@ -211,6 +226,11 @@ def status_lines(config: Path) -> str:
     result = run_ocrvl("status", "--config", config, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def listening(port: int) -> bool:
+    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.net_connections("tcp"))
 
 
 def kill_server_on(port: int) -> None:
