@@ -170,7 +170,7 @@ def start_cluster(fake: bool) -> Any:
     offer: dict[str, Any] = ({"resources": {"ocrvl_engine": 1}} if fake else {"num_gpus": 1})
     return Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": os.cpu_count(), "node_ip_address": "127.0.0.1",
-        "include_dashboard": False, **offer})
+        "include_dashboard": False, "object_store_memory": 2 * 2**30, **offer})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
