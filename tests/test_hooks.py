@@ -18,8 +18,8 @@ import yaml
 
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import HOOK_PLACEHOLDERS
+from ocrvl_daemon.engine.hooks import HookRunner, HookValues
 from ocrvl_daemon.errors import ConfigError
-from ocrvl_daemon.output.hooks import HookRunner, HookValues
 from testkit.documents import make_damaged_page_pdf, make_html_as_pdf, make_pdf
 from testkit.harness import free_port, process_alive, start_fake_server, wait_until
 from testkit.plain_server import serving

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ocrvl_daemon.observe.sd_notify import (
+from ocrvl_daemon.process.sd_notify import (
     Notifier,
     child_env,
     monotonic_usec,

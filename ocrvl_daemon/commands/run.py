@@ -50,7 +50,7 @@ from ocrvl_daemon.observe.daemon_state import (
 from ocrvl_daemon.observe.logs import set_level
 from ocrvl_daemon.observe.metrics import MetricsEndpoint
 from ocrvl_daemon.observe.progress import ProgressLog
-from ocrvl_daemon.observe.sd_notify import Notifier
+from ocrvl_daemon.process.sd_notify import Notifier
 from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.gpu import GpuMonitor
 from ocrvl_daemon.server.replicas import ServerSet

@@ -11,12 +11,12 @@ from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import MAX_ACTIVE_DOCUMENTS, Document
 from ocrvl_daemon.core.job import Job, JobState
+from ocrvl_daemon.engine.hooks import DocumentHooks
 from ocrvl_daemon.engine.sources import record_moved
 from ocrvl_daemon.errors import InputVanishedError, OcrvlError, StateFullError
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
-from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.storage import jobs
 from ocrvl_daemon.storage.jobs import job_fields
 from ocrvl_daemon.storage.store import Store

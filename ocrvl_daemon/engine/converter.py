@@ -44,6 +44,7 @@ from ocrvl_daemon.core.quality import Redo
 from ocrvl_daemon.engine.active_documents import ActiveDocuments, unexpected
 from ocrvl_daemon.engine.document_writer import DocumentWriter
 from ocrvl_daemon.engine.endpoints import EndpointLoad, Endpoints, ServerHandle
+from ocrvl_daemon.engine.hooks import DocumentHooks
 from ocrvl_daemon.engine.page_outcomes import PageOutcomes
 from ocrvl_daemon.engine.pool import EnginePool, StoppedWorker
 from ocrvl_daemon.engine.sources import same_content
@@ -51,7 +52,6 @@ from ocrvl_daemon.errors import OcrvlError, StateFullError
 from ocrvl_daemon.observe.progress import DocumentProgress, Progress
 from ocrvl_daemon.observe.stages import BusyMeter, Stage, StageLoad
 from ocrvl_daemon.observe.units import counted
-from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.server.gpu import GpuReading
 from ocrvl_daemon.storage.jobs import DAEMON_RETRY, job_fields
 from ocrvl_daemon.storage.store import Store

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.document import Document
 from ocrvl_daemon.core.job import Job
+from ocrvl_daemon.engine.hooks import DocumentHooks
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.output.book import Book, BookPage, restructure
-from ocrvl_daemon.output.hooks import DocumentHooks
 from ocrvl_daemon.storage.jobs import job_fields
 from ocrvl_daemon.storage.store import Store
 

@@ -32,9 +32,9 @@ from ocrvl_daemon.core.messages import (
     WorkerReady,
     WorkerSetup,
 )
-from ocrvl_daemon.observe.sd_notify import child_env
 from ocrvl_daemon.process.channel import Channel, start_child
 from ocrvl_daemon.process.group import stop_process_group
+from ocrvl_daemon.process.sd_notify import child_env
 
 log = logging.getLogger(__name__)
 

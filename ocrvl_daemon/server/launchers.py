@@ -29,7 +29,7 @@ from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
-from ocrvl_daemon.observe.sd_notify import child_env
+from ocrvl_daemon.process.sd_notify import child_env
 from ocrvl_daemon.server import vllm_release
 from ocrvl_daemon.server.autotune import TunedArgs, plan_vllm_args
 from ocrvl_daemon.server.gpu import GpuReading, is_wsl
