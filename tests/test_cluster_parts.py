@@ -12,12 +12,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ocrvl_daemon.cluster.offers import offers
 from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.core.messages import PageTask
+from ocrvl_daemon.core.messages import GateLimit, PageTask, WorkerSetup
 from ocrvl_daemon.core.plan import EndpointRoom, plan
+from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.observe.daemon_state import DaemonState, EndpointState
 from ocrvl_daemon.observe.metrics import _SnapshotCollector
+from ocrvl_daemon.server.placement import Placement
 from testkit.core import document
 from testkit.documents import make_pdf
+from testkit.stand_in_worker import StandInWorker
 
 pytestmark = pytest.mark.quick
 
@@ -57,6 +60,39 @@ def test_a_cluster_worker_takes_pages_only_for_its_own_nodes_server():
         assert send.url in serves[send.worker], (
             f"page {send.page} went to {send.url} through worker {send.worker}, whose host "
             "cannot reach that server")
+
+
+class _TwoHosts(EnginePool):
+    """A pool whose worker 1 is on node 1's host and worker 2 on node 2's (as
+    `ClusterPool.serves` says), without Ray."""
+
+    def serves(self):
+        return {1: frozenset({NODE1}), 2: frozenset({NODE2})}
+
+
+NODE1, NODE2 = "http://10.0.0.1:9000/v1", "http://10.0.0.2:9000/v1"
+
+
+def test_a_servers_bound_is_shared_only_by_its_own_hosts_workers(tmp_path: Path):
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"use_layout_detection": False}})
+    made: list[StandInWorker] = []
+
+    def new_worker(setup: WorkerSetup) -> StandInWorker:
+        made.append(StandInWorker(setup))
+        return made[-1]
+
+    pool = _TwoHosts(config, new_worker=new_worker, placement=Placement(2))  # type: ignore[arg-type]
+    pool.maintain(0.0, set())
+    first, second = made
+    assert (first.number, second.number) == (1, 2)
+    pool.set_limit(GateLimit(NODE1, 8))
+    pool.set_limit(GateLimit(NODE2, 6))
+    assert first.gates[NODE1].limit == 8 and NODE1 not in second.gates, (
+        "node 1's server's bound went to a worker on node 2, which never sends there")
+    assert second.gates[NODE2].limit == 6 and NODE2 not in first.gates
+    pool.submit(1, PageTask(1, "/books/book.pdf", 0, 1024, 1, 1.0, url=NODE1))
+    assert first.gates[NODE1].limit == 8, "its host's one worker keeps the whole bound"
 
 
 def test_an_endpoint_whose_host_takes_no_pages_gets_none():
