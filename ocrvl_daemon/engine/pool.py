@@ -9,9 +9,12 @@ only its own pages.
 
 The placement (where the layout model runs, how many workers) is decided once per
 configuration, here (`server.placement`), and every worker is set up with it
-(`worker_settings`). The request bound of each endpoint is shared by all workers: each gets a
-part of it in proportion to the pages it has there (`shares`), re-balanced as pages come and
-go, so the pages of a busy worker never wait on an idle worker's part.
+(`worker_settings`). The request bound of each endpoint is shared by the workers that may send
+there (all of them, but on a cluster only its own host's: `serves`): each gets a part of it
+in proportion to the pages it has there (`shares`), re-balanced as pages come and go, so the
+pages of a busy worker never wait on an idle worker's part. A worker is anything with
+`WorkerHandle`'s methods: a local process (`worker_handle`), or one on a cluster's engine
+host (`cluster`), which brings its own endpoints (`servers`).
 """
 
 from __future__ import annotations
