@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="check GPU, packages and settings",
         description="One screen of what works and what to fix: GPU, packages, the layout "
         "model (its engine, device and pages/s here), the server environment, config, "
-        "inboxes, the server and systemd. Exit code "
-        "non-zero when something blocks conversion. Without a GPU it prints the `vllm serve` "
-        "line to run on a machine that has one (server.mode: external).",
+        "inboxes, the server and systemd; with cluster.address, the Ray cluster's nodes (the "
+        "same Ray, Python and ocrvl, engine slots) in place of the GPU and server checks. "
+        "Exit code non-zero when something blocks conversion. Without a GPU it prints the "
+        "`vllm serve` line to run on a machine that has one (server.mode: external).",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 

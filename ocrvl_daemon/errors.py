@@ -139,6 +139,10 @@ class ServerError(OcrvlError):
     exit_code = ExitCode.SERVER
 
 
+class ClusterError(ServerError):
+    """The Ray cluster (cluster.address) cannot be reached or used: no engine host runs."""
+
+
 class ServerConfigError(ServerError):
     """The server runs but cannot serve this configuration (e.g. another model name)."""
 

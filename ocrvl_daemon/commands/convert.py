@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ocrvl_daemon.cluster import engine_side
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.job import JobState
 from ocrvl_daemon.engine.converter import Converter
-from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.errors import InputFileError, OcrvlError, ServerError
 from ocrvl_daemon.files import pdf
 from ocrvl_daemon.files.names import is_pdf_name
@@ -37,7 +37,6 @@ from ocrvl_daemon.observe.progress import (
 from ocrvl_daemon.output import document_files
 from ocrvl_daemon.process.shutdown import StopSignals
 from ocrvl_daemon.server.launchers import vllm_serve_command
-from ocrvl_daemon.server.replicas import ServerSet
 from ocrvl_daemon.storage.jobs import ONESHOT_DB, ONESHOT_RETRY, enqueue_file
 from ocrvl_daemon.storage.store import Store
 
@@ -136,15 +135,15 @@ def _run(
 ) -> dict[Path, OcrvlError]:
     # Replicas that cannot fit are refused before anything starts; a managed server that
     # keeps failing (its port taken...) is given up on, as this command must end.
-    servers = ServerSet(config, backoff=Backoff(
+    servers, engines = engine_side(config, ENGINE_START_ATTEMPTS, backoff=Backoff(
         config.server.restart_backoff_initial, config.server.restart_backoff_max,
         attempts=SERVER_ATTEMPTS))
     signals = StopSignals()
     stop_requested = signals.stops
     view = _progress_view(config, store, jobs)
     signals.install()
-    converter = Converter(config, store, servers.endpoints, set(jobs), again,
-                          EnginePool(config, ENGINE_START_ATTEMPTS), ONESHOT_RETRY)
+    converter = Converter(config, store, servers.endpoints, set(jobs), again, engines,
+                          ONESHOT_RETRY)
     try:
         servers.start()
         if config.server.mode == "external" and not servers.wait_ready(EXTERNAL_PROBE_SECONDS):

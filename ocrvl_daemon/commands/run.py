@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ocrvl_daemon.cluster import engine_side
 from ocrvl_daemon.config.file import advice_command, load_config
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.config.values import folder_problem
@@ -111,7 +112,7 @@ class Daemon:
         try:
             # Replicas that cannot fit the GPU, or a managed vLLM without one, are refused
             # here, before anything starts.
-            self.servers = ServerSet(config)
+            self.servers, engines = engine_side(config)
         except BaseException:
             self.lock.release()
             self.store.close()
@@ -131,12 +132,12 @@ class Daemon:
                 self.store.forget(job.id)
         self.watcher = InboxWatcher(config.inbox)
         self.converter = Converter(config, self.store, self.servers.endpoints,
-                                   again=self.again)
+                                   again=self.again, engines=engines)
         self.metrics = MetricsEndpoint(config.metrics, lambda: self.state)
         self.progress_log = ProgressLog(config.progress_seconds)
         try:
             self.metrics.start()
-            if config.server.mode == "managed":
+            if config.server.mode == "managed" and config.cluster.address is None:
                 self.gpus.start()
             self.servers.start()
             self.watcher.start()
@@ -295,6 +296,7 @@ class Daemon:
                 name=load.name, url=load.url, state=state.value, phase=status.phase,
                 in_flight=load.in_flight, pages_per_s=round(load.pages_per_s, 3),
                 bound=load.bound, restarts=status.restart_count, last_error=status.last_error,
+                node=status.node, gpu=status.gpu,
             ))
         return views
 
@@ -308,12 +310,13 @@ class Daemon:
             self.notifier.ready()
             return
         old = self.config
-        for key in ("state_dir", "metrics"):
+        for key in ("state_dir", "metrics", "cluster"):
             if getattr(new, key) != getattr(old, key):
                 log.warning("%s changed; that takes effect at the next restart", key)
                 new = new.model_copy(update={key: getattr(old, key)})
         servers = None
-        if new.config_for_server != old.config_for_server:
+        # A cluster's hosts keep their own servers: the pool replaces them (reconfigure).
+        if new.config_for_server != old.config_for_server and new.cluster.address is None:
             try:
                 servers = ServerSet(new)  # replicas that cannot fit are refused here
             except ServerConfigError as exc:

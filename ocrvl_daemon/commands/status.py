@@ -325,7 +325,8 @@ def _endpoint_lines(servers: list[dict[str, Any]]) -> list[str]:
     """One line per server endpoint (and its last error)."""
     lines = []
     for e in servers:
-        lines.append(f"server {e['name']}: {e['state']}{_phase(e)} at {e['url']}, "
+        gpu = f" (GPU {e['gpu']})" if e.get("gpu") else ""
+        lines.append(f"server {e['name']}{gpu}: {e['state']}{_phase(e)} at {e['url']}, "
                      f"{e['in_flight']} in flight, {e['pages_per_s']:.2f} pages/s")
         if e.get("last_error"):
             lines.append(f"  last error: {e['last_error']}")

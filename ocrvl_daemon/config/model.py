@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from ocrvl_daemon.config.cluster_section import ClusterConfig
 from ocrvl_daemon.config.errors import KeyProblem, KeyProblems
 from ocrvl_daemon.config.layout import AUTO, ENGINES, parse_device
 from ocrvl_daemon.config.models import (
@@ -333,6 +334,7 @@ class Config(Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
     hooks: HooksConfig = Field(default_factory=HooksConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     state_dir: Path = Field(Path("~/.local/state/ocrvl"), validate_default=True)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     progress_seconds: float = Field(30.0, gt=0)
@@ -396,6 +398,11 @@ class Config(Section):
                 "paddleocr genai_server serves the model under model.name only; remove "
                 "model.served_name, or use server.launcher: vllm",
             ))
+        if self.cluster.address is not None and server.mode != "managed":
+            problems.append(KeyProblem(
+                "server.mode", server.mode,
+                "with cluster.address set each node runs its own server (managed); set "
+                "server.mode: managed, or remove cluster.address to use this server"))
         names = [p.name for p in self.inbox.paths]
         if self.output.dir is not None and len(set(names)) < len(names):
             problems.append(KeyProblem(

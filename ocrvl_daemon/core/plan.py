@@ -36,7 +36,7 @@ at the server), the one with the fewest pages in flight for that endpoint.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ocrvl_daemon.core.document import Document
@@ -179,10 +179,18 @@ def _isolating(queues: Sequence[_Queue], bound: int) -> list[tuple[_Queue, int]]
 
 
 def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
-         workers: Sequence[int], suspects_together: int = 1) -> Plan:
+         workers: Sequence[int], suspects_together: int = 1,
+         serves: Mapping[int, frozenset[str]] | None = None) -> Plan:
     """What to send now to the usable `endpoints` through the engine `workers` taking pages
     (none of either: nothing), from `documents` (oldest first); `suspects_together`: the
-    `isolation_bound` while a crash is being narrowed down."""
+    `isolation_bound` while a crash is being narrowed down; `serves`: the only endpoints a
+    worker named there may send to (a cluster's engine host: its node's server)."""
+    serves = serves or {}
+
+    def serving(url: str) -> list[int]:
+        return [w for w in workers if w not in serves or url in serves[w]]
+
+    endpoints = [e for e in endpoints if serving(e.url)]
     if not endpoints or not workers:
         return Plan((), ())
     big = frozenset(d.job_id for d in documents if not d.small) if yielding(documents) else None
@@ -208,7 +216,7 @@ def plan(documents: Sequence[Document], endpoints: Sequence[EndpointRoom],
     sends = []
     for queue, page in chosen:
         url = min(endpoints, key=lambda e: loads[e.url] / max(1, e.limit)).url
-        worker = min(workers, key=lambda w: (preparing_in[w] >= PREPARED_PER_WORKER,
+        worker = min(serving(url), key=lambda w: (preparing_in[w] >= PREPARED_PER_WORKER,
                                              per_worker_url[w, url], per_worker[w]))
         loads[url] += 1
         preparing_in[worker] += 1

@@ -114,6 +114,8 @@ class Converter:
         busy = {sent.worker for doc in docs for sent in doc.sent.values()}
         for stopped in self.engines.maintain(now, busy):
             self._worker_stopped(stopped)
+        if (servers := self.engines.servers()) is not None and servers != self.servers:
+            self.set_servers(servers)  # a cluster's engine hosts came or went
         self.documents.keep(now)
         docs = self.documents.documents()
         for doc, page in self.endpoints.reclaim(now, docs):
@@ -176,7 +178,8 @@ class Converter:
         in_flight = pages_per_endpoint(docs)
         rooms = [EndpointRoom(e.url, e.concurrency.limit, in_flight[e.url])
                  for e in self.endpoints.usable(now)]
-        step = plan(docs, rooms, self.engines.taking_numbers(), self._suspects_together)
+        step = plan(docs, rooms, self.engines.taking_numbers(), self._suspects_together,
+                    self.engines.serves())
         for gate in step.gates:
             self.engines.set_limit(gate)
         for send in step.sends:

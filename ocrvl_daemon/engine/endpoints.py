@@ -114,11 +114,10 @@ class Endpoint:
 
 
 class Endpoints:
-    """The server endpoints pages go to: each one's bound, answers and outages."""
+    """The server endpoints pages go to: each one's bound, answers and outages (none yet: a
+    cluster's engine hosts bring theirs)."""
 
     def __init__(self, config: Config, servers: Sequence[ServerHandle]) -> None:
-        if not servers:
-            raise ValueError("a converter needs at least one server endpoint")
         self.config = config
         self.endpoints = [Endpoint(server, config) for server in servers]
         # Requests a page makes, over the pages answered lately (1: a page sent whole): the

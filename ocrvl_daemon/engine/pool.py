@@ -9,9 +9,12 @@ only its own pages.
 
 The placement (where the layout model runs, how many workers) is decided once per
 configuration, here (`server.placement`), and every worker is set up with it
-(`worker_settings`). The request bound of each endpoint is shared by all workers: each gets a
-part of it in proportion to the pages it has there (`shares`), re-balanced as pages come and
-go, so the pages of a busy worker never wait on an idle worker's part.
+(`worker_settings`). The request bound of each endpoint is shared by the workers that may send
+there (all of them, but on a cluster only its own host's: `serves`): each gets a part of it
+in proportion to the pages it has there (`shares`), re-balanced as pages come and go, so the
+pages of a busy worker never wait on an idle worker's part. A worker is anything with
+`WorkerHandle`'s methods: a local process (`worker_handle`), or one on a cluster's engine
+host (`cluster`), which brings its own endpoints (`servers`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.backoff import Backoff
@@ -41,12 +45,75 @@ from ocrvl_daemon.errors import DependencyError, ModelDownloadError, OcrvlError
 from ocrvl_daemon.observe.units import counted
 from ocrvl_daemon.server.placement import Placement, decide_placement
 
+if TYPE_CHECKING:
+    from ocrvl_daemon.engine.endpoints import ServerHandle
+
 log = logging.getLogger(__name__)
 
 WORKER_RESTART_SECONDS = 10.0
 # A worker that cannot even start (no network for the layout model, a broken install) is
 # retried ever less often: the cause rarely goes away by itself within seconds.
 WORKER_START_BACKOFF = Backoff(WORKER_RESTART_SECONDS, 300.0)
+
+
+class WorkerHandle(Protocol):
+    """What the pool needs of a worker: a local process (`EngineWorker`), or one on a
+    cluster's engine host (`cluster.link.RayWorker`)."""
+
+    number: int  # the pool's name for it, on the pages it has
+    arrived: threading.Event  # set when a message arrives; the pool shares one
+    ready: bool
+    failure: str | None
+    pages_done: int
+
+    @property
+    def pid(self) -> int | None:
+        """Its process id (on its own machine)."""
+        ...
+
+    def start(self) -> None:
+        """Start it; it reports readiness through `collect`."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether its process still runs."""
+        ...
+
+    def rss_mb(self) -> float:
+        """Its resident memory, in MiB."""
+        ...
+
+    def submit(self, task: PageTask) -> None:
+        """Hand it one page."""
+        ...
+
+    def set_limit(self, gate: GateLimit) -> None:
+        """Its request gate for `gate.url` (a limit of 0 holds its requests back)."""
+        ...
+
+    def pending(self) -> bool:
+        """Whether results wait to be collected."""
+        ...
+
+    def collect(self, timeout: float = 0.0) -> list[PageResult]:
+        """Results that arrived; waits up to `timeout` for the first one."""
+        ...
+
+    def requests_sent(self) -> list[RequestSent]:
+        """The pages whose first request left for the server, since last asked."""
+        ...
+
+    def close_input(self) -> None:
+        """No more pages: it finishes what it has and exits."""
+        ...
+
+    def stop(self) -> None:
+        """Stop it (bounded)."""
+        ...
+
+    def kill(self) -> None:
+        """Stop it now."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +140,7 @@ class EnginePool:
         self,
         config: Config,
         starts: int | None = None,
-        new_worker: Callable[[WorkerSetup], EngineWorker] = EngineWorker,
+        new_worker: Callable[[WorkerSetup], WorkerHandle] = EngineWorker,
         placement: Placement | None = None,
     ) -> None:
         self.config = config
@@ -82,20 +149,20 @@ class EnginePool:
         self.starts = starts
         self._new_worker = new_worker
         # The workers taking pages, one place each (None: to be started at its _retry_at).
-        self._slots: list[EngineWorker | None] = [None] * self.placement.workers
+        self._slots: list[WorkerHandle | None] = [None] * self.placement.workers
         # Each endpoint's request bound, for all workers together, and the pages in flight:
         # (job id, page) -> (worker number, endpoint, job id).
         self._bounds: dict[str, GateLimit] = {}
         self._held: dict[tuple[int, int], tuple[int, str, int]] = {}
         self._retry_at = [0.0] * len(self._slots)
-        self._retiring: list[EngineWorker] = []
+        self._retiring: list[WorkerHandle] = []
         self._arrived = threading.Event()  # any worker's message
         # Workers that failed before becoming ready, in a row, and why the last one did.
         self.start_failures = 0
         self.start_error: OcrvlError | None = None
         self._numbers = itertools.count(1)
 
-    def _workers(self) -> list[EngineWorker]:
+    def _workers(self) -> list[WorkerHandle]:
         return [w for w in (*self._slots, *self._retiring) if w is not None]
 
     @property
@@ -103,13 +170,22 @@ class EnginePool:
         """How many workers it keeps (taking pages or being started)."""
         return len(self._slots)
 
-    def taking(self) -> list[EngineWorker]:
+    def taking(self) -> list[WorkerHandle]:
         """The workers that take pages now."""
         return [w for w in self._slots if w is not None and w.ready]
 
     def taking_numbers(self) -> list[int]:
         """The numbers of the workers that take pages now."""
         return [w.number for w in self.taking()]
+
+    def servers(self) -> list[ServerHandle] | None:
+        """The endpoints its workers bring (a cluster's engine hosts: each its node's server);
+        None: its workers use the owner's."""
+        return None
+
+    def serves(self) -> Mapping[int, frozenset[str]]:
+        """The endpoints each worker may send pages to, by number; one not named: any."""
+        return {}
 
     # --- pages --------------------------------------------------------------------------
 
@@ -149,11 +225,14 @@ class EnginePool:
 
     def _share(self, url: str) -> None:
         """Give each worker its part of `url`'s bound: in proportion to its pages there (the
-        pages of the capped documents for the cap), evenly while none has any."""
+        pages of the capped documents for the cap), evenly while none has any. Only the
+        workers that may send to `url` share it (`serves`: a cluster host's its own server's)."""
         bound = self._bounds.get(url)
         if bound is None:
             return
-        workers = [w for w in self._workers() if w.ready]
+        serves = self.serves()
+        workers = [w for w in self._workers()
+                   if w.ready and (w.number not in serves or url in serves[w.number])]
         held = [(number, job) for number, at, job in self._held.values() if at == url]
         pages = Counter(number for number, _ in held)
         limits = shares(bound.limit, [pages[w.number] for w in workers])
@@ -287,7 +366,7 @@ class EnginePool:
         self._slots = (self._slots + [None] * count)[:count]
         self._retry_at = (self._retry_at + [0.0] * count)[:count]
 
-    def _worn(self, worker: EngineWorker) -> bool:
+    def _worn(self, worker: WorkerHandle) -> bool:
         p = self.config.pipeline
         return worker.pages_done >= p.worker_max_pages or worker.rss_mb() > p.worker_max_rss_mb
 

@@ -38,6 +38,9 @@ class EndpointState:
     bound: int = 0
     restarts: int = 0
     last_error: str | None = None
+    # Where it runs, for a cluster's engine host: its node's address and GPU(s).
+    node: str | None = None
+    gpu: str | None = None
 
     def summary(self) -> str:
         """The endpoint in a few words: "gpu0/1 ready, 12 in flight, 1.6 p/s"."""

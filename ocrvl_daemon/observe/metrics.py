@@ -74,13 +74,19 @@ class _SnapshotCollector(Collector):
         rate = GaugeMetricFamily("ocrvl_server_pages_per_second",
                                  "Pages the model server recognised per second over the last "
                                  "minute.", labels=["endpoint"])
+        hosts = GaugeMetricFamily("ocrvl_engine_host_info",
+                                  "1 for each engine host on a cluster node: its server's "
+                                  "endpoint, node and GPU(s).", labels=["endpoint", "node", "gpu"])
         for server in snap.endpoints:
+            if server.node is not None:
+                hosts.add_metric([server.url, server.node, server.gpu or ""], 1.0)
             for name in SERVER_STATES:
                 states.add_metric([server.url, name], float(server.state == name))
             restarts.add_metric([server.url], server.restarts)
             in_flight.add_metric([server.url], server.in_flight)
             rate.add_metric([server.url], server.pages_per_s)
         yield states
+        yield hosts
         yield restarts
         yield in_flight
         yield rate

@@ -52,6 +52,9 @@ class ServerStatus:
     last_error: str | None
     diagnosis: Diagnosis | None
     url: str
+    # Where it runs, when that is another machine (a cluster's engine host): its node and GPU.
+    node: str | None = None
+    gpu: str | None = None
 
 
 class StallDetector:

@@ -1,5 +1,5 @@
 """`ocrvl doctor`: check the GPU, both Python environments, the config, the inboxes, the server
-and systemd, and say how to fix each problem.
+(or, with cluster.address, the Ray cluster's nodes) and systemd, and say how to fix each problem.
 
 Nothing here raises for a problem in the environment: every finding becomes a `Check`, and
 `DoctorReport.blocking` tells the CLI whether conversion can work at all.
@@ -62,6 +62,11 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
             ("inbox", lambda: inbox_checks(given)),
             ("server", lambda: [server_check(given)]),
         ]
+        if config.cluster.address is not None:
+            # The GPU and the server are each node's: the cluster's check asks the nodes.
+            sections = [(name, run) for name, run in sections
+                        if name not in ("GPU", "server environment", "server")]
+            sections.append(("cluster", lambda: _cluster_checks(given)))
     sections += [("WSL2", lambda: wsl_checks(osrelease)), ("systemd", systemd_checks)]
     for name, run in sections:
         try:
@@ -69,6 +74,13 @@ def run_doctor(config_path: str | None, *, osrelease: str | None = None) -> Doct
         except Exception as exc:  # a bug or an odd system must not hide the other checks
             report.checks.append(Check(name, "warn", f"could not be checked: {exc!r}"))
     return report
+
+
+def _cluster_checks(config: Config) -> list[Check]:
+    """The Ray cluster of cluster.address (`doctor.cluster`; Ray is imported only here)."""
+    from ocrvl_daemon.commands.doctor.cluster import cluster_checks
+
+    return cluster_checks(config)
 
 
 def _config(config_path: str | None) -> tuple[Config | None, Path | None, list[Check]]:

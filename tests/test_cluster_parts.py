@@ -1,0 +1,149 @@
+"""The parts of the Ray cluster support that need no Ray: which engine hosts the nodes offer,
+that a cluster's worker sends pages only to its own node's server, how a node gets a PDF,
+the config's rules, and /metrics naming each host's node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from ocrvl_daemon.cluster.offers import offers
+from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
+from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.core.messages import GateLimit, PageTask, WorkerSetup
+from ocrvl_daemon.core.plan import EndpointRoom, plan
+from ocrvl_daemon.engine.pool import EnginePool
+from ocrvl_daemon.observe.daemon_state import DaemonState, EndpointState
+from ocrvl_daemon.observe.metrics import _SnapshotCollector
+from ocrvl_daemon.server.placement import Placement
+from testkit.core import document
+from testkit.documents import make_pdf
+from testkit.stand_in_worker import StandInWorker
+
+pytestmark = pytest.mark.quick
+
+
+def node(node_id: str, alive: bool = True, **resources: float) -> dict[str, object]:
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": f"10.0.0.{node_id}",
+            "NodeManagerHostname": f"host{node_id}", "Resources": {"CPU": 16.0, **resources}}
+
+
+def test_a_node_offers_one_host_per_gpu_and_a_cpu_only_node_none():
+    slots = offers([node("1", GPU=2.0), node("2")])
+    assert [(s.node_ip, s.unit, s.gpus) for s in slots] == [("10.0.0.1", 0, 1.0),
+                                                          ("10.0.0.1", 1, 1.0)]
+    assert [s.where for s in slots] == ["node 10.0.0.1 #0", "node 10.0.0.1 #1"]
+
+
+def test_the_ocrvl_engine_resource_decides_over_the_gpus_and_shares_them():
+    (one, two) = offers([node("1", GPU=1.0, ocrvl_engine=2.0)])
+    assert (one.gpus, two.gpus) == (0.5, 0.5), "two hosts on one GPU each ask for half of it"
+    assert one.resources == {"ocrvl_engine": 1.0}
+    assert offers([node("3", ocrvl_engine=1.0)])[0].gpus == 0.0, "a CPU node asks for no GPU"
+
+
+def test_a_dead_node_offers_nothing():
+    assert offers([node("1", alive=False, GPU=8.0)]) == []
+
+
+def test_a_cluster_worker_takes_pages_only_for_its_own_nodes_server():
+    docs = [document(1, 8)]
+    rooms = [EndpointRoom("http://10.0.0.1:9000/v1", 4, 0),
+             EndpointRoom("http://10.0.0.2:9000/v1", 4, 0)]
+    serves = {1: frozenset({"http://10.0.0.1:9000/v1"}),
+              2: frozenset({"http://10.0.0.2:9000/v1"})}
+    step = plan(docs, rooms, [1, 2], serves=serves)
+    assert step.sends, "nothing was sent"
+    for send in step.sends:
+        assert send.url in serves[send.worker], (
+            f"page {send.page} went to {send.url} through worker {send.worker}, whose host "
+            "cannot reach that server")
+
+
+class _TwoHosts(EnginePool):
+    """A pool whose worker 1 is on node 1's host and worker 2 on node 2's (as
+    `ClusterPool.serves` says), without Ray."""
+
+    def serves(self):
+        return {1: frozenset({NODE1}), 2: frozenset({NODE2})}
+
+
+NODE1, NODE2 = "http://10.0.0.1:9000/v1", "http://10.0.0.2:9000/v1"
+
+
+def test_a_servers_bound_is_shared_only_by_its_own_hosts_workers(tmp_path: Path):
+    config = Config.model_validate({"state_dir": str(tmp_path / "state"),
+                                    "pipeline": {"use_layout_detection": False}})
+    made: list[StandInWorker] = []
+
+    def new_worker(setup: WorkerSetup) -> StandInWorker:
+        made.append(StandInWorker(setup))
+        return made[-1]
+
+    pool = _TwoHosts(config, new_worker=new_worker, placement=Placement(2))  # type: ignore[arg-type]
+    pool.maintain(0.0, set())
+    first, second = made
+    assert (first.number, second.number) == (1, 2)
+    pool.set_limit(GateLimit(NODE1, 8))
+    pool.set_limit(GateLimit(NODE2, 6))
+    assert first.gates[NODE1].limit == 8 and NODE1 not in second.gates, (
+        "node 1's server's bound went to a worker on node 2, which never sends there")
+    assert second.gates[NODE2].limit == 6 and NODE2 not in first.gates
+    pool.submit(1, PageTask(1, "/books/book.pdf", 0, 1024, 1, 1.0, url=NODE1))
+    assert first.gates[NODE1].limit == 8, "its host's one worker keeps the whole bound"
+
+
+def test_an_endpoint_whose_host_takes_no_pages_gets_none():
+    docs = [document(1, 8)]
+    rooms = [EndpointRoom("http://10.0.0.1:9000/v1", 4, 0),
+             EndpointRoom("http://10.0.0.2:9000/v1", 4, 0)]
+    step = plan(docs, rooms, [1], serves={1: frozenset({"http://10.0.0.1:9000/v1"})})
+    assert {s.url for s in step.sends} == {"http://10.0.0.1:9000/v1"}
+
+
+def test_a_node_that_sees_the_same_file_renders_it_in_place_else_from_its_copy(tmp_path: Path):
+    pdf = make_pdf(tmp_path / "book.pdf", 1)
+    stat = pdf.stat()
+    task = PageTask(1, str(pdf), 0, 100, stat.st_size, stat.st_mtime)
+    cache = tmp_path / "cache"
+
+    fetched: list[PdfCopy] = []
+
+    def fetch(copy: PdfCopy) -> bytes:  # what the node would fetch from the object store
+        fetched.append(copy)
+        return pdf.read_bytes()
+
+    pdfs = NodePdfs(cache, "auto", fetch)
+    copy = PdfCopy(ref=None)
+    assert pdfs.local(task, copy) == task, "a node that sees the file fetched a copy"
+    elsewhere = PageTask(1, "/not/on/this/node.pdf", 0, 100, stat.st_size, stat.st_mtime)
+    local = pdfs.local(elsewhere, copy)
+    assert Path(local.pdf).read_bytes() == pdf.read_bytes()
+    assert Path(local.pdf).name == copy_key(elsewhere.pdf, stat.st_size, stat.st_mtime) + ".pdf"
+    pdfs.local(elsewhere, copy)
+    assert len(fetched) == 1, "a node fetched the same document twice"
+
+
+def test_a_cluster_needs_managed_servers():
+    with pytest.raises(ValueError) as info:
+        Config.model_validate({"cluster": {"address": "10.0.0.1:6379"},
+                               "server": {"mode": "external", "url": "http://h:1/v1"}})
+    assert "server.mode: managed" in str(info.value)
+
+
+def test_cluster_address_must_be_one_ray_understands():
+    with pytest.raises(ValueError, match=r"cluster\.address") as info:
+        Config.model_validate({"cluster": {"address": "http://head"}})
+    assert "ray start --head" in str(info.value)
+
+
+def test_metrics_name_each_engine_hosts_node_and_gpu():
+    state = DaemonState(endpoints=(EndpointState(
+        "node 10.0.0.5 #1", "http://10.0.0.5:41234/v1", "ready", node="10.0.0.5", gpu="3"),))
+    registry = CollectorRegistry()
+    registry.register(_SnapshotCollector(lambda: state))
+    text = generate_latest(registry).decode()
+    assert ('ocrvl_engine_host_info{endpoint="http://10.0.0.5:41234/v1",gpu="3",'
+            'node="10.0.0.5"} 1.0') in text, text
