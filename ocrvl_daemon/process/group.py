@@ -129,14 +129,33 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _wait_gone(pgid: int, timeout: float, reap: Callable[[], object]) -> bool:
+    """Wait up to `timeout` until no process of group `pgid` is left.
+
+    `psutil.wait_procs` waits on the members, except our own children: those are left to
+    `reap` (their Popen's own wait), which keeps their exit status for the log, where psutil
+    would reap them behind Popen's back. The group is read again each round, since a member
+    may start another process while we wait.
+    """
     deadline = time.monotonic() + timeout
     while True:
         reap()  # an unreaped leader would stay a zombie member of the group
         if not group_alive(pgid):
             return True
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             return False
-        time.sleep(_POLL)
+        others = [p for p in group_members(pgid) if not _ours(p)]
+        if others:
+            psutil.wait_procs(others, timeout=min(left, _POLL))
+        else:
+            time.sleep(min(left, _POLL))
+
+
+def _ours(proc: psutil.Process) -> bool:
+    try:
+        return proc.ppid() == os.getpid()
+    except psutil.Error:
+        return False
 
 
 def terminate_group(pgid: int, timeout: float, what: str = "server",
