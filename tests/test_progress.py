@@ -221,7 +221,7 @@ def test_daemon_logs_a_progress_line_per_running_document_at_a_steady_cadence(tm
     assert [done for done, _ in lines] == sorted({done for done, _ in lines})
     assert all(total == 30 for _, total in lines)
     assert len(lines) <= took + 1, "more than one progress line a second"
-    assert re.search(r"INFO ocrvl_daemon\.progress: book\.pdf: p\. \d+/30 \(\d+%\) · "
+    assert re.search(r"INFO ocrvl_daemon\.observe\.progress: book\.pdf: p\. \d+/30 \(\d+%\) · "
                      r"[\d.]+ p/s · ETA \d+", daemon.log()), daemon.log()
 
 
