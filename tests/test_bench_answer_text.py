@@ -34,7 +34,8 @@ from ocrvl_daemon.worker.streaming import CHECK_EVERY_TOKENS, stream_completion
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
-pytestmark = pytest.mark.quick
+# Not in the quick tier: these check the GPU benchmark's answers (seconds of CPU drawing and
+# reading prose), not the daemon's code.
 
 GREEDY = SimpleNamespace(repetition_penalty=1.0)
 BREAK_LOOPS = SimpleNamespace(repetition_penalty=1.05)  # what ocrvl sends a looping page again
