@@ -139,12 +139,13 @@ def _wait_gone(pgid: int, timeout: float, reap: Callable[[], object]) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         reap()  # an unreaped leader would stay a zombie member of the group
-        if not group_alive(pgid):
+        members = group_members(pgid)  # one walk of the process table a round
+        if not members:
             return True
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        others = [p for p in group_members(pgid) if not _ours(p)]
+        others = [p for p in members if not _ours(p)]
         if others:
             psutil.wait_procs(others, timeout=min(left, _POLL))
         else:
