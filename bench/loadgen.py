@@ -35,6 +35,14 @@ def images(count: int) -> list[bytes]:
     return [make_test_jpeg(seed, PAGE_SIZE) for seed in range(count)]
 
 
+def answered(response: httpx.Response) -> None:
+    """Raise with the server's own words when it refused a request (vLLM says why in the
+    body of a 400; the status alone does not)."""
+    if response.is_error:
+        raise RuntimeError(f"the server answered {response.status_code} to a page: "
+                           f"{response.text[:1000]}")
+
+
 async def _measure(
     url: str,
     model: str,
@@ -55,8 +63,7 @@ async def _measure(
                 n = next(counter)
                 jpeg = jpegs[n % len(jpegs)]
                 body = chat_payload(jpeg, model=model, max_completion_tokens=max_tokens)
-                r = await client.post("/v1/chat/completions", json=body)
-                r.raise_for_status()
+                answered(await client.post("/v1/chat/completions", json=body))
                 done.append(time.monotonic())
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -116,8 +123,7 @@ async def send_all(url: str, bodies: list[dict[str, Any]], concurrency: int) -> 
 
         async def worker() -> None:
             for body in queue:  # shared iterator: each body is sent once, in order
-                r = await client.post("/v1/chat/completions", json=body)
-                r.raise_for_status()
+                answered(await client.post("/v1/chat/completions", json=body))
 
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

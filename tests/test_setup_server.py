@@ -378,8 +378,8 @@ def test_a_driver_too_old_for_the_pinned_build_installs_nothing_and_names_the_wa
 def test_a_release_whose_torch_the_driver_cannot_run_is_refused_after_install(
         tmp_path: Path) -> None:
     an_environment_from_before(tmp_path)
-    # 0.33.0 is no release the project knows: its torch (CUDA 13) is read once installed.
-    done = set_up(tmp_path, "rtx4060-driver566", "--vllm", "0.33.0")
+    # 0.32.0 is no release the project knows: its torch (CUDA 13) is read once installed.
+    done = set_up(tmp_path, "rtx4060-driver566", "--vllm", "0.32.0")
     assert done.returncode == ExitCode.DEPENDENCY, done.stderr
     assert "CUDA 13.0" in done.stderr and "left as it was" in done.stderr, done.stderr
     assert server_vllm(tmp_path) == "0.19.1"

@@ -223,9 +223,12 @@ class SlotAnswerLengths(SlotLogitsProcessor):
         return logits
 
 
-# What `vllm serve --logits-processors` is given: the class of the installed vLLM's interface.
-ServerAnswerLengths = (SlotAnswerLengths if LogitsProcessor is object
-                       and SlotLogitsProcessor is not object else LognormalAnswerLengths)
+# What `vllm serve --logits-processors` is given: the class of the model runner's interface.
+# Where vLLM has the V2 runner's (0.33, 0.34; not 0.26), that runner is the default and loads
+# only its own; VLLM_USE_V2_MODEL_RUNNER=0 (0.24-0.33, WSL2) asks for the V1 runner instead.
+ServerAnswerLengths = (SlotAnswerLengths if SlotLogitsProcessor is not object
+                       and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
+                       else LognormalAnswerLengths)
 
 
 def eos_token(vllm_config: VllmConfig | None) -> int:

@@ -2,7 +2,8 @@
 # vLLM release against release on one GPU, in one lease: the benchmark of record (bench.gpu)
 # for each vLLM site in turn, layout detection off (capacity and convert; 96 pages) and on
 # (the transformers stand-in on the GPU; 32 pages), every figure from the same card.
-# Usage (from the checkout, on the GPU machine, in a session of its own):
+# Usage (on the GPU machine, from a snapshot of the checkout: the device replaces the working
+# tree at every call, under a run that outlives one; bench/gpu/README.md, the lease):
 #   setsid bash bench/gpu/vllm_versions.sh OUT LABEL=SITE [LABEL=SITE ...] &
 #   e.g. OUT=/tmp/ab new=/tmp/site-new old=/tmp/site (the bundles of bench/gpu/bundle)
 # Each run has a time limit (PART_S, default 330 s: vLLM's start is ~60-150 s); a version

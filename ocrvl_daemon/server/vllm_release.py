@@ -27,6 +27,9 @@ class Release:
 
 # Read from each release's and its torch's package metadata on PyPI (Requires-Dist).
 KNOWN: dict[str, Release] = {
+    "0.33.0": Release("2.14.0", "13.0"),  # the newest pip installs (0.34.0 asks for a
+    # flashinfer-python==0.7.3 that PyPI does not have); torch 2.14.0 requires
+    # nvidia-cuda-runtime 13.0.96. Started on an H100, served no benchmark page (RESULTS.md).
     "0.26.0": Release("2.11.0", "13.0"),  # torch 2.11.0 requires cuda-toolkit 13.0.2
     "0.19.1": Release("2.10.0", "12.8"),  # torch 2.10.0 requires nvidia-cuda-runtime-cu12 12.8
 }
