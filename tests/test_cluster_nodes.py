@@ -106,6 +106,8 @@ def test_a_book_across_three_nodes_gets_a_share_from_every_node(tmp_path: Path,
     assert sum(shares.values()) == 24, f"some pages were recognised twice: {shares}"
     assert lines.count("server node 127.0.0.1 #0: ready") == NODES, (
         f"`ocrvl status` should show each engine host's node:\n{lines}")
+    assert "SIGTERM received" not in daemon.log(), (
+        "stopping the daemon (systemctl stop) printed Ray's crash stack dump to its log")
 
 
 def every_host_ready(daemon: DaemonProcess, hosts: int = NODES) -> None:

@@ -16,6 +16,7 @@ for status, start and stop.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections import deque
@@ -42,6 +43,10 @@ GONE_SHOWN = 8
 
 def connect(config: Config) -> None:
     """Join the Ray cluster at cluster.address as a driver (this process places the hosts)."""
+    # Ray's C++ failure handler prints a native stack dump at SIGTERM, which is the daemon's
+    # normal stop (systemctl stop): a crash report in the journal at every stop. It is read
+    # when Ray is imported; the daemon's own crashes are Python's to report.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray
     except ImportError as exc:
