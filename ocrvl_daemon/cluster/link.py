@@ -340,6 +340,7 @@ class HostServer:
         self._name = link.offer.where + (f"/{index + 1}" if several else "")
         self._status: ServerStatus | None = None
         self._metrics: ServerMetrics | None = None
+        self._sampled_at: float | None = None  # `_metrics`' time on the node's clock
 
     @property
     def name(self) -> str:
@@ -357,8 +358,15 @@ class HostServer:
         place = self.link.place
         self._status = replace(status, url=self._url, node=self.link.offer.node_ip,
                                gpu=place.gpus if place else None)
-        self._metrics = None if metrics is None else replace(
-            metrics, taken_at=metrics.taken_at + offset)
+        # Every poll brings the host's newest scrape, each moved onto our clock by its own
+        # poll's offset: were each taken as a new one, one scrape of a server keeping
+        # requests waiting would count as several in a row, and the concurrency search would
+        # cap the bound at once (`ConcurrencyController`: WAITING_SAMPLES). A scrape is news
+        # once.
+        if metrics is None or metrics.taken_at != self._sampled_at:
+            self._sampled_at = None if metrics is None else metrics.taken_at
+            self._metrics = None if metrics is None else replace(
+                metrics, taken_at=metrics.taken_at + offset)
 
     def status(self) -> ServerStatus:
         """A snapshot for status lines; a host that is gone shows why."""
