@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ocrvl_daemon.cluster.link import HostServer
+from ocrvl_daemon.cluster.host import GateOrder
+from ocrvl_daemon.cluster.link import HostServer, RayWorker
 from ocrvl_daemon.cluster.offers import offers
 from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
 from ocrvl_daemon.config.model import Config
@@ -130,6 +131,28 @@ def test_a_node_that_sees_the_same_file_renders_it_in_place_else_from_its_copy(t
     assert Path(local.pdf).name == copy_key(elsewhere.pdf, stat.st_size, stat.st_mtime) + ".pdf"
     pdfs.local(elsewhere, copy)
     assert len(fetched) == 1, "a node fetched the same document twice"
+
+
+def test_a_worker_on_a_host_keeps_the_last_gate_the_daemon_set_whatever_order_calls_run():
+    calls: list[tuple[int, GateLimit, int]] = []
+    actor = SimpleNamespace(set_limit=SimpleNamespace(remote=lambda *call: calls.append(call)))
+    link = SimpleNamespace(actor=actor, arrived=None, dead=None, local_url=lambda url: url)
+    handle = RayWorker(link, 3)  # type: ignore[arg-type]
+    # The pool shares the bound as pages come: the worker's part of it goes 0, 1, 2, 1.
+    for limit in (0, 1, 2, 1):
+        handle.set_limit(GateLimit(NODE1, limit))
+    # The host's threads may run the calls in any order; the worst: backwards.
+    applied: list[int] = []
+    gates = GateOrder()
+    for number, gate, order in reversed(calls):
+        assert number == 3
+        gates.apply(number, gate, order, lambda g: applied.append(g.limit))
+    assert applied[-1:] == [1], (
+        f"the worker was left with a gate of {applied[-1:]} requests, an older one than the "
+        "daemon's last (1): its pages wait at the gate until its share changes again")
+    gates.forget(3)
+    gates.apply(3, GateLimit(NODE1, 5), 1, lambda g: applied.append(g.limit))
+    assert applied[-1] == 5, "a stopped worker's gates are forgotten with it"
 
 
 def test_one_scrape_of_a_hosts_server_counts_once_however_many_polls_bring_it():

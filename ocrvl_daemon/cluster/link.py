@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -221,6 +222,7 @@ class RayWorker:
         self.number = number
         self.arrived = link.arrived
         self.gates: dict[str, GateLimit] = {}
+        self._gate_order = itertools.count(1)  # numbers its gates for the host (`GateOrder`)
         self.pages_done = 0
         self.ready = False
         self.failure: str | None = None
@@ -271,11 +273,13 @@ class RayWorker:
         self.link.actor.submit.remote(self.number, local, self.link.shelf.copy_for(task))
 
     def set_limit(self, gate: GateLimit) -> None:
-        """The worker's request gate for `gate.url`; sent only when it changes."""
+        """The worker's request gate for `gate.url`; sent only when it changes, numbered:
+        the host may run two calls the other way round, and applies the later one only."""
         if self.gates.get(gate.url) != gate:
             self.gates[gate.url] = gate
             self.link.actor.set_limit.remote(
-                self.number, replace(gate, url=self.link.local_url(gate.url)))
+                self.number, replace(gate, url=self.link.local_url(gate.url)),
+                next(self._gate_order))
 
     def pending(self) -> bool:
         """Whether results wait to be collected."""
