@@ -1,23 +1,30 @@
 """The parts of the Ray cluster support that need no Ray: which engine hosts the nodes offer,
 that a cluster's worker sends pages only to its own node's server, how a node gets a PDF,
-the config's rules, and /metrics naming each host's node."""
+what the daemon takes from a host's polls, the config's rules, and /metrics naming each
+host's node."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from ocrvl_daemon.cluster.host import GateOrder
+from ocrvl_daemon.cluster.link import HostServer, RayWorker
 from ocrvl_daemon.cluster.offers import offers
 from ocrvl_daemon.cluster.pdf_copies import NodePdfs, PdfCopy, copy_key
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.core.messages import GateLimit, PageTask, WorkerSetup
 from ocrvl_daemon.core.plan import EndpointRoom, plan
+from ocrvl_daemon.engine.concurrency import ConcurrencyController
 from ocrvl_daemon.engine.pool import EnginePool
 from ocrvl_daemon.observe.daemon_state import DaemonState, EndpointState
 from ocrvl_daemon.observe.metrics import _SnapshotCollector
 from ocrvl_daemon.server.placement import Placement
+from ocrvl_daemon.server.probe import ServerMetrics
+from ocrvl_daemon.server.supervisor import ServerState, ServerStatus
 from testkit.core import document
 from testkit.documents import make_pdf
 from testkit.stand_in_worker import StandInWorker
@@ -124,6 +131,50 @@ def test_a_node_that_sees_the_same_file_renders_it_in_place_else_from_its_copy(t
     assert Path(local.pdf).name == copy_key(elsewhere.pdf, stat.st_size, stat.st_mtime) + ".pdf"
     pdfs.local(elsewhere, copy)
     assert len(fetched) == 1, "a node fetched the same document twice"
+
+
+def test_a_worker_on_a_host_keeps_the_last_gate_the_daemon_set_whatever_order_calls_run():
+    calls: list[tuple[int, GateLimit, int]] = []
+    actor = SimpleNamespace(set_limit=SimpleNamespace(remote=lambda *call: calls.append(call)))
+    link = SimpleNamespace(actor=actor, arrived=None, dead=None, local_url=lambda url: url)
+    handle = RayWorker(link, 3)  # type: ignore[arg-type]
+    # The pool shares the bound as pages come: the worker's part of it goes 0, 1, 2, 1.
+    for limit in (0, 1, 2, 1):
+        handle.set_limit(GateLimit(NODE1, limit))
+    # The host's threads may run the calls in any order; the worst: backwards.
+    applied: list[int] = []
+    gates = GateOrder()
+    for number, gate, order in reversed(calls):
+        assert number == 3
+        gates.apply(number, gate, order, lambda g: applied.append(g.limit))
+    assert applied[-1:] == [1], (
+        f"the worker was left with a gate of {applied[-1:]} requests, an older one than the "
+        "daemon's last (1): its pages wait at the gate until its share changes again")
+    gates.forget(3)
+    gates.apply(3, GateLimit(NODE1, 5), 1, lambda g: applied.append(g.limit))
+    assert applied[-1] == 5, "a stopped worker's gates are forgotten with it"
+
+
+def test_one_scrape_of_a_hosts_server_counts_once_however_many_polls_bring_it():
+    link = SimpleNamespace(place=None, dead=None,
+                           offer=SimpleNamespace(where="node 10.0.0.1 #0", node_ip="10.0.0.1"))
+    server = HostServer(link, 0, NODE1)  # type: ignore[arg-type]
+    status = ServerStatus(ServerState.READY, "ready", None, 1, 0, None, None, NODE1)
+    controller = ConcurrencyController(4, 64, adaptive=True)
+    # A book's first burst: the server keeps requests waiting for one scrape, on the node's
+    # clock at 100.0; polls bring it again and again, each over its own round trip.
+    burst = ServerMetrics(taken_at=100.0, running=14, waiting=40)
+    for poll, offset in enumerate([0.0011, 0.0017, 0.0009, 0.0013]):
+        server.update(status, burst, offset)
+        controller.observe(1.0 + poll / 100, completed=0, in_flight=64, backlog=32,
+                           metrics=server.metrics())
+    assert controller.server_cap is None and controller.limit == 64, (
+        "one scrape brought by several polls was taken for scrapes in a row of a server "
+        f"that keeps requests waiting: the bound fell to {controller.limit}")
+    server.update(status, ServerMetrics(taken_at=100.5, running=14, waiting=40), 0.0012)
+    sample = server.metrics()
+    assert sample is not None and sample.taken_at == pytest.approx(100.5012), (
+        "the next scrape is news again, on the daemon's clock")
 
 
 def test_a_cluster_needs_managed_servers():

@@ -15,6 +15,9 @@ to itself): each starts, waits for its server and every engine worker, converts 
 book (not timed), then `--rounds` books; a book's time is from its rename into the inbox to
 its Markdown. Each contender's figure is its median round (of an even count, the slower
 middle one); the ratio is ray / local.
+`--fake` runs the stand-in server instead (layout off only); `--fake-args`, `--max-num-seqs`,
+`--workers` and `--replicas` shape it, e.g. fast enough that ocrvl, not the server, sets the
+pace (bench/cluster_RESULTS.md).
 Target: >= 0.95 in both modes. Writes `--results` after every contender (a run cut short
 keeps what it measured); the daemons' logs go to `--log-dir` (default beside --results).
 """
@@ -56,7 +59,7 @@ LAYOUT_PIPELINE = {"use_layout_detection": True, "layout_engine": "transformers"
 START_TIMEOUT_S = 600
 BOOK_TIMEOUT_S = 600
 TARGET = 0.95
-FAKE_ANSWERS = ("--output-tokens", "fixed:20", "--step-t0-ms", "50", "--max-num-seqs", "16")
+FAKE_ANSWERS = "--output-tokens fixed:20 --step-t0-ms 50 --max-num-seqs 16"
 
 
 def pipeline_for(mode: str) -> dict[str, Any]:
@@ -74,10 +77,15 @@ def daemon_config(args: argparse.Namespace, work: Path, mode: str,
                   address: str | None) -> Path:
     """`ocrvl run`'s config: managed vLLM on the card, the mode's pipeline, and with
     `address` the cluster."""
-    sections = ({"server": managed_fake_server(free_port(), *FAKE_ANSWERS)} if args.fake else
+    sections = ({"server": managed_fake_server(free_port(), *args.fake_args.split())}
+                if args.fake else
                 managed_vllm(args.model_dir, args.vllm_python, args.vllm_pythonpath,
                              free_port()))
-    pipeline = pipeline_for(mode)
+    if args.replicas:
+        sections["server"]["replicas"] = args.replicas
+    if args.max_num_seqs:
+        sections["server"].setdefault("vllm_args", {})["max-num-seqs"] = args.max_num_seqs
+    pipeline = pipeline_for(mode) | ({"workers": args.workers} if args.workers else {})
     if mode == "on":
         sections["server"]["env"][LENGTHS_ENV] = LAYOUT_LENGTHS
         gpus = read_gpus()
@@ -121,7 +129,8 @@ def contender(args: argparse.Namespace, work: Path, mode: str, name: str,
     folder = work / f"{mode}-{name}-{time.monotonic_ns()}"
     config = daemon_config(args, folder, mode, address)
     pages = args.pages_on if mode == "on" else args.pages_off
-    workers = decide_placement(Config.model_validate({"pipeline": pipeline_for(mode)})).workers
+    workers = args.workers or decide_placement(
+        Config.model_validate({"pipeline": pipeline_for(mode)})).workers
     daemon = DaemonProcess(config, **LOOPBACK_ENV)
     t0 = time.monotonic()
     daemon.start()
@@ -180,6 +189,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layout-cache", type=Path, default=Path("/tmp/lm"),
                     help="the layout stand-in (python -m testkit.layout_model DIR --format "
                     "transformers; made there if missing)")
+    ap.add_argument("--fake-args", default=FAKE_ANSWERS,
+                    help="the stand-in server's options (python -m testkit.fake_server --help); "
+                    "the managed server's own vLLM flags (max-num-seqs...) follow them")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="pipeline.workers (default: auto, as the daemon decides)")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="server.replicas (default: auto)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the server's max-num-seqs (default: auto, as the daemon plans it)")
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--rounds", type=int, default=3, help="books timed per daemon")
     ap.add_argument("--order", default="local,ray",

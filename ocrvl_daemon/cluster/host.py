@@ -21,6 +21,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,41 @@ class _Records(logging.Handler):
         return taken
 
 
+class GateOrder:
+    """Hands each worker its request gates in the order the daemon set them.
+
+    The host runs its calls on several threads (a poll waits on one while pages are handed
+    over), and Ray keeps no order between the calls of a threaded actor: two `set_limit`s the
+    daemon sent back to back may run the other way round. The older gate, applied last,
+    would then hold the worker to a share it no longer has until its share changes again,
+    which at the end of a book is when its pages come back, seconds later (its pages wait
+    at the gate meanwhile). So each gate comes numbered by the daemon's handle
+    (`link.RayWorker`), and one older than the last handed on for its worker and endpoint
+    is dropped. (A page that overtakes the gate raised for it waits at the gate for as long
+    as the two calls are apart.)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a gate is checked and handed on in one step
+        self._last: dict[tuple[int, str], int] = {}  # by (worker, endpoint): the last order
+
+    def apply(self, number: int, gate: GateLimit, order: int,
+              send: Callable[[GateLimit], None]) -> None:
+        """Hand `gate`, the `order`th the daemon set for worker `number`, on with `send`,
+        unless a later one was handed on already."""
+        with self._lock:
+            key = (number, gate.url)
+            if order <= self._last.get(key, 0):
+                return
+            self._last[key] = order
+            send(gate)
+
+    def forget(self, number: int) -> None:
+        """Worker `number` is gone."""
+        with self._lock:
+            self._last = {key: order for key, order in self._last.items() if key[0] != number}
+
+
 def node_config(config: Config, slot: str) -> Config:
     """The daemon's configuration as the host on this node runs it: its own state folder
     (pidfiles: the next host of this slot ends a server a killed one left) and a free port
@@ -155,6 +191,7 @@ class EngineHost:
         self.placement = decide_placement(self.config)
         self._setup = worker_setup(self.config, self.placement)
         self._workers: dict[int, EngineWorker] = {}
+        self._gates = GateOrder()
         self._arrived = threading.Event()
         # Every worker is started from this one thread, which lives as long as the host: a
         # worker dies with the thread that started it (its parent-death signal).
@@ -200,11 +237,12 @@ class EngineHost:
             return
         worker.submit(task)
 
-    def set_limit(self, number: int, gate: GateLimit) -> None:
-        """Worker `number`'s request gate for `gate.url`."""
+    def set_limit(self, number: int, gate: GateLimit, order: int) -> None:
+        """Worker `number`'s request gate for `gate.url`, the `order`th the daemon set for
+        that worker (`GateOrder`)."""
         worker = self._workers.get(number)
         if worker is not None:
-            worker.set_limit(gate)
+            self._gates.apply(number, gate, order, worker.set_limit)
 
     def close_input(self, number: int) -> None:
         """No more pages for worker `number`: it finishes what it has and exits."""
@@ -215,6 +253,7 @@ class EngineHost:
     def stop_worker(self, number: int, kill: bool = False) -> None:
         """Stop worker `number` (at once with `kill`) and forget it."""
         worker = self._workers.pop(number, None)
+        self._gates.forget(number)
         if worker is not None:
             worker.kill() if kill else worker.stop()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -221,6 +222,7 @@ class RayWorker:
         self.number = number
         self.arrived = link.arrived
         self.gates: dict[str, GateLimit] = {}
+        self._gate_order = itertools.count(1)  # numbers its gates for the host (`GateOrder`)
         self.pages_done = 0
         self.ready = False
         self.failure: str | None = None
@@ -271,11 +273,13 @@ class RayWorker:
         self.link.actor.submit.remote(self.number, local, self.link.shelf.copy_for(task))
 
     def set_limit(self, gate: GateLimit) -> None:
-        """The worker's request gate for `gate.url`; sent only when it changes."""
+        """The worker's request gate for `gate.url`; sent only when it changes, numbered:
+        the host may run two calls the other way round, and applies the later one only."""
         if self.gates.get(gate.url) != gate:
             self.gates[gate.url] = gate
             self.link.actor.set_limit.remote(
-                self.number, replace(gate, url=self.link.local_url(gate.url)))
+                self.number, replace(gate, url=self.link.local_url(gate.url)),
+                next(self._gate_order))
 
     def pending(self) -> bool:
         """Whether results wait to be collected."""
@@ -340,6 +344,7 @@ class HostServer:
         self._name = link.offer.where + (f"/{index + 1}" if several else "")
         self._status: ServerStatus | None = None
         self._metrics: ServerMetrics | None = None
+        self._sampled_at: float | None = None  # `_metrics`' time on the node's clock
 
     @property
     def name(self) -> str:
@@ -357,8 +362,15 @@ class HostServer:
         place = self.link.place
         self._status = replace(status, url=self._url, node=self.link.offer.node_ip,
                                gpu=place.gpus if place else None)
-        self._metrics = None if metrics is None else replace(
-            metrics, taken_at=metrics.taken_at + offset)
+        # Every poll brings the host's newest scrape, each moved onto our clock by its own
+        # poll's offset: were each taken as a new one, one scrape of a server keeping
+        # requests waiting would count as several in a row, and the concurrency search would
+        # cap the bound at once (`ConcurrencyController`: WAITING_SAMPLES). A scrape is news
+        # once.
+        if metrics is None or metrics.taken_at != self._sampled_at:
+            self._sampled_at = None if metrics is None else metrics.taken_at
+            self._metrics = None if metrics is None else replace(
+                metrics, taken_at=metrics.taken_at + offset)
 
     def status(self) -> ServerStatus:
         """A snapshot for status lines; a host that is gone shows why."""
