@@ -176,6 +176,9 @@ def start_cluster(fake: bool) -> Any:
     from ray.cluster_utils import Cluster
 
     os.environ.update(LOOPBACK_ENV)
+    # As README's "More than one machine" starts a node: the host's server and workers at
+    # the niceness of the local contender's (Ray's own default is 15).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     offer: dict[str, Any] = ({"resources": {"ocrvl_engine": 1}} if fake else {"num_gpus": 1})
     return Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": os.cpu_count(), "node_ip_address": "127.0.0.1",
