@@ -321,7 +321,8 @@ FAILED = 11  # the block whose request failed (0-based: block 12 of 30)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("kind", [Failure.SERVER_ERROR, Failure.SERVER_DOWN, Failure.PAGE])
+@pytest.mark.parametrize("kind", [Failure.SERVER_ERROR, Failure.SERVER_DOWN, Failure.PAGE,
+                                  Failure.REFUSED])
 def test_a_page_whose_one_request_failed_is_sent_again_keeping_the_answers_that_came(
         kind: Failure) -> None:
     doc = book_with_first_pass_in()
@@ -357,7 +358,7 @@ def test_a_block_refused_on_every_try_leaves_the_page_without_it_unless_pages_mu
         doc.apply(SendAgain(0, counted=True), 0.0)
         doc.apply(Sent(0, URL), 0.0)
     answers = [good(0, b) for b in range(BLOCKS) if b != FAILED]
-    result = replace(page_result(0, []), error="HTTP 400: refused", error_kind=Failure.PAGE,
+    result = replace(page_result(0, []), error="HTTP 400: refused", error_kind=Failure.REFUSED,
                      answers=answers, failed=[f"p0b{FAILED}"])
     action = decide(result, doc, rules)
     if fail_on_page_error:

@@ -15,6 +15,7 @@ from ocrvl_daemon.core.actions import (
     Wake,
 )
 from ocrvl_daemon.core.decide import (
+    REFUSING_PAGES,
     SERVER_ERROR_BACKOFF,
     Rules,
     decide,
@@ -128,6 +129,46 @@ def test_a_failed_page_is_retried_counted_then_given_up_as_a_placeholder() -> No
     assert isinstance(action, Placeholder) and action.retryable
     assert "after 3 attempts" in action.note
     assert "Redo it with: ocrvl retry --pages 1" in action.note
+
+
+REFUSAL = "HTTP 400: chat template not found"
+
+
+@pytest.mark.quick
+def test_a_server_refusing_every_page_the_same_way_fails_the_document_with_its_words() -> None:
+    doc = sent_document(5)
+    for page in range(REFUSING_PAGES - 1):
+        action = decide(failure(page, Failure.REFUSED, REFUSAL), doc, RULES)
+        assert isinstance(action, SendAgain) and action.refused == REFUSAL, action
+        doc.apply(action, 0.0)
+    action = decide(failure(REFUSING_PAGES - 1, Failure.REFUSED, REFUSAL), doc, RULES)
+    assert isinstance(action, FailJob), (
+        f"{REFUSING_PAGES} pages refused alike and none answered should fail the document, "
+        f"not become placeholders: {action}")
+    assert action.error.exit_code is ExitCode.SERVER
+    assert REFUSAL in str(action.error) and "none answered" in str(action.error)
+    assert "ocrvl doctor" in (action.error.fix or "")
+
+
+@pytest.mark.quick
+def test_pages_refused_once_another_was_answered_are_their_own_failures() -> None:
+    doc = sent_document(5)
+    doc.apply(decide(answer(4), doc, RULES), 0.0)
+    for page in range(REFUSING_PAGES):
+        action = decide(failure(page, Failure.REFUSED, REFUSAL), doc, RULES)
+        assert isinstance(action, SendAgain) and action.counted, (
+            f"the server answered a page, so page {page + 1}'s refusal is the page's: {action}")
+        doc.apply(action, 0.0)
+
+
+@pytest.mark.quick
+def test_pages_refused_each_with_other_words_are_their_own_failures() -> None:
+    doc = sent_document(5)
+    for page in range(REFUSING_PAGES):
+        action = decide(failure(page, Failure.REFUSED, f"HTTP 400: page {page} is too long"),
+                        doc, RULES)
+        assert isinstance(action, SendAgain), action
+        doc.apply(action, 0.0)
 
 
 @pytest.mark.quick

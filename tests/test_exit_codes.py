@@ -271,6 +271,20 @@ def test_5_model_server_problem(tmp_path: Path):
     assert f"Cannot reach the model server at {url}" in result.stderr
 
 
+def test_5_a_server_that_refuses_every_page_ends_with_its_words_not_a_book_of_placeholders(
+        tmp_path: Path):
+    pdf = make_pdf(tmp_path / "book.pdf", 4)
+    config = write_config(tmp_path / "config.yaml", pipeline={"use_layout_detection": False},
+                          server=managed_fake_server(free_port(), "--refused-prompts", "OCR:"))
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=180)
+    assert result.returncode == ExitCode.SERVER, (result.returncode, result.stderr[-3000:])
+    assert "refuses every page of book.pdf" in result.stderr, result.stderr[-3000:]
+    assert "HTTP 400: the fake server refuses 'OCR:' requests" in result.stderr, (
+        "the server's own words should say why")
+    assert not (tmp_path / "book.md").exists(), (
+        "a server that refuses every page left a book of placeholders")
+
+
 def test_5_convert_gives_up_on_a_managed_server_whose_port_another_program_holds(
     tmp_path: Path,
 ):

@@ -1,13 +1,16 @@
-"""An `OcrvlError` raised in an engine worker crosses the pipe whole: its class (so whether it
-is permanent, and its exit code), its message and its fix (issue 50, item 3)."""
+"""How an engine worker's failures reach the daemon: an `OcrvlError` crosses the pipe whole,
+its class (so whether it is permanent, and its exit code), its message and its fix (issue 50,
+item 3); a failed request is told by its HTTP status (refused, failed, or no answer)."""
 
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import Future
 
+import httpx
 import pytest
 
-from ocrvl_daemon.core.messages import ErrorRecord
+from ocrvl_daemon.core.messages import ErrorRecord, Failure
 from ocrvl_daemon.errors import (
     ExitCode,
     InputFileError,
@@ -15,6 +18,8 @@ from ocrvl_daemon.errors import (
     OcrvlError,
     UnsetVariableError,
 )
+from ocrvl_daemon.worker.page import _request_failure
+from ocrvl_daemon.worker.streaming import StatusError
 
 
 def across_the_pipe(error: OcrvlError) -> OcrvlError:
@@ -51,3 +56,27 @@ def test_an_error_whose_own_constructor_differs_still_comes_back_whole() -> None
 def test_an_unknown_kind_comes_back_as_an_ocrvl_error_with_its_words() -> None:
     back = ErrorRecord("NoSuchError", "something odd", "try again").rebuilt()
     assert type(back) is OcrvlError and str(back) == "something odd Fix: try again"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("status", "kind"), [
+    (400, Failure.REFUSED), (404, Failure.REFUSED), (401, Failure.REFUSED),
+    (429, Failure.SERVER_ERROR), (408, Failure.SERVER_ERROR), (503, Failure.SERVER_ERROR)])
+def test_a_failed_request_is_told_by_its_http_status(status: int, kind: Failure) -> None:
+    # PaddleX re-raises a request's error as a RuntimeError holding its text; the request's
+    # own future still has the error with its status.
+    request: Future[None] = Future()
+    request.set_exception(StatusError(status, "the server's words"))
+    failure = _request_failure(RuntimeError("HTTP error"), [request])
+    assert failure == (kind, f"HTTP {status}: the server's words"), (
+        f"an HTTP {status} answer should be a {kind.value} failure, not {failure}")
+
+
+@pytest.mark.quick
+def test_a_request_without_an_answer_is_the_server_being_gone() -> None:
+    failure = _request_failure(RuntimeError("x"), [])
+    assert failure is None
+    request: Future[None] = Future()
+    request.set_exception(httpx.ConnectError("refused"))
+    got = _request_failure(RuntimeError("x"), [request])
+    assert got is not None and got[0] is Failure.SERVER_DOWN

@@ -30,7 +30,8 @@ class Checkpoint:
 class SendAgain:
     """Send the page again after `wait` seconds (0: now), or, `held`, once the document's
     other pages are in. `counted`: the attempt counts towards `Rules.page_retries`; `why` is
-    the warning to log, after the file's name (None: nothing to say here)."""
+    the warning to log, after the file's name (None: nothing to say here). `refused`: the
+    server's words, where it refused the page (`Document.refused_pages`)."""
 
     page: int
     wait: float = 0.0
@@ -38,6 +39,7 @@ class SendAgain:
     why: str | None = None
     ledger: Ledger | None = None
     held: Held | None = None
+    refused: str | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ from ocrvl_daemon.files.pdf import retry_command
 # failure: a server failing every request is not hammered, and one that failed a moment has
 # time to recover.
 SERVER_ERROR_BACKOFF = Backoff(1.0, 30.0)
+# A document whose server refused this many of its pages with the same words (HTTP 4xx),
+# before answering any, fails with those words instead of becoming placeholders: one
+# refused page is the page's; the same refusal of several, with nothing answered, is the
+# server's (pages go out in parallel, so the first refusals come back before any answer).
+REFUSING_PAGES = 3
 
 # What a redo decision chose for a page: send it (or some of its blocks) again with these
 # settings, hold it until its document's other pages are in, or keep its answer.
@@ -106,7 +111,8 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
         return _redo_or_keep(document, page, choice, result.looping, ledger, rules, result)
     error = result.error or "unknown error"
     kept = document.page(page).redo.best
-    if kept is not None and result.error_kind in (Failure.PAGE, Failure.DAMAGED):
+    if kept is not None and result.error_kind in (Failure.PAGE, Failure.REFUSED,
+                                                  Failure.DAMAGED):
         # A redo that fails costs the page nothing: its earlier answer stays.
         quality, answer = kept
         note = (f"{_quality_note(document, answer, quality, None, rules)} (sending it again "
@@ -124,9 +130,31 @@ def decide(result: PageResult, document: Document, rules: Rules) -> Action:
     if result.error_kind is Failure.DAMAGED:  # the same every time: no retries
         return _give_up(document, page, result.error or "the page is damaged", None, rules)
     action = page_failed(document, page, error, rules)
+    if result.error_kind is Failure.REFUSED and not _came_back_good(result):
+        refused = document.refused_pages(error) | {page}
+        if len(refused) >= REFUSING_PAGES and not document.answered:
+            return FailJob(_refuses_every_page(document, len(refused), error,
+                                               result.url or rules.server_url, rules))
+        if isinstance(action, SendAgain):
+            action = replace(action, refused=error)
     if isinstance(action, Placeholder) and result.failed and result.answers:
         return _without_refused_blocks(document, result, error)
     return _keeping_what_came(action, document, result)
+
+
+def _refuses_every_page(document: Document, pages: int, error: str, url: str,
+                        rules: Rules) -> ServerError:
+    """The error of a server that refused `pages` pages of `document` with the same words and
+    answered none: it will not take this model's requests at all (a vLLM or model that
+    ocrvl's requests do not suit, a wrong model name or API key), and a book of placeholders
+    would hide that."""
+    fix = ("check that it serves a PaddleOCR-VL model as model.name (its --served-model-name) "
+           "and takes server.api_key; its own log says why it refuses" if rules.external_server
+           else "its log says why it refuses; `ocrvl doctor` says whether the server "
+           "environment holds the vLLM release ocrvl pins, which `ocrvl setup-server` installs")
+    return ServerError(
+        f"The model server at {url} refuses every page of {document.job.path.name} it was "
+        f"sent ({pages} pages, none answered), each with: {error.rstrip('.')}.", fix)
 
 
 def _without_refused_blocks(document: Document, result: PageResult, error: str) -> SendAgain:

@@ -56,6 +56,8 @@ class Document:
         self.source = source
         self.started = started
         self._budget = RedoBudget()
+        self._answered = 0  # pages checkpointed by this conversion
+        self._refused: dict[str, set[int]] = {}  # a refusal's words -> the pages it refused
         self._pages: dict[int, Page] = {}
         # The pages in each phase and the suspects: an index of the records, kept by `_put`
         # alone, so that the plan's questions at every tick do not walk a book's pages.
@@ -139,6 +141,15 @@ class Document:
         """Pages sent again with another setting (more tokens, a penalty, once more)."""
         return sum(page.redo.redone for page in self._pages.values())
 
+    @property
+    def answered(self) -> int:
+        """Pages this conversion checkpointed (an answer kept, not a placeholder)."""
+        return self._answered
+
+    def refused_pages(self, words: str) -> frozenset[int]:
+        """The pages the server refused with these exact words (an HTTP 4xx answer)."""
+        return frozenset(self._refused.get(words, ()))
+
     def ledger(self, number: int) -> Ledger:
         """What a redo decision about page `number` reads (`redo.Ledger`)."""
         others = sum(page.redo.expected or 0 for n, page in self._pages.items() if n != number)
@@ -167,6 +178,8 @@ class Document:
         elif isinstance(change, SendAgain):
             self._send_again(change, now)
         elif isinstance(change, (Checkpoint, Placeholder)):
+            if isinstance(change, Checkpoint):
+                self._answered += 1
             if isinstance(change, Checkpoint) and change.ledger is not None:
                 self._budget = change.ledger.budget
                 self._put(replace(self._pages[change.page], redo=change.ledger.record))
@@ -176,6 +189,8 @@ class Document:
 
     def _send_again(self, action: SendAgain, now: float) -> None:
         page = self._pages[action.page]
+        if action.refused is not None:
+            self._refused.setdefault(action.refused, set()).add(action.page)
         if action.ledger is not None:
             self._budget = action.ledger.budget
             page = replace(page, redo=action.ledger.record)

@@ -206,9 +206,13 @@ class Failure(str, Enum):
     # The server answered with an HTTP 5xx status: it is there but fails the request. Each
     # one counts an attempt, and the page waits a while before it is sent again.
     SERVER_ERROR = "server-error"
+    # The server answered with an HTTP 4xx status (not 408 or 429, which say "later"): it
+    # will not take the request as sent. The page is retried like any page failure; a
+    # server that refuses every page the same way fails the document (`decide`).
+    REFUSED = "refused"
     INPUT = "input"  # the file cannot be read as it was queued: `PageResult.problem` says how
     DAMAGED = "damaged"  # the page itself cannot be rendered: the same every time
-    PAGE = "page"  # anything else about this page (a 4xx answer, a pipeline error)
+    PAGE = "page"  # anything else about this page (a pipeline error)
 
 
 @dataclass(frozen=True)

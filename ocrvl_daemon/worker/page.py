@@ -128,20 +128,26 @@ def _blocks(res: Any) -> list[Block]:
     return blocks
 
 
+# 4xx statuses that mean "not now" rather than "not this request": a request timeout, and
+# a proxy's rate limit in front of the server.
+LATER_STATUSES = frozenset({408, 429})
+
+
 def _request_failure(exc: Exception, requests: list[Any]) -> tuple[Failure, str] | None:
     """What kind of request failure `exc` (raised by the pipeline for one page) is, and its
     text; None when no request to the server failed.
 
     Read from the page's own requests (`requests`, their futures) where one failed: PaddleX
     re-raises a request's error as a RuntimeError holding only its text. The HTTP status
-    decides, not the error's name: a 5xx answer is the server failing the request, and no
-    answer at all is the server being gone.
+    decides, not the error's name: a 5xx answer is the server failing the request, a 4xx one
+    the server refusing it, and no answer at all is the server being gone.
     """
     failed = [f.exception() for f in requests
               if isinstance(f, Future) and f.done() and not f.cancelled()]
     for error in [e for e in failed if e is not None] + list(_chain(exc)):
         if isinstance(error, StatusError):
-            kind = Failure.SERVER_ERROR if error.status_code >= 500 else Failure.PAGE
+            kind = (Failure.SERVER_ERROR if error.status_code >= 500
+                    or error.status_code in LATER_STATUSES else Failure.REFUSED)
             return kind, str(error)
         if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):
             return Failure.SERVER_DOWN, f"{type(error).__name__}: {error}"
