@@ -5,12 +5,14 @@ item 3); a failed request is told by its HTTP status (refused, failed, or no ans
 from __future__ import annotations
 
 import pickle
+import subprocess
 from concurrent.futures import Future
 
 import httpx
 import pytest
 
-from ocrvl_daemon.core.messages import ErrorRecord, Failure
+from ocrvl_daemon.core.messages import ErrorRecord, Failure, WorkerFailed
+from ocrvl_daemon.engine.worker_handle import EngineWorker
 from ocrvl_daemon.errors import (
     ExitCode,
     InputFileError,
@@ -80,3 +82,16 @@ def test_a_request_without_an_answer_is_the_server_being_gone() -> None:
     request.set_exception(httpx.ConnectError("refused"))
     got = _request_failure(RuntimeError("x"), [request])
     assert got is not None and got[0] is Failure.SERVER_DOWN
+
+
+@pytest.mark.quick
+def test_a_worker_that_exits_after_saying_why_is_ended_with_its_reason() -> None:
+    # Its last words (WorkerFailed) are read, but not yet collected, when the daemon sees the
+    # process gone: the end must carry them, not a bare "engine worker exited".
+    worker = EngineWorker(None)  # type: ignore[arg-type]  # never started: no setup needed
+    worker._process = subprocess.Popen(["true"])
+    worker._process.wait()
+    worker._inbox.put(WorkerFailed("ModuleNotFoundError: No module named 'paddlex'"))
+    assert not worker.alive()
+    assert worker.failure == "ModuleNotFoundError: No module named 'paddlex'", (
+        "the worker's own reason for failing was lost")

@@ -38,6 +38,10 @@ from ocrvl_daemon.process.sd_notify import child_env
 
 log = logging.getLogger(__name__)
 
+# How long an ended worker's reader is given to read what it sent last: it ends when the pipe
+# closes, which is when the process ends (nothing else holds the pipe's end).
+LAST_WORDS_S = 2.0
+
 
 class EngineWorker:
     """One worker process; `submit` pages, `collect` results, `stop` when done.
@@ -91,8 +95,19 @@ class EngineWorker:
         return self._process.pid if self._process else None
 
     def alive(self) -> bool:
-        """Whether the worker process still runs."""
-        return self._process is not None and self._process.poll() is None
+        """Whether the worker process still runs. One that ended is said so only once all it
+        sent is read, and why it failed (`WorkerFailed`, its last words before exiting) is in
+        `failure`: its end is then told with its own reason, not as a bare exit."""
+        if self._process is None:
+            return False
+        if self._process.poll() is None:
+            return True
+        if self._reader is not None:
+            self._reader.join(LAST_WORDS_S)
+        with self._inbox.mutex:  # the rest of what it sent still waits for `collect`
+            self.failure = next((m.reason for m in self._inbox.queue
+                                 if isinstance(m, WorkerFailed)), self.failure)
+        return False
 
     def rss_mb(self) -> float:
         """Resident memory of the worker, in MiB."""
