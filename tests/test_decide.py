@@ -3,6 +3,8 @@ nothing changed until it is applied (`Document.apply`, as the converter does).""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ocrvl_daemon.core.actions import (
@@ -148,6 +150,25 @@ def test_a_server_refusing_every_page_the_same_way_fails_the_document_with_its_w
     assert action.error.exit_code is ExitCode.SERVER
     assert REFUSAL in str(action.error) and "none answered" in str(action.error)
     assert "ocrvl doctor" in (action.error.fix or "")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("external", "fix"), [
+    (True, "start the server (`vllm serve`) with --trust-request-mm-kwargs"),
+    (False, "set server.vllm_args: {trust-request-mm-kwargs: true}")])
+def test_a_vllm_that_does_not_trust_image_sizes_names_the_flag_as_the_fix(
+        external: bool, fix: str) -> None:
+    """vLLM >= 0.31 without --trust-request-mm-kwargs refuses every PaddleOCR-VL request."""
+    words = ("HTTP 400: Per-request mm_processor_kwargs are disabled by default because they "
+             "can change multimodal preprocessing resource usage. Start the server with "
+             "--trust-request-mm-kwargs only when clients are trusted.")
+    rules = replace(RULES, external_server=external)
+    doc = sent_document(5)
+    for page in range(REFUSING_PAGES):
+        action = decide(failure(page, Failure.REFUSED, words), doc, rules)
+        doc.apply(action, 0.0)
+    assert isinstance(action, FailJob), action
+    assert (action.error.fix or "").startswith(fix), action.error.fix
 
 
 @pytest.mark.quick

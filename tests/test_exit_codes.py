@@ -285,6 +285,29 @@ def test_5_a_server_that_refuses_every_page_ends_with_its_words_not_a_book_of_pl
         "a server that refuses every page left a book of placeholders")
 
 
+def test_5_a_vllm_that_gates_image_sizes_names_the_flag_and_the_flag_converts(
+        tmp_path: Path):
+    """vLLM >= 0.31 refuses PaddleOCR-VL's per-block image sizes unless started with
+    --trust-request-mm-kwargs; a managed server ocrvl cannot read the version of (here the
+    user's own command) gets the fix named, and the fix converts the book."""
+    pdf = make_pdf(tmp_path / "book.pdf", 4)
+    server = managed_fake_server(free_port(), "--gate-request-mm-kwargs")
+    config = write_config(tmp_path / "config.yaml", pipeline={"use_layout_detection": False},
+                          server=server)
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=180)
+    assert result.returncode == ExitCode.SERVER, (result.returncode, result.stderr[-3000:])
+    assert "Start the server with --trust-request-mm-kwargs" in result.stderr, (
+        "vLLM's own words should say why every page is refused")
+    assert "set server.vllm_args: {trust-request-mm-kwargs: true}" in result.stderr, \
+        result.stderr[-3000:]
+    assert not (tmp_path / "book.md").exists()
+    config = write_config(tmp_path / "config.yaml", pipeline={"use_layout_detection": False},
+                          server={**server, "vllm_args": {"trust-request-mm-kwargs": True}})
+    result = run_ocrvl("convert", "--config", config, pdf, timeout=180)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    assert (tmp_path / "book.md").exists()
+
+
 def test_5_convert_gives_up_on_a_managed_server_whose_port_another_program_holds(
     tmp_path: Path,
 ):

@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
+from packaging.version import Version
 
 from ocrvl_daemon.config.file import validate_config
 from ocrvl_daemon.config.model import Config
@@ -21,6 +23,7 @@ from ocrvl_daemon.server import gpu as gpu_module
 from ocrvl_daemon.server.launchers import (
     BACKEND_CONFIG_NAME,
     STREAM_INTERVAL,
+    TRUST_MM_KWARGS_FLAG,
     check_launcher,
     prepare_launch,
     resolve_vllm_args,
@@ -31,7 +34,7 @@ from ocrvl_daemon.server.launchers import (
 )
 from ocrvl_daemon.server.vllm_release import PINNED
 from testkit.fake_server.cli import parse_args
-from testkit.harness import FakeServerProcess, free_port
+from testkit.harness import FakeServerProcess, chat_payload, free_port, make_test_jpeg
 from testkit.runner import checkout_first
 
 
@@ -367,19 +370,24 @@ def test_version_is_read_again_after_an_upgrade_and_the_choice_logged_once(
     assert len(said) == 1 and said[0].startswith("adding --stream-interval 16"), said
 
 
-def test_the_fake_vllm_starts_with_stream_interval(tmp_path: Path) -> None:
-    """A real launch through the vllm launcher: the flags ocrvl adds for a 0.26.0 env reach
-    the server (here the fake one behind a `vllm` script), which starts with them."""
+@pytest.mark.parametrize(("installed", "answered"), [("0.33.0", True), ("0.30.0", False)])
+def test_a_real_launch_gets_the_flags_its_vllm_has_and_its_server_takes_pages(
+        tmp_path: Path, installed: str, answered: bool) -> None:
+    """A real launch through the vllm launcher: the flags ocrvl adds for the server
+    environment's vLLM reach the server (the fake one behind a `vllm` script, gating image
+    sizes as vLLM >= 0.31 does), which answers a PaddleOCR-VL request only when it was told
+    to trust them."""
     assert parse_args(["--stream-interval", "16"]).ignored_args == ("--stream-interval", "16")
-    python = fake_venv(tmp_path, vllm="0.26.0")
+    python = fake_venv(tmp_path, vllm=installed)
     vllm = python.parent / "vllm"
     # `vllm serve MODEL FLAGS...` -> the fake server with FLAGS.
     vllm.write_text(f"#!/bin/sh\nshift 2\nexec {shlex.quote(sys.executable)} "
-                    "-m testkit.fake_server \"$@\"\n")
+                    "-m testkit.fake_server --gate-request-mm-kwargs \"$@\"\n")
     vllm.chmod(0o755)
     port = free_port()
     spec = prepare_launch(make_config(tmp_path, python=str(python), port=port))
     assert flag_value(spec.argv, "--stream-interval") == "16"
+    assert ("--trust-request-mm-kwargs" in spec.argv) is answered
     env = {**spec.env, "PYTHONPATH": checkout_first(spec.env.get("PYTHONPATH"))}
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as out:
@@ -388,6 +396,54 @@ def test_the_fake_vllm_starts_with_stream_interval(tmp_path: Path) -> None:
     with FakeServerProcess(proc, "127.0.0.1", port, log_path) as server:
         server.wait_ready(15)
         assert "--stream-interval 16" in server.output()
+        body = chat_payload(make_test_jpeg(1), model="PaddleOCR-VL-1.6-0.9B",
+                            max_completion_tokens=64,
+                            mm_processor_kwargs={"min_pixels": 112896, "max_pixels": 1003520})
+        reply = httpx.post(f"{server.api_url}/chat/completions", json=body, timeout=30)
+    if answered:
+        assert reply.status_code == 200, f"vLLM {installed} refused a page: {reply.text}"
+    else:
+        assert reply.status_code == 400 and "--trust-request-mm-kwargs" in reply.text, reply.text
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("installed", "added"), [
+    ("0.33.0", True), ("0.31.0", True), ("0.31.0+cu130", True),
+    ("0.30.0", False), ("0.31.0rc1", False),
+    (PINNED, Version(PINNED) >= TRUST_MM_KWARGS_FLAG.since), (None, False)])
+def test_trust_request_mm_kwargs_only_where_the_server_vllm_gates_them(
+        tmp_path: Path, installed: str | None, added: bool) -> None:
+    """vLLM >= 0.31 refuses PaddleOCR-VL's per-block image sizes unless the server trusts its
+    clients; older vLLM exits on the unknown flag."""
+    python = fake_venv(tmp_path, "vllm", vllm=installed)
+    argv = prepare_launch(make_config(tmp_path, python=str(python))).argv
+    assert ("--trust-request-mm-kwargs" in argv) is added, (installed, argv)
+    # The user's choice wins: null drops it, true gives it to any version.
+    dropped = make_config(tmp_path, python=str(python),
+                          vllm_args={"trust-request-mm-kwargs": None})
+    assert "--trust-request-mm-kwargs" not in prepare_launch(dropped).argv
+    given = make_config(tmp_path, python=str(python),
+                        vllm_args={"trust-request-mm-kwargs": True})
+    assert "--trust-request-mm-kwargs" in prepare_launch(given).argv
+
+
+@pytest.mark.quick
+def test_the_vllm_version_is_read_where_server_env_pythonpath_puts_it_first(
+        tmp_path: Path) -> None:
+    """`server.env: {PYTHONPATH: ...}` makes the server's Python import vLLM from there, before
+    its own site-packages: that vLLM's version decides the flags."""
+    python = fake_venv(tmp_path, "vllm", vllm="0.26.0")
+    bundle = tmp_path / "bundle"
+    site = bundle / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    install_vllm(bundle / "bin" / "python", "0.33.0")  # into that site-packages
+    config = make_config(tmp_path, python=str(python),
+                         env={"PYTHONPATH": f"{tmp_path / 'absent'}{os.pathsep}{site}"})
+    assert server_vllm_version(config) == ("0.33.0", str(site))
+    assert "--trust-request-mm-kwargs" in prepare_launch(config).argv
+    elsewhere = make_config(tmp_path, python=str(python), env={"PYTHONPATH": str(tmp_path)})
+    assert server_vllm_version(elsewhere) == ("0.26.0", str(python.parent.parent)), \
+        "a PYTHONPATH without vLLM leaves the environment's own"
 
 
 WSL_KERNEL = "5.15.167.4-microsoft-standard-WSL2\n"

@@ -50,6 +50,9 @@ SERVER_ERROR_BACKOFF = Backoff(1.0, 30.0)
 # refused page is the page's; the same refusal of several, with nothing answered, is the
 # server's (pages go out in parallel, so the first refusals come back before any answer).
 REFUSING_PAGES = 3
+# vLLM >= 0.31 refuses every PaddleOCR-VL request (its per-block image sizes, in
+# mm_processor_kwargs) unless the server trusts its clients; its words name this flag.
+TRUST_MM_KWARGS = "--trust-request-mm-kwargs"
 
 # What a redo decision chose for a page: send it (or some of its blocks) again with these
 # settings, hold it until its document's other pages are in, or keep its answer.
@@ -148,10 +151,19 @@ def _refuses_every_page(document: Document, pages: int, error: str, url: str,
     answered none: it will not take this model's requests at all (a vLLM or model that
     ocrvl's requests do not suit, a wrong model name or API key), and a book of placeholders
     would hide that."""
-    fix = ("check that it serves a PaddleOCR-VL model as model.name (its --served-model-name) "
-           "and takes server.api_key; its own log says why it refuses" if rules.external_server
-           else "its log says why it refuses; `ocrvl doctor` says whether the server "
-           "environment holds the vLLM release ocrvl pins, which `ocrvl setup-server` installs")
+    if TRUST_MM_KWARGS in error:
+        fix = (f"start the server (`vllm serve`) with {TRUST_MM_KWARGS}: vLLM 0.31 and newer "
+               "refuse the image sizes PaddleOCR-VL's requests carry without it"
+               if rules.external_server else
+               "set server.vllm_args: {trust-request-mm-kwargs: true}; ocrvl adds it by itself "
+               "where it reads a vLLM >= 0.31 in the server environment (`ocrvl doctor` shows "
+               "which version it reads)")
+    elif rules.external_server:
+        fix = ("check that it serves a PaddleOCR-VL model as model.name (its "
+               "--served-model-name) and takes server.api_key; its own log says why it refuses")
+    else:
+        fix = ("its log says why it refuses; `ocrvl doctor` says whether the server environment "
+               "holds the vLLM release ocrvl pins, which `ocrvl setup-server` installs")
     return ServerError(
         f"The model server at {url} refuses every page of {document.job.path.name} it was "
         f"sent ({pages} pages, none answered), each with: {error.rstrip('.')}.", fix)

@@ -52,15 +52,36 @@ NEGATABLE_FLAGS = frozenset({"enable-prefix-caching", "enable-chunked-prefill",
 BACKEND_CONFIG_NAME = "genai_server_backend.yaml"
 SETUP_FIX = "run `ocrvl setup-server` to create the server environment"
 ANY_HOST = "0.0.0.0"  # a server meant for other machines listens on every address
+
+
+@dataclass(frozen=True)
+class VersionedFlag:
+    """A vLLM flag the managed server gets where the server environment's vLLM has it (an
+    unknown flag makes `vllm serve` exit at once)."""
+
+    flag: str
+    value: Any
+    since: Version  # the first vLLM release with the flag
+    why: str
+
+
 # ocrvl streams every answer only to stop one as soon as it loops. vLLM sends an SSE chunk per
 # generated token by default, each costing CPU in its API process, which bound a layout-on
 # server on an H100 (bench/gpu/RESULTS.md). A chunk per 16 tokens delays a loop stop by at most
-# 16 tokens, a fraction of any loop ocrvl stops, against ~16x fewer chunks. Added to the
-# managed vllm/genai_server launch only where the server's vLLM has the flag: an unknown flag
-# makes `vllm serve` exit at once.
+# 16 tokens, a fraction of any loop ocrvl stops, against ~16x fewer chunks.
 STREAM_INTERVAL = 16
-STREAM_INTERVAL_FLAG = "stream-interval"
-STREAM_INTERVAL_SINCE = Version("0.12.0")  # vLLM PR #27869 (2025-11-12) added it
+STREAM_INTERVAL_FLAG = VersionedFlag(
+    "stream-interval", STREAM_INTERVAL, Version("0.12.0"),  # vLLM PR #27869 (2025-11-12)
+    f"a streamed chunk per {STREAM_INTERVAL} tokens instead of one per token")
+# PaddleX sends each block's image size bounds as per-request `mm_processor_kwargs` (they
+# differ by block kind), and vLLM 0.31.0 refuses those with HTTP 400 unless the server trusts
+# its clients (vLLM PR #58830; seen on the lent H100 with 0.33.0, 2026-12-07): every page would
+# be refused. vLLM gated them because a request could reach the processor loader; the managed
+# server listens on 127.0.0.1 unless `server.host` says otherwise (`trust_warning`).
+TRUST_MM_KWARGS_FLAG = VersionedFlag(
+    "trust-request-mm-kwargs", True, Version("0.31.0"),
+    "PaddleOCR-VL's requests carry each block's image size, which vLLM refuses without it")
+VERSIONED_FLAGS = (STREAM_INTERVAL_FLAG, TRUST_MM_KWARGS_FLAG)
 # vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
 # WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
 # 50239, 54652). The V1 runner does without. vLLM 0.34.0 removed the V1 runner and refuses
@@ -95,26 +116,31 @@ def resolve_vllm_args(config: Config, gpu: GpuReading | None = None,
 
 
 def server_defaults(config: Config) -> dict[str, Any]:
-    """Defaults that depend on the server environment's vLLM: `stream-interval` where it has
-    the flag. Never for `server.launcher: command` (the user's own program, maybe a
-    container), nor when the user set the flag (their value, or `null`, wins anyway)."""
-    if config.server.launcher == "command" or STREAM_INTERVAL_FLAG in config.server.vllm_args:
+    """Flags that depend on the server environment's vLLM (`VERSIONED_FLAGS`): each where that
+    vLLM has it. Never for `server.launcher: command` (the user's own program, maybe a
+    container), nor a flag the user set (their value, or `null`, wins anyway)."""
+    if config.server.launcher == "command":
         return {}
     version, where = server_vllm_version(config)
     parsed = _parse_version(version) if version is not None else None
-    if parsed is not None and parsed >= STREAM_INTERVAL_SINCE:
-        _say_once(where, f"adding --{STREAM_INTERVAL_FLAG} {STREAM_INTERVAL} to the vLLM flags: "
-                  f"vLLM {version} in {where} has it (a streamed chunk per {STREAM_INTERVAL} "
-                  "tokens instead of one per token)")
-        return {STREAM_INTERVAL_FLAG: STREAM_INTERVAL}
-    if version is None:
-        why = f"no vLLM version found in {where}"
-    elif parsed is None:
-        why = f"cannot compare vLLM version {version!r} in {where}"
-    else:
-        why = f"vLLM {version} in {where} predates {STREAM_INTERVAL_SINCE}, which added it"
-    _say_once(where, f"not adding --{STREAM_INTERVAL_FLAG} to the vLLM flags: {why}")
-    return {}
+    added: dict[str, Any] = {}
+    for flag in VERSIONED_FLAGS:
+        if flag.flag in config.server.vllm_args:
+            continue
+        if parsed is not None and parsed >= flag.since:
+            spelled = " ".join(vllm_flags({flag.flag: flag.value}))
+            _say_once(f"{where}:{flag.flag}", f"adding {spelled} to the vLLM flags: vLLM "
+                      f"{version} in {where} has it ({flag.why})")
+            added[flag.flag] = flag.value
+            continue
+        if version is None:
+            why = f"no vLLM version found in {where}"
+        elif parsed is None:
+            why = f"cannot compare vLLM version {version!r} in {where}"
+        else:
+            why = f"vLLM {version} in {where} predates {flag.since}, which added it"
+        _say_once(f"{where}:{flag.flag}", f"not adding --{flag.flag} to the vLLM flags: {why}")
+    return added
 
 
 _said: dict[str, str] = {}  # the last decision logged per server environment
@@ -144,21 +170,24 @@ def _server_prefix(config: Config) -> Path | None:
     return script.parent.parent if script is not None else None
 
 
-_versions: dict[tuple[Any, ...], str | None] = {}
+_versions: dict[tuple[Any, ...], str | None] = {}  # ocrvl's own environment's
+_found: dict[tuple[Any, ...], tuple[str | None, str]] = {}  # another's: version, where
 
 
 def server_vllm_version(config: Config) -> tuple[str | None, str]:
     """The vLLM version installed in the server environment (None: none found), and where
     that environment is.
 
-    Read from the `vllm-<version>.dist-info` folder in its lib/python3*/site-packages (or
-    dist-packages), without importing vLLM or starting its Python; for ocrvl's own
-    environment from importlib.metadata. Remembered per environment until one of those
-    folders changes (an install or upgrade there). Several versions found (a broken
-    upgrade's leftover): the oldest.
+    Read from the `vllm-<version>.dist-info` folder where the server's Python imports vLLM
+    from: a `PYTHONPATH` folder in `server.env` first, as Python searches them, then its
+    lib/python3*/site-packages (or dist-packages); without importing vLLM or starting its
+    Python. For ocrvl's own environment from importlib.metadata. Remembered per environment
+    until one of those folders changes (an install or upgrade there). Several versions in one
+    folder (a broken upgrade's leftover): the oldest.
     """
     prefix = _server_prefix(config)
-    if prefix is None:
+    extra = [Path(d) for d in config.server.env.get("PYTHONPATH", "").split(os.pathsep) if d]
+    if prefix is None and not extra:
         where = f"ocrvl's own environment ({sys.prefix})"
         key: tuple[Any, ...] = (sys.prefix,)
         if key not in _versions:
@@ -167,14 +196,21 @@ def server_vllm_version(config: Config) -> tuple[str | None, str]:
             except metadata.PackageNotFoundError:
                 _versions[key] = None
         return _versions[key], where
-    sites = sorted(d for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages")
-                   for d in prefix.glob(pattern) if d.is_dir())
+    sites = [d for d in extra if d.is_dir()]
+    if prefix is not None:
+        sites += sorted(d for pattern in ("lib/python3*/site-packages",
+                                          "lib/python3*/dist-packages")
+                        for d in prefix.glob(pattern) if d.is_dir())
     key = (str(prefix), *((str(d), d.stat().st_mtime_ns) for d in sites))
-    if key not in _versions:
-        found = [v for d in sites for info in d.glob("vllm-*.dist-info")
-                 if (v := _parse_version(info.name[len("vllm-"):-len(".dist-info")]))]
-        _versions[key] = str(min(found)) if found else None
-    return _versions[key], str(prefix)
+    if key not in _found:
+        _found[key] = None, str(prefix) if prefix is not None else os.pathsep.join(map(str, extra))
+        for site in sites:
+            found = [v for info in site.glob("vllm-*.dist-info")
+                     if (v := _parse_version(info.name[len("vllm-"):-len(".dist-info")]))]
+            if found:
+                _found[key] = str(min(found)), str(prefix if site not in extra else site)
+                break
+    return _found[key]
 
 
 def _flag_value(value: Any) -> str:

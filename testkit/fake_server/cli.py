@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refused-prompts", default="",
                    help="requests whose prompt starts with one of these (P,P,...) are refused "
                    "with HTTP 400, as vLLM refuses a request it cannot take")
+    p.add_argument("--gate-request-mm-kwargs", action="store_true",
+                   help="refuse requests with mm_processor_kwargs (HTTP 400, vLLM's words) unless "
+                   "--trust-request-mm-kwargs is given, as vLLM >= 0.31 does")
+    p.add_argument("--trust-request-mm-kwargs", action="store_true")
     p.add_argument("--loop-marked", action="store_true",
                    help="images with a red mark on them (a block of a laid-out page) loop "
                    "unless the request breaks loops")
@@ -138,6 +142,8 @@ def parse_args(argv: Sequence[str] | None = None) -> FakeServerConfig:
         cut_widths=ns.cut_widths,
         empty_widths=ns.empty_widths,
         refused_prompts=tuple(p for p in ns.refused_prompts.split(",") if p),
+        gate_request_mm_kwargs=ns.gate_request_mm_kwargs,
+        trust_request_mm_kwargs=ns.trust_request_mm_kwargs,
         loop_marked=ns.loop_marked,
         read_text=ns.read_text,
         access_log=not ns.disable_uvicorn_access_log,

@@ -44,6 +44,10 @@ class FakeServerConfig:
     cut_widths: frozenset[int] = frozenset()
     empty_widths: frozenset[int] = frozenset()
     refused_prompts: tuple[str, ...] = ()  # requests whose prompt starts so get an HTTP 400
+    # As vLLM >= 0.31: a request with mm_processor_kwargs gets HTTP 400 unless the server was
+    # started with --trust-request-mm-kwargs (`trust_request_mm_kwargs`).
+    gate_request_mm_kwargs: bool = False
+    trust_request_mm_kwargs: bool = False
     loop_marked: bool = False  # images with a red mark loop, like loop_widths
     read_text: bool = False  # answer with the image's real words (reader.py)
     access_log: bool = True

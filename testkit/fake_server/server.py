@@ -82,6 +82,13 @@ from testkit.fake_server.startup import (
 CLIENT_GONE = 499  # the status logged for a request whose client went away (nginx's)
 
 
+# vLLM 0.31-0.33's words (vllm/entrypoints/generate/base/protocol.py) for the request it gates.
+UNTRUSTED_MM_KWARGS = (
+    "Per-request mm_processor_kwargs are disabled by default because they can change "
+    "multimodal preprocessing resource usage. Start the server with --trust-request-mm-kwargs "
+    "only when clients are trusted.")
+
+
 class FakeServer:
     """The fake vLLM: start-up, HTTP app and fault switches, around the batching simulation."""
 
@@ -374,6 +381,10 @@ class FakeServer:
             raise engine_error()
         if cfg.hang_after is not None and number >= cfg.hang_after:
             await self._hang(record)
+        if (cfg.gate_request_mm_kwargs and not cfg.trust_request_mm_kwargs
+                and body.get("mm_processor_kwargs")):
+            raise RequestError(400, f"{UNTRUSTED_MM_KWARGS} (parameter=mm_processor_kwargs)",
+                               "BadRequestError", "mm_processor_kwargs")
         if cfg.refused_prompts and chat.prompt.startswith(cfg.refused_prompts):
             raise RequestError(400, f"the fake server refuses {chat.prompt!r} requests "
                                "(--refused-prompts)", "BadRequestError")
