@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from packaging.version import Version
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.config.models import DEFAULT_MODEL
 from ocrvl_daemon.process.group import stop_process_group
+from ocrvl_daemon.server.launchers import TRUST_MM_KWARGS_FLAG, vllm_flags
 from ocrvl_daemon.server.probe import parse_metrics
 from testkit.harness import answers_health, wait_until
 
@@ -59,7 +61,19 @@ class ServeOptions:
             argv += ["--load-format", "dummy"]
         if self.lengths:
             argv += ["--logits-processors", LOGITS_PROCESSOR]
+        if TRUST_MM_KWARGS_FLAG.flag not in " ".join(self.extra):
+            version = self.vllm_version()
+            if version is not None and Version(version) >= TRUST_MM_KWARGS_FLAG.since:
+                # else vLLM >= 0.31 refuses every captured request (its image-size bounds)
+                argv += vllm_flags({TRUST_MM_KWARGS_FLAG.flag: TRUST_MM_KWARGS_FLAG.value})
         return argv + self.extra
+
+    def vllm_version(self) -> str | None:
+        """The vLLM version `python` imports with this PYTHONPATH (its metadata; None: none)."""
+        out = subprocess.run(
+            [self.python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+            env=self.env(), capture_output=True, text=True, timeout=60, check=False)
+        return out.stdout.strip() or None if out.returncode == 0 else None
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ, HF_HUB_OFFLINE="1" if self.dummy else os.environ.get(
