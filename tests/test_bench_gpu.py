@@ -69,6 +69,22 @@ def test_vllm_for_a_dummy_model_gets_random_weights_and_forced_answer_lengths() 
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize(("installed", "trusted"), [("0.33.0", True), ("0.26.0", False)])
+def test_the_benchmarks_vllm_trusts_image_sizes_where_it_would_refuse_them(
+        tmp_path: Path, installed: str, trusted: bool) -> None:
+    """vLLM >= 0.31 answers the captured PaddleOCR-VL requests only with
+    --trust-request-mm-kwargs (every one was refused on the H100, 2026-12-07); older vLLM
+    exits on the flag. The version is the one the bundle on PYTHONPATH holds."""
+    info = tmp_path / f"vllm-{installed}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {installed}\n")
+    options = ServeOptions(model="/tmp/m", dummy=True, lengths=None, port=8000,
+                           pythonpath=str(tmp_path))
+    assert options.vllm_version() == installed
+    assert ("--trust-request-mm-kwargs" in options.argv()) is trusted
+
+
+@pytest.mark.quick
 def test_rounds_run_their_contenders_in_a_balanced_order_so_none_always_follows_b2() -> None:
     four = ["capacity", "b2", "convert", "run"]
     orders = [round_order(four, k) for k in range(1, 6)]

@@ -378,6 +378,27 @@ def test_a_port_held_by_a_program_that_speaks_no_http_blocks(
     assert check.status == "fail" and "taken by another program" in check.detail, check
 
 
+@pytest.mark.parametrize("trusted", [False, True], ids=["gated", "trusted"])
+def test_a_vllm_that_refuses_paddlex_image_sizes_blocks_with_the_flag_to_start_it_with(
+        tmp_path: Path, gpu_env: Any, trusted: bool) -> None:
+    """vLLM >= 0.31 lists the model and answers /health, then refuses every page request
+    PaddleX sends (its image-size bounds) unless started with --trust-request-mm-kwargs."""
+    gpu_env("rtx4060")
+    gated = FakeServerConfig(port=0, served_model_names=(MODEL,), gate_request_mm_kwargs=True,
+                             trust_request_mm_kwargs=trusted)
+    with InProcessFakeServer(gated) as srv:
+        config = write_config(tmp_path, server={"mode": "external", "url": srv.url + "/v1"})
+        report = run_doctor(config, osrelease=NOT_WSL)
+    check = by_name(report, "server")
+    if trusted:
+        assert check.status == "ok" and "takes a page request" in check.detail, check
+        return
+    assert check.status == "fail" and "Per-request mm_processor_kwargs" in check.detail, check
+    assert check.fix is not None and check.fix.startswith(
+        "start the server (`vllm serve`) with --trust-request-mm-kwargs"), check.fix
+    assert report.blocking
+
+
 @pytest.mark.parametrize("key", [None, "wrong"], ids=["no-key", "wrong-key"])
 def test_a_401_from_the_server_points_at_the_api_key(
     tmp_path: Path, gpu_env: Any, key: str | None

@@ -5,9 +5,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# What PaddleX sends as `mm_processor_kwargs.max_pixels` by default; the model's vision
-# encoder turns every 28x28 patch into one token.
+# What PaddleX sends as `mm_processor_kwargs.max_pixels` (and `min_pixels`) by default; the
+# model's vision encoder turns every 28x28 patch into one token.
 MAX_IMAGE_PIXELS = 1_003_520
+MIN_IMAGE_PIXELS = 112_896
+# PaddleX sends those bounds with every request (they differ by block kind), and vLLM 0.31.0
+# and newer refuse them with HTTP 400 unless the server was started with this flag (vLLM PR
+# #58830, a security fix: a request could reach the processor loader with them).
+TRUST_MM_KWARGS = "trust-request-mm-kwargs"
+TRUST_MM_KWARGS_SINCE = "0.31.0"
+
+
+def trust_mm_kwargs_fix(external: bool) -> str:
+    """What to do about a server that refuses PaddleX's image-size bounds."""
+    if external:
+        return (f"start the server (`vllm serve`) with --{TRUST_MM_KWARGS}: vLLM "
+                f"{TRUST_MM_KWARGS_SINCE} and newer refuse the image sizes PaddleOCR-VL's "
+                "requests carry without it")
+    return (f"set server.vllm_args: {{{TRUST_MM_KWARGS}: true}}; ocrvl adds it by itself where "
+            f"it reads a vLLM >= {TRUST_MM_KWARGS_SINCE} in the server environment "
+            "(`ocrvl doctor` shows which version it reads)")
 PATCH_SIZE = 28
 IMAGE_TOKEN_BUDGET = math.ceil(MAX_IMAGE_PIXELS / PATCH_SIZE**2)
 # The model's image processor in vLLM (`smart_resize`) refuses an image whose long side is

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.models import TRUST_MM_KWARGS, trust_mm_kwargs_fix
 from ocrvl_daemon.core.actions import Action, Checkpoint, FailJob, Placeholder, SendAgain
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import Document
@@ -50,9 +51,6 @@ SERVER_ERROR_BACKOFF = Backoff(1.0, 30.0)
 # refused page is the page's; the same refusal of several, with nothing answered, is the
 # server's (pages go out in parallel, so the first refusals come back before any answer).
 REFUSING_PAGES = 3
-# vLLM >= 0.31 refuses every PaddleOCR-VL request (its per-block image sizes, in
-# mm_processor_kwargs) unless the server trusts its clients; its words name this flag.
-TRUST_MM_KWARGS = "--trust-request-mm-kwargs"
 
 # What a redo decision chose for a page: send it (or some of its blocks) again with these
 # settings, hold it until its document's other pages are in, or keep its answer.
@@ -151,13 +149,8 @@ def _refuses_every_page(document: Document, pages: int, error: str, url: str,
     answered none: it will not take this model's requests at all (a vLLM or model that
     ocrvl's requests do not suit, a wrong model name or API key), and a book of placeholders
     would hide that."""
-    if TRUST_MM_KWARGS in error:
-        fix = (f"start the server (`vllm serve`) with {TRUST_MM_KWARGS}: vLLM 0.31 and newer "
-               "refuse the image sizes PaddleOCR-VL's requests carry without it"
-               if rules.external_server else
-               "set server.vllm_args: {trust-request-mm-kwargs: true}; ocrvl adds it by itself "
-               "where it reads a vLLM >= 0.31 in the server environment (`ocrvl doctor` shows "
-               "which version it reads)")
+    if f"--{TRUST_MM_KWARGS}" in error:  # vLLM's words name the flag
+        fix = trust_mm_kwargs_fix(rules.external_server)
     elif rules.external_server:
         fix = ("check that it serves a PaddleOCR-VL model as model.name (its "
                "--served-model-name) and takes server.api_key; its own log says why it refuses")

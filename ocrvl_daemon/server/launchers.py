@@ -28,6 +28,7 @@ import yaml
 from packaging.version import InvalidVersion, Version
 
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.models import TRUST_MM_KWARGS, TRUST_MM_KWARGS_SINCE
 from ocrvl_daemon.errors import ServerConfigError, ServerMissingError
 from ocrvl_daemon.process.sd_notify import child_env
 from ocrvl_daemon.server import vllm_release
@@ -73,13 +74,11 @@ STREAM_INTERVAL = 16
 STREAM_INTERVAL_FLAG = VersionedFlag(
     "stream-interval", STREAM_INTERVAL, Version("0.12.0"),  # vLLM PR #27869 (2025-11-12)
     f"a streamed chunk per {STREAM_INTERVAL} tokens instead of one per token")
-# PaddleX sends each block's image size bounds as per-request `mm_processor_kwargs` (they
-# differ by block kind), and vLLM 0.31.0 refuses those with HTTP 400 unless the server trusts
-# its clients (vLLM PR #58830; seen on the lent H100 with 0.33.0, 2026-12-07): every page would
-# be refused. vLLM gated them because a request could reach the processor loader; the managed
-# server listens on 127.0.0.1 unless `server.host` says otherwise (`trust_warning`).
+# vLLM >= 0.31 refuses PaddleX's image-size bounds without it (config.models): every page
+# would be refused. The managed server listens on 127.0.0.1 unless `server.host` says
+# otherwise; vLLM before 0.31 takes those fields from anyone.
 TRUST_MM_KWARGS_FLAG = VersionedFlag(
-    "trust-request-mm-kwargs", True, Version("0.31.0"),
+    TRUST_MM_KWARGS, True, Version(TRUST_MM_KWARGS_SINCE),
     "PaddleOCR-VL's requests carry each block's image size, which vLLM refuses without it")
 VERSIONED_FLAGS = (STREAM_INTERVAL_FLAG, TRUST_MM_KWARGS_FLAG)
 # vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under

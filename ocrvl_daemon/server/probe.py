@@ -6,6 +6,8 @@ all talk to the server through these: one bearer header, one `/metrics` parser.
 
 from __future__ import annotations
 
+import base64
+import io
 import logging
 from dataclasses import dataclass
 
@@ -13,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.config.models import MODELS
+from ocrvl_daemon.config.models import MAX_IMAGE_PIXELS, MIN_IMAGE_PIXELS, MODELS
 from ocrvl_daemon.errors import ServerConfigError
 
 log = logging.getLogger(__name__)
@@ -176,3 +178,45 @@ class ServerProbe:
         except ValueError as exc:
             log.debug("unreadable metrics from %s: %s", self.root, exc)
             return None
+
+
+PAGE_PROBE_SECONDS = 20.0  # one token from a server that may be busy with a book
+# HTTP statuses that are no refusal of the request itself: a key, a busy or a failing server.
+NOT_A_REFUSAL = (401, 403, 408, 429)
+
+
+def page_probe_body(model: str) -> dict[str, object]:
+    """The smallest page request shaped as PaddleX sends one: a white 28x28 image (one vision
+    token), the OCR task, one token back, and PaddleX's image-size bounds."""
+    from PIL import Image  # only doctor asks (ocrvl's worker images come from PaddleX)
+
+    png = io.BytesIO()
+    Image.new("RGB", (28, 28), "white").save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    return {"model": model, "temperature": 0.0, "max_completion_tokens": 1,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "OCR:"}]}],
+            "mm_processor_kwargs": {"min_pixels": MIN_IMAGE_PIXELS,
+                                    "max_pixels": MAX_IMAGE_PIXELS}}  # fmt: skip
+
+
+def page_refusal(config: Config) -> str | None:
+    """The server's words when it refuses a page request as PaddleX sends one (HTTP 4xx:
+    the request itself is what it will not take), else None: answered, or busy, failing or
+    out of reach, which the other probes speak of."""
+    server = config.server
+    try:
+        reply = httpx.post(f"{server.base_url}/chat/completions",
+                           json=page_probe_body(config.model.served),
+                           headers=bearer_header(server.api_key),
+                           timeout=httpx.Timeout(PAGE_PROBE_SECONDS, connect=2.0))
+    except httpx.HTTPError:
+        return None
+    if not 400 <= reply.status_code < 500 or reply.status_code in NOT_A_REFUSAL:
+        return None
+    try:
+        words = str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        words = reply.text.strip()[:500]
+    return f"HTTP {reply.status_code}: {words}"

@@ -15,10 +15,16 @@ import httpx
 
 from ocrvl_daemon.commands.doctor.report import Check
 from ocrvl_daemon.config.model import Config
+from ocrvl_daemon.config.models import TRUST_MM_KWARGS, trust_mm_kwargs_fix
 from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.process.group import GroupRecord, group_members
 from ocrvl_daemon.server.managed import port_in_use
-from ocrvl_daemon.server.probe import ENDPOINT_ABSENT, bearer_header, served_model_fix
+from ocrvl_daemon.server.probe import (
+    ENDPOINT_ABSENT,
+    bearer_header,
+    page_refusal,
+    served_model_fix,
+)
 from ocrvl_daemon.server.replicas import PIDFILE_GLOB
 
 SYSTEMD_TIMEOUT = 5.0
@@ -137,7 +143,20 @@ def server_check(config: Config) -> Check:
     if config.model.served not in served:
         return Check("server", "fail", f"{root} serves {served or 'no models'}, not "
                      f"{config.model.served}", served_model_fix(config, served))
-    return Check("server", "ok", f"{root} is up and serves {config.model.served}")
+    refusal = page_refusal(config)
+    if refusal is not None:
+        return Check("server", "fail", f"{root} serves {config.model.served} but refuses a "
+                     f"page request as PaddleX sends one ({refusal})",
+                     _refusal_fix(config, refusal))
+    return Check("server", "ok", f"{root} is up, serves {config.model.served} and takes a "
+                 "page request")
+
+
+def _refusal_fix(config: Config, refusal: str) -> str:
+    """What to do about a server that refuses PaddleOCR-VL's page requests."""
+    if f"--{TRUST_MM_KWARGS}" in refusal:  # vLLM's words name the flag
+        return trust_mm_kwargs_fix(config.server.mode == "external")
+    return "the server's log says why; check that it serves a PaddleOCR-VL model"
 
 
 def _ocrvl_server_running(config: Config) -> bool:
