@@ -347,6 +347,12 @@ def write_transformers(folder: Path, name: str, small: bool) -> None:
     _write_hf_extras(folder, name)
 
 
+def written(cache_home: Path) -> bool:
+    """Whether `cache_home` holds a layout model's weights: its folder alone does not say, as
+    PaddleX makes it (and `official_models/`) as its cache whenever it is pointed there."""
+    return any(cache_home.glob("official_models/*_safetensors/model.safetensors"))
+
+
 def write(cache_home: Path, name: str = "PP-DocLayoutV3", *, small: bool = False,
           fmt: str = "paddle") -> Path:
     """Write the stand-in under `cache_home/official_models` in format `fmt` (`FORMATS`);

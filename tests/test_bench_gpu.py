@@ -629,6 +629,9 @@ def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path
         "the loops bench opens its log in --log-dir without making it (it failed so on a GPU)"
     small = lease.commands("small-card", args, 300)[-1]
     assert small[2] == "bench.gpu.small_card" and "--layout" in small
+    auto = lease.commands("auto-replicas", args, 600)[-1]
+    assert auto[2] == "bench.gpu.ray_vs_local" and auto[auto.index("--order") + 1] == "local"
+    assert auto[auto.index("--vllm-pythonpath") + 1] == "/tmp/site", "the release measured"
 
 
 @pytest.mark.quick
@@ -655,7 +658,11 @@ def test_the_lease_layout_mps_step_runs_big_gpu_with_layout_on_over_mps_replicas
                         ("--model-dir", str(tmp_path / "model"))):  # fmt: skip
         assert main[main.index(flag) + 1] == value, (flag, main)
     assert float(main[main.index("--budget-s") + 1]) == 480 - lease.BENCH_MARGIN_S
-    (tmp_path / "lm" / "official_models" / "PP-DocLayoutV3_safetensors").mkdir(parents=True)
+    stand_in = tmp_path / "lm" / "official_models" / "PP-DocLayoutV3_safetensors"
+    stand_in.mkdir(parents=True)
+    assert lease.commands("layout-mps", args, 480)[1][2] == "testkit.layout_model", (
+        "the folder PaddleX makes as its cache holds no model: the stand-in is still written")
+    (stand_in / "model.safetensors").write_bytes(b"")
     assert lease.commands("layout-mps", args, 480)[1][2] == "bench.gpu.big_gpu", (
         "a cache with the stand-in is used as it is")
 

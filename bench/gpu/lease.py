@@ -27,6 +27,10 @@ Steps, in the order `--plan` gives them (its order is their priority):
   rerun       bench.gpu, layout off: the run of record's --concurrency 128, --rounds N
   loops       bench.gpu.loop_savings
   small-card  bench.gpu.small_card --layout (transformers, the same stand-in)
+  auto-replicas
+              bench.gpu.ray_vs_local --order local: an `ocrvl run` daemon with its managed
+              vLLM on `auto` settings (an 80 GiB card: 2 replicas under MPS), layout off then
+              on (the same stand-in), 3 timed books each: the `auto` figure of a vLLM release
   layout-threads
               bench.layout_speed --gpu-footprint --callers 48: the layout model's GPU memory
               from one thread against from 48 threads in turn (torch's per-thread handles)
@@ -63,6 +67,7 @@ from typing import Any
 import psutil
 
 from bench.gpu.teardown import end_processes
+from testkit import layout_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER_ENV = "OCRVL_BENCH_LEASE"
@@ -97,6 +102,8 @@ STEPS = {
     "rerun": Step("rerun", 700, 400),  # 2 rounds; more rounds: rerun_estimate_s
     "loops": Step("loops", 330, 240),
     "small-card": Step("small-card", 360, 240),
+    # two daemon starts of ~140-205 s (2 replicas), each with a warm-up and 3 timed books
+    "auto-replicas": Step("auto-replicas", 600, 330),
     "layout-threads": Step("layout-threads", 60, 30),  # torch's start and 100 calls
     "stub": Step("stub", 30, 1),  # tests only: STUB_ENV's command
 }
@@ -295,9 +302,10 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
         prepare.append([py, "-m", "bench.gpu.dummy_model", str(args.model_dir)])
     stand_in = [py, "-m", "testkit.layout_model", str(args.layout_cache), "--format",
                 "transformers"]  # fmt: skip
-    has_stand_in = args.layout_cache.is_dir() and any(args.layout_cache.rglob("*_safetensors"))
+    has_stand_in = layout_model.written(args.layout_cache)
     layout = ["--layout-engine", "transformers", "--layout-cache", str(args.layout_cache)]
-    needs_stand_in = ("layout", "layout-api2", "layout-cpu", "layout-mps", "small-card")
+    needs_stand_in = ("layout", "layout-api2", "layout-cpu", "layout-mps", "small-card",
+                      "auto-replicas")
     if name in needs_stand_in and not has_stand_in:
         prepare.append(stand_in)
     if name == "layout":
@@ -324,6 +332,9 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
         main = [py, "-m", "bench.gpu.loop_savings", *vllm, *files]
     elif name == "small-card":
         main = [py, "-m", "bench.gpu.small_card", *vllm, "--layout", *layout, *files]
+    elif name == "auto-replicas":
+        main = [py, "-m", "bench.gpu.ray_vs_local", *vllm, "--order", "local", "--modes",
+                "off,on", "--rounds", "3", "--layout-cache", str(args.layout_cache), *files]
     elif name == "layout-threads":
         main = [py, "-m", "bench.layout_speed", "--gpu-footprint", "--batches", "1",
                 "--callers", "48"]

@@ -45,6 +45,7 @@ from bench.gpu.vllm_server import managed_vllm, model_dir_parser
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.server.gpu import read_gpus
 from ocrvl_daemon.server.placement import decide_placement
+from testkit import layout_model
 from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port, wait_until
 from testkit.ray_cluster import LOOPBACK_ENV
@@ -221,7 +222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     modes = ["off"] if args.fake else args.modes.split(",")
-    if "on" in modes and not args.layout_cache.is_dir():
+    if "on" in modes and not layout_model.written(args.layout_cache):
         subprocess.run(["python3", "-m", "testkit.layout_model", str(args.layout_cache),
                         "--format", "transformers"], check=True)
     use_layout_cache(args.layout_cache)  # before the cluster starts: its nodes inherit it

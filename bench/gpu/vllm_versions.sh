@@ -17,10 +17,10 @@ export PYTHONPATH=$PWD:/tmp/cli PYTHONUNBUFFERED=1
 # A newer torch beside the machine's cuDNN (ABI-compatible within 9.x; bundle README)
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 say() { echo "$(date +%H:%M:%S) $*" | tee -a "$OUT/progress.txt"; }
-# The stand-in layout model's files, not just the folder: other runs (ray_vs_local) use
-# /tmp/lm as PaddleX's cache and leave it without a model.
-[ -d /tmp/lm/official_models ] || python3 -m testkit.layout_model /tmp/lm --format transformers \
-  > "$OUT/lm.log" 2>&1
+# The stand-in layout model's weights, not just the folder: PaddleX makes it as its cache
+# (ray_vs_local points it there) and leaves it without a model (testkit.layout_model.written).
+ls /tmp/lm/official_models/*_safetensors/model.safetensors > /dev/null 2>&1 ||
+  python3 -m testkit.layout_model /tmp/lm --format transformers > "$OUT/lm.log" 2>&1
 for pair in "$@"; do
   label=${pair%%=*}; site=${pair#*=}
   say "$label: $(PYTHONPATH=$site python3 -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1)"
