@@ -195,14 +195,13 @@ def server_vllm_version(config: Config) -> tuple[str | None, str]:
             except metadata.PackageNotFoundError:
                 _versions[key] = None
         return _versions[key], where
+    prefix = prefix or Path(sys.prefix)  # PYTHONPATH before ocrvl's own interpreter's
     sites = [d for d in extra if d.is_dir()]
-    if prefix is not None:
-        sites += sorted(d for pattern in ("lib/python3*/site-packages",
-                                          "lib/python3*/dist-packages")
-                        for d in prefix.glob(pattern) if d.is_dir())
+    sites += sorted(d for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages")
+                    for d in prefix.glob(pattern) if d.is_dir())
     key = (str(prefix), *((str(d), d.stat().st_mtime_ns) for d in sites))
     if key not in _found:
-        _found[key] = None, str(prefix) if prefix is not None else os.pathsep.join(map(str, extra))
+        _found[key] = None, str(prefix)
         for site in sites:
             found = [v for info in site.glob("vllm-*.dist-info")
                      if (v := _parse_version(info.name[len("vllm-"):-len(".dist-info")]))]
