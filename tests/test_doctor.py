@@ -745,6 +745,8 @@ def test_a_vllm_other_than_the_pinned_one_is_named(tmp_path: Path, gpu_env: Any)
     check = by_name(report, "vllm")
     assert check.status == "warn", check
     assert "0.33.0" in check.detail and vllm_release.PINNED in check.detail, check.detail
+    assert "ocrvl starts it with --trust-request-mm-kwargs" in check.detail, (
+        "a vLLM >= 0.31 gets a flag the pinned one does not: doctor should say so")
     assert check.fix is not None and "ocrvl setup-server" in check.fix
 
 

@@ -29,7 +29,7 @@ from ocrvl_daemon.server import (
     placement,
     vllm_release,
 )
-from ocrvl_daemon.server.launchers import server_env
+from ocrvl_daemon.server.launchers import VERSIONED_FLAGS, server_env
 from ocrvl_daemon.server.layout_engine import LayoutChoice
 
 WSL_CONF = Path("/etc/wsl.conf")
@@ -453,9 +453,13 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
                      f">= {need}", SETUP_FIX)
     pinned = vllm_release.PINNED
     if version != pinned:
+        # What the managed server gets for this release beyond the pin's flags (launchers).
+        extra = [f"--{f.flag}" for f in VERSIONED_FLAGS
+                 if Version(version) >= f.since > Version(pinned)]
+        gets = f"; ocrvl starts it with {' '.join(extra)}" if extra else ""
         return Check("vllm", "warn", f"{version} ({where}), not {pinned}, the release ocrvl pins "
-                     "and the project measured", f"`ocrvl setup-server` installs {pinned} in its "
-                     "place (leave it if you chose this one with --vllm)")
+                     f"and the project measured{gets}", f"`ocrvl setup-server` installs "
+                     f"{pinned} in its place (leave it if you chose this one with --vllm)")
     return Check("vllm", "ok", f"{version} ({where}), the release ocrvl pins")
 
 
