@@ -16,8 +16,11 @@ TRUST_MM_KWARGS = "trust-request-mm-kwargs"
 TRUST_MM_KWARGS_SINCE = "0.31.0"
 
 
-def trust_mm_kwargs_fix(external: bool) -> str:
-    """What to do about a server that refuses PaddleX's image-size bounds."""
+def trust_mm_kwargs_fix(refusal: str, external: bool) -> str | None:
+    """What to do about a server whose `refusal` (its words) is of PaddleX's image-size
+    bounds; None for any other refusal."""
+    if f"--{TRUST_MM_KWARGS}" not in refusal:  # vLLM's words name the flag
+        return None
     if external:
         return (f"start the server (`vllm serve`) with --{TRUST_MM_KWARGS}: vLLM "
                 f"{TRUST_MM_KWARGS_SINCE} and newer refuse the image sizes PaddleOCR-VL's "

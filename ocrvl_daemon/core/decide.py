@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.config.models import TRUST_MM_KWARGS, trust_mm_kwargs_fix
+from ocrvl_daemon.config.models import trust_mm_kwargs_fix
 from ocrvl_daemon.core.actions import Action, Checkpoint, FailJob, Placeholder, SendAgain
 from ocrvl_daemon.core.backoff import Backoff
 from ocrvl_daemon.core.document import Document
@@ -149,14 +149,12 @@ def _refuses_every_page(document: Document, pages: int, error: str, url: str,
     answered none: it will not take this model's requests at all (a vLLM or model that
     ocrvl's requests do not suit, a wrong model name or API key), and a book of placeholders
     would hide that."""
-    if f"--{TRUST_MM_KWARGS}" in error:  # vLLM's words name the flag
-        fix = trust_mm_kwargs_fix(rules.external_server)
-    elif rules.external_server:
-        fix = ("check that it serves a PaddleOCR-VL model as model.name (its "
-               "--served-model-name) and takes server.api_key; its own log says why it refuses")
-    else:
-        fix = ("its log says why it refuses; `ocrvl doctor` says whether the server environment "
+    generic = ("check that it serves a PaddleOCR-VL model as model.name (its "
+               "--served-model-name) and takes server.api_key; its own log says why it refuses"
+               if rules.external_server else
+               "its log says why it refuses; `ocrvl doctor` says whether the server environment "
                "holds the vLLM release ocrvl pins, which `ocrvl setup-server` installs")
+    fix = trust_mm_kwargs_fix(error, rules.external_server) or generic
     return ServerError(
         f"The model server at {url} refuses every page of {document.job.path.name} it was "
         f"sent ({pages} pages, none answered), each with: {error.rstrip('.')}.", fix)

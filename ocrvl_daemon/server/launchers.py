@@ -169,8 +169,8 @@ def _server_prefix(config: Config) -> Path | None:
     return script.parent.parent if script is not None else None
 
 
-_versions: dict[tuple[Any, ...], str | None] = {}  # ocrvl's own environment's
-_found: dict[tuple[Any, ...], tuple[str | None, str]] = {}  # another's: version, where
+# What each server environment holds (version, where), by the folders it was read from.
+_versions: dict[tuple[Any, ...], tuple[str | None, str]] = {}
 
 
 def server_vllm_version(config: Config) -> tuple[str | None, str]:
@@ -187,28 +187,28 @@ def server_vllm_version(config: Config) -> tuple[str | None, str]:
     prefix = _server_prefix(config)
     extra = [Path(d) for d in config.server.env.get("PYTHONPATH", "").split(os.pathsep) if d]
     if prefix is None and not extra:
-        where = f"ocrvl's own environment ({sys.prefix})"
         key: tuple[Any, ...] = (sys.prefix,)
         if key not in _versions:
             try:
-                _versions[key] = metadata.version("vllm")
+                version: str | None = metadata.version("vllm")
             except metadata.PackageNotFoundError:
-                _versions[key] = None
-        return _versions[key], where
+                version = None
+            _versions[key] = version, f"ocrvl's own environment ({sys.prefix})"
+        return _versions[key]
     prefix = prefix or Path(sys.prefix)  # PYTHONPATH before ocrvl's own interpreter's
     sites = [d for d in extra if d.is_dir()]
     sites += sorted(d for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages")
                     for d in prefix.glob(pattern) if d.is_dir())
     key = (str(prefix), *((str(d), d.stat().st_mtime_ns) for d in sites))
-    if key not in _found:
-        _found[key] = None, str(prefix)
+    if key not in _versions:
+        _versions[key] = None, str(prefix)
         for site in sites:
             found = [v for info in site.glob("vllm-*.dist-info")
                      if (v := _parse_version(info.name[len("vllm-"):-len(".dist-info")]))]
             if found:
-                _found[key] = str(min(found)), str(prefix if site not in extra else site)
+                _versions[key] = str(min(found)), str(prefix if site not in extra else site)
                 break
-    return _found[key]
+    return _versions[key]
 
 
 def _flag_value(value: Any) -> str:

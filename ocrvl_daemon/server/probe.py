@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ocrvl_daemon.config.model import Config
 from ocrvl_daemon.config.models import MAX_IMAGE_PIXELS, MIN_IMAGE_PIXELS, MODELS
 from ocrvl_daemon.errors import ServerConfigError
+from ocrvl_daemon.worker.streaming import LATER_STATUSES, error_message
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,8 @@ class ServerProbe:
 
 
 PAGE_PROBE_SECONDS = 20.0  # one token from a server that may be busy with a book
-# HTTP statuses that are no refusal of the request itself: a key, a busy or a failing server.
-NOT_A_REFUSAL = (401, 403, 408, 429)
+# HTTP 4xx statuses that are no refusal of the request itself: a key, a busy server.
+NOT_A_REFUSAL = LATER_STATUSES | {401, 403}
 
 
 def page_probe_body(model: str) -> dict[str, object]:
@@ -215,8 +216,4 @@ def page_refusal(config: Config) -> str | None:
         return None
     if not 400 <= reply.status_code < 500 or reply.status_code in NOT_A_REFUSAL:
         return None
-    try:
-        words = str(reply.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        words = reply.text.strip()[:500]
-    return f"HTTP {reply.status_code}: {words}"
+    return f"HTTP {reply.status_code}: {error_message(reply.content)}"

@@ -35,7 +35,7 @@ from ocrvl_daemon.process.channel import Channel
 from ocrvl_daemon.worker import completions
 from ocrvl_daemon.worker.page_context import PageContext, TimedRequests, on_page
 from ocrvl_daemon.worker.request_images import has_ink
-from ocrvl_daemon.worker.streaming import StatusError
+from ocrvl_daemon.worker.streaming import LATER_STATUSES, StatusError
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,6 @@ def _blocks(res: Any) -> list[Block]:
             x0, y0, x1, y1 = (round(float(v), 1) for v in list(block.bbox)[:4])
             blocks.append(Block(str(block.label), (x0, y0, x1, y1), str(block.content or "")))
     return blocks
-
-
-# 4xx statuses that mean "not now" rather than "not this request": a request timeout, and
-# a proxy's rate limit in front of the server.
-LATER_STATUSES = frozenset({408, 429})
 
 
 def _request_failure(exc: Exception, requests: list[Any]) -> tuple[Failure, str] | None:

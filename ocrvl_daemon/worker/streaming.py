@@ -57,6 +57,11 @@ _PLAINER_FOR: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, int]] = (
     weakref.WeakKeyDictionary())
 
 
+# 4xx statuses that mean "not now" rather than "not this request": a request timeout, and
+# a proxy's rate limit in front of the server.
+LATER_STATUSES = frozenset({408, 429})
+
+
 class StatusError(Exception):
     """The server refused or failed the request with an HTTP error status (for a stream that
     fails once started, the status in its error event)."""
@@ -124,7 +129,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             error = event.get("error") if isinstance(event.get("error"), dict) else (
                 event if event.get("object") == "error" else None)
             if error is not None:
-                raise StatusError(int(error.get("code") or 500), _error_message(data.encode()))
+                raise StatusError(int(error.get("code") or 500), error_message(data.encode()))
             text = ""
             for choice in event.get("choices") or ():
                 text += (choice.get("delta") or {}).get("content") or ""
@@ -168,7 +173,7 @@ async def _answering(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             await response.aread()
         finally:
             await response.aclose()
-        message = _error_message(response.content)
+        message = error_message(response.content)
         simpler = _plainer(body) if (response.status_code in (400, 422)
                                      and "stream" in message.lower()) else None
         if simpler is None:
@@ -244,7 +249,7 @@ def _ended(text: str, finish_reason: str | None, tokens: int) -> StreamedAnswer:
     return StreamedAnswer(text, LOOP if finish_reason == REPEATED else finish_reason, tokens)
 
 
-def _error_message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
     """The message of an OpenAI-style error body (`{"error": {"message": ...}}`, or vLLM's
     older `{"message": ...}`), else the body itself."""
     try:

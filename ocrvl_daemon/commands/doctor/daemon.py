@@ -15,7 +15,7 @@ import httpx
 
 from ocrvl_daemon.commands.doctor.report import Check
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.config.models import TRUST_MM_KWARGS, trust_mm_kwargs_fix
+from ocrvl_daemon.config.models import trust_mm_kwargs_fix
 from ocrvl_daemon.config.values import folder_problem
 from ocrvl_daemon.process.group import GroupRecord, group_members
 from ocrvl_daemon.server.managed import port_in_use
@@ -147,16 +147,10 @@ def server_check(config: Config) -> Check:
     if refusal is not None:
         return Check("server", "fail", f"{root} serves {config.model.served} but refuses a "
                      f"page request as PaddleX sends one ({refusal})",
-                     _refusal_fix(config, refusal))
+                     trust_mm_kwargs_fix(refusal, config.server.mode == "external")
+                     or "the server's log says why; check that it serves a PaddleOCR-VL model")
     return Check("server", "ok", f"{root} is up, serves {config.model.served} and takes a "
                  "page request")
-
-
-def _refusal_fix(config: Config, refusal: str) -> str:
-    """What to do about a server that refuses PaddleOCR-VL's page requests."""
-    if f"--{TRUST_MM_KWARGS}" in refusal:  # vLLM's words name the flag
-        return trust_mm_kwargs_fix(config.server.mode == "external")
-    return "the server's log says why; check that it serves a PaddleOCR-VL model"
 
 
 def _ocrvl_server_running(config: Config) -> bool:
