@@ -226,11 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["python3", "-m", "testkit.layout_model", str(args.layout_cache),
                         "--format", "transformers"], check=True)
     use_layout_cache(args.layout_cache)  # before the cluster starts: its nodes inherit it
-    import ray
-
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": gpu_name(),
-                           "ray": ray.__version__, "rows": []}
-    cluster = start_cluster(args.fake)
+                           "rows": []}
+    # `--order local` (the lease's auto-replicas step) needs no Ray: nor its idle cluster
+    # beside the timed daemon
+    cluster: Any = start_cluster(args.fake) if "ray" in args.order.split(",") else None
+    if cluster is not None:
+        import ray
+
+        res["ray"] = ray.__version__
     try:
         with tempfile.TemporaryDirectory(prefix="ocrvl-ray-vs-local-") as tmp:
             for mode in modes:
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     res["summary"] = summary(res["rows"])
                     args.results.write_text(json.dumps(res, indent=2) + "\n")
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     for mode, s in res.get("summary", {}).items():
         log(f"{mode}: local {s['local_pages_per_s']} pages/s, ray {s['ray_pages_per_s']} "
             f"pages/s, ray/local {s['ray_vs_local']} (target {TARGET}: "
