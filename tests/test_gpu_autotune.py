@@ -23,7 +23,7 @@ from ocrvl_daemon.server.autotune import (
     suggestion,
 )
 from ocrvl_daemon.server.gpu import GpuReading
-from ocrvl_daemon.server.vllm_diagnosis import is_oom, oom_cause
+from ocrvl_daemon.server.vllm_diagnosis import is_oom, kv_cache_too_small, oom_cause
 from testkit.fake_server import (
     FAIL_KINDS,
     FIXED_FAILURES,
@@ -376,6 +376,24 @@ def test_cache_blocks_error_never_lowers_utilization() -> None:
     steps = _walk(start, config, CACHE_BLOCKS)
     assert steps[-1][UTILIZATION] == start[UTILIZATION]
     assert steps[-1][MAX_NUM_SEQS] == 8
+
+
+# vLLM 0.33.0 on the 8 GB card emulated on an H100 with the layout model beside it (bench
+# small-card, 2026-12-07): ocrvl's plan, made for 0.26.0's start-up peak, left it -0.86 GiB of
+# KV cache. The same start at max-num-batched-tokens 8192 had 0.56 GiB (measured there too).
+REAL_033_NO_KV = (Path(__file__).parent / "fixtures"
+                  / "vllm-0.33-no-kv-cache-8gb-layout.log").read_text(encoding="utf-8")
+
+
+@pytest.mark.quick
+def test_vllm_033_failing_the_8gb_layout_plan_steps_down_to_the_batch_that_started() -> None:
+    assert kv_cache_too_small(REAL_033_NO_KV), \
+        "vLLM 0.33's 'no memory for the cache blocks' start was not seen as a KV-cache shortage"
+    planned = {UTILIZATION: 0.46, MAX_MODEL_LEN: 5632, MAX_NUM_SEQS: 24, BATCHED_TOKENS: 16384}
+    after = next_after_oom(planned, Config.model_validate({}), REAL_033_NO_KV)
+    # A smaller share of the card would only shrink the KV cache further.
+    assert after == {**planned, MAX_NUM_SEQS: 12, BATCHED_TOKENS: 8192}, \
+        "after vLLM 0.33 found no room for its KV cache, the next start is not the one that fit"
 
 
 @pytest.mark.quick
