@@ -35,3 +35,19 @@ def test_ray_vs_local_dry_run_times_both_contenders_and_writes_the_ratio(tmp_pat
     assert off["ray_vs_local"] == pytest.approx(off["ray_pages_per_s"] / off["local_pages_per_s"],
                                                 abs=0.01)
     assert (tmp_path / "logs" / "off-ray.log").exists(), "the ray daemon's log was not kept"
+
+
+def test_ray_vs_local_with_local_alone_times_it_without_a_ray_cluster(tmp_path: Path):
+    results = tmp_path / "ray_vs_local.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu.ray_vs_local", "--fake", "--order", "local",
+         "--pages-off", "8", "--rounds", "1", "--results", str(results), "--log-dir",
+         str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=ocrvl_env(), check=False)
+    assert proc.returncode == 0, f"bench.gpu.ray_vs_local --order local failed:\n" \
+                                 f"{proc.stderr[-4000:]}"
+    data = json.loads(results.read_text())
+    assert [(r["contender"], r["mode"]) for r in data["rows"]] == [("local", "off")]
+    assert data["rows"][0]["pages_per_s"] > 0, data["rows"]
+    assert "ray" not in data, "the local contender alone (the lease's auto-replicas step) " \
+                              "started a Ray cluster it does not use"
