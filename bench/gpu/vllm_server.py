@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from packaging.version import Version
 
 from bench.gpu.lengths import DEFAULT as DEFAULT_LENGTHS
 from bench.gpu.lengths import ENV as LENGTHS_ENV
 from ocrvl_daemon.config.models import DEFAULT_MODEL
 from ocrvl_daemon.process.group import stop_process_group
-from ocrvl_daemon.server.launchers import TRUST_MM_KWARGS_FLAG, vllm_flags
+from ocrvl_daemon.server.launchers import TRUST_MM_KWARGS_FLAG, flags_of, vllm_flags
 from ocrvl_daemon.server.probe import parse_metrics
 from testkit.harness import answers_health, wait_until
 
@@ -61,11 +60,10 @@ class ServeOptions:
             argv += ["--load-format", "dummy"]
         if self.lengths:
             argv += ["--logits-processors", LOGITS_PROCESSOR]
-        if TRUST_MM_KWARGS_FLAG.flag not in " ".join(self.extra):
-            version = self.vllm_version()
-            if version is not None and Version(version) >= TRUST_MM_KWARGS_FLAG.since:
-                # else vLLM >= 0.31 refuses every captured request (its image-size bounds)
-                argv += vllm_flags({TRUST_MM_KWARGS_FLAG.flag: TRUST_MM_KWARGS_FLAG.value})
+        if (TRUST_MM_KWARGS_FLAG.flag not in " ".join(self.extra)
+                and TRUST_MM_KWARGS_FLAG in flags_of(self.vllm_version())):
+            # else vLLM >= 0.31 refuses every captured request (its image-size bounds)
+            argv += vllm_flags({TRUST_MM_KWARGS_FLAG.flag: TRUST_MM_KWARGS_FLAG.value})
         return argv + self.extra
 
     def vllm_version(self) -> str | None:

@@ -18,8 +18,9 @@ export PYTHONPATH=$PWD:/tmp/cli PYTHONUNBUFFERED=1
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_USE_FLASHINFER_SAMPLER=0
 say() { echo "$(date +%H:%M:%S) $*" | tee -a "$OUT/progress.txt"; }
 # The stand-in layout model's weights, not just the folder: PaddleX makes it as its cache
-# (ray_vs_local points it there) and leaves it without a model (testkit.layout_model.written).
-ls /tmp/lm/official_models/*_safetensors/model.safetensors > /dev/null 2>&1 ||
+# (ray_vs_local points it there) and leaves it without a model.
+python3 -c 'import sys; from pathlib import Path; from testkit.layout_model import written
+sys.exit(not written(Path("/tmp/lm")))' ||
   python3 -m testkit.layout_model /tmp/lm --format transformers > "$OUT/lm.log" 2>&1
 for pair in "$@"; do
   label=${pair%%=*}; site=${pair#*=}

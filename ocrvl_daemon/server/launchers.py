@@ -81,6 +81,13 @@ TRUST_MM_KWARGS_FLAG = VersionedFlag(
     TRUST_MM_KWARGS, True, Version(TRUST_MM_KWARGS_SINCE),
     "PaddleOCR-VL's requests carry each block's image size, which vLLM refuses without it")
 VERSIONED_FLAGS = (STREAM_INTERVAL_FLAG, TRUST_MM_KWARGS_FLAG)
+
+
+def flags_of(version: str | None) -> tuple[VersionedFlag, ...]:
+    """The VERSIONED_FLAGS that vLLM `version` has (none where it is unknown or unreadable)."""
+    parsed = _parse_version(version) if version is not None else None
+    return tuple(f for f in VERSIONED_FLAGS if parsed is not None and parsed >= f.since)
+
 # vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
 # WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
 # 50239, 54652). The V1 runner does without. vLLM 0.34.0 removed the V1 runner and refuses
@@ -121,12 +128,12 @@ def server_defaults(config: Config) -> dict[str, Any]:
     if config.server.launcher == "command":
         return {}
     version, where = server_vllm_version(config)
-    parsed = _parse_version(version) if version is not None else None
+    has = flags_of(version)
     added: dict[str, Any] = {}
     for flag in VERSIONED_FLAGS:
         if flag.flag in config.server.vllm_args:
             continue
-        if parsed is not None and parsed >= flag.since:
+        if flag in has:
             spelled = " ".join(vllm_flags({flag.flag: flag.value}))
             _say_once(f"{where}:{flag.flag}", f"adding {spelled} to the vLLM flags: vLLM "
                       f"{version} in {where} has it ({flag.why})")
@@ -134,7 +141,7 @@ def server_defaults(config: Config) -> dict[str, Any]:
             continue
         if version is None:
             why = f"no vLLM version found in {where}"
-        elif parsed is None:
+        elif _parse_version(version) is None:
             why = f"cannot compare vLLM version {version!r} in {where}"
         else:
             why = f"vLLM {version} in {where} predates {flag.since}, which added it"

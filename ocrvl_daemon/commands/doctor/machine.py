@@ -29,7 +29,7 @@ from ocrvl_daemon.server import (
     placement,
     vllm_release,
 )
-from ocrvl_daemon.server.launchers import VERSIONED_FLAGS, server_env
+from ocrvl_daemon.server.launchers import flags_of, server_env
 from ocrvl_daemon.server.layout_engine import LayoutChoice
 
 WSL_CONF = Path("/etc/wsl.conf")
@@ -454,8 +454,7 @@ def _vllm_version_check(config: Config, version: str, where: str) -> Check:
     pinned = vllm_release.PINNED
     if version != pinned:
         # What the managed server gets for this release beyond the pin's flags (launchers).
-        extra = [f"--{f.flag}" for f in VERSIONED_FLAGS
-                 if Version(version) >= f.since > Version(pinned)]
+        extra = [f"--{f.flag}" for f in flags_of(version) if f not in flags_of(pinned)]
         gets = f"; ocrvl starts it with {' '.join(extra)}" if extra else ""
         return Check("vllm", "warn", f"{version} ({where}), not {pinned}, the release ocrvl pins "
                      f"and the project measured{gets}", f"`ocrvl setup-server` installs "
