@@ -4,6 +4,7 @@ fake server, and the pieces it hands to vLLM (answer lengths, dummy model dir)."
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from bench.gpu.lengths import DEFAULT, LONGEST, SHORTEST, AnswerLengths
 from bench.gpu.run import merged, page_requests, round_order, write_json
 from bench.gpu.vllm_server import LOGITS_PROCESSOR, ServeOptions
 from testkit.documents import make_layout_pdf, make_pdf
-from testkit.harness import free_port, start_fake_server, wait_until
+from testkit.harness import answers_health, free_port, start_fake_server, wait_until
 from testkit.plain_server import _Handler, serving
 from testkit.runner import ocrvl_env, run_ocrvl, write_config
 
@@ -218,7 +219,7 @@ def test_the_feeder_and_warm_up_send_exactly_what_ocrvl_sends(tmp_path: Path) ->
     """capacity and the warm-up stand for ocrvl's requests: the same fields (vLLM builds
     another image processor for other `mm_processor_kwargs`), and an image of about the
     same size."""
-    seen: ClassVar[list[dict[str, Any]]] = []
+    seen: list[dict[str, Any]] = []
 
     class Capture(_Handler):
         def do_POST(self) -> None:
@@ -467,6 +468,54 @@ def test_a_bench_stopped_by_a_signal_stops_the_vllm_server_it_started(
             with __import__("contextlib").suppress(ProcessLookupError):
                 os.killpg(pid, 9)
     assert f"signal {getattr(__import__('signal'), sig).value}: stopping" in err.read_text()
+
+
+# where the plan asks for 16384 batched tokens, exit as vLLM 0.33.0 did on the 8 GB card
+FAKE_VLLM_033_8GB_MAIN = '''import sys
+from pathlib import Path
+
+from testkit.fake_server.cli import main
+
+args = sys.argv[1:]
+if args[args.index("--max-num-batched-tokens") + 1] == "16384":
+    print(Path(%r).read_text(), flush=True)
+    sys.exit(1)
+sys.exit(main(args[2:]))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_small_card_bench_starts_vllm_on_the_plan_ocrvl_steps_down_to(
+        tmp_path: Path) -> None:  # fmt: skip
+    """vLLM 0.33.0 on the 8 GB card beside the layout model found no room for its KV cache
+    under ocrvl's plan: the bench must go on as ocrvl's managed server does, to the next plan,
+    and say which plan started."""
+    from bench.gpu import small_card
+    from ocrvl_daemon.config.model import Config
+    from ocrvl_daemon.server import autotune
+
+    site = fake_vllm_site(tmp_path / "site")
+    log = ROOT / "tests" / "fixtures" / "vllm-0.33-no-kv-cache-8gb-layout.log"
+    (site / "vllm" / "entrypoints" / "cli" / "main.py").write_text(
+        FAKE_VLLM_033_8GB_MAIN % str(log))
+    planned = {autotune.UTILIZATION: 0.46, autotune.MAX_MODEL_LEN: 5632,
+               autotune.MAX_NUM_SEQS: 24, autotune.BATCHED_TOKENS: 16384}
+    serve = functools.partial(ServeOptions, model=str(tmp_path / "model"), dummy=False,
+                              lengths=None, port=free_port(), pythonpath=str(site))
+    res: dict[str, Any] = {}
+    with small_card.started_stepping_down(serve, planned, Config.model_validate({}), 0.1,
+                                          tmp_path / "vllm.log", res) as url:
+        assert answers_health(url), "the bench did not hand over a server that answers"
+    assert [s["started"] for s in res["starts"]] == [False, True], res["starts"]
+    assert res["started_plan"] == {**planned, autotune.MAX_NUM_SEQS: 12,
+                                   autotune.BATCHED_TOKENS: 8192}, \
+        "the second start is not the plan ocrvl's managed server steps down to"
+    assert res["served_utilization"] == 0.046, "the small card's share, scaled to the real one"
+    assert "No available memory for the cache blocks" in res["starts"][0]["failure"]
+    assert (tmp_path / "vllm-start-1.log").exists(), "the failed start's log was not kept"
+    lines = small_card.plan_lines(res)
+    assert "did not start: " in lines[0] and lines[1].startswith("then, stepped down")
 
 
 @pytest.mark.quick

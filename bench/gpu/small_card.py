@@ -21,11 +21,18 @@ model on the GPU (`--layout-engine`, the model from `--layout-cache`). The card'
 read every half second from before vLLM starts to the end (nvidia-smi: the whole card, and
 per process where it names them): the peak against the small card's budget, and whether vLLM
 or any ocrvl process ran out of memory, go under `layout_on` in the results file.
+
+A start that runs out of memory is followed, as ocrvl's managed server follows it, by the
+next smaller plan `autotune.next_after_oom` makes from vLLM's own failure text, until one
+starts or nothing is left to lower: `starts` in the results file lists each plan and why it
+failed, and the contenders run against the plan that started (vLLM 0.33.0 on the 8 GB card
+beside the layout model needs that second start).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -33,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,7 +67,7 @@ from bench.gpu.run import (
 from bench.gpu.teardown import process_name, stops_children
 from bench.gpu.vllm_server import ServeOptions, model_dir_parser, started, version
 from ocrvl_daemon.config.model import Config
-from ocrvl_daemon.server import autotune, placement
+from ocrvl_daemon.server import autotune, placement, vllm_diagnosis
 from ocrvl_daemon.server.gpu import GpuReading, read_gpu
 from testkit.documents import make_layout_pdf, make_pdf
 from testkit.harness import free_port
@@ -154,6 +162,57 @@ def family(url: str) -> set[int]:
     return {proc.pid}
 
 
+def served_options(serve: Callable[..., ServeOptions], values: dict[str, Any], scale: float
+                   ) -> ServeOptions:
+    """vLLM's options for ocrvl's plan `values` of the small card: its utilization scaled to
+    the real card (the same bytes), the rest as planned."""
+    return serve(max_model_len=int(values[autotune.MAX_MODEL_LEN]),
+                 gpu_memory_utilization=round(float(values[autotune.UTILIZATION]) * scale, 4),
+                 extra=["--max-num-seqs", str(values[autotune.MAX_NUM_SEQS]),
+                        "--max-num-batched-tokens", str(values[autotune.BATCHED_TOKENS])])
+
+
+@contextlib.contextmanager
+def started_stepping_down(serve: Callable[..., ServeOptions], values: dict[str, Any],
+                          config: Config, scale: float, vllm_log: Path, res: dict[str, Any]
+                          ) -> Iterator[str]:
+    """vLLM started on ocrvl's plan `values`, or on the next smaller plan ocrvl's managed
+    server would try after each out-of-memory start (`autotune.next_after_oom` on vLLM's own
+    text); yields its URL. Each try goes under res["starts"], the plan that started under
+    res["started_plan"] and its utilization of the real card under res["served_utilization"];
+    RuntimeError when a start fails otherwise or nothing is left to lower."""
+    starts: list[dict[str, Any]] = res.setdefault("starts", [])
+    current: dict[str, Any] | None = values
+    while current is not None:
+        options = served_options(serve, current, scale)
+        tried = {"plan": {k: current[k] for k in autotune.TUNED_KEYS},
+                 "served_utilization": options.gpu_memory_utilization}
+        starts.append(tried)
+        log("starting: " + " ".join(options.argv()))
+        try:
+            with started(options, vllm_log) as url:
+                tried["started"] = True
+                res["started_plan"] = tried["plan"]
+                res["served_utilization"] = options.gpu_memory_utilization
+                yield url
+                return
+        except RuntimeError as exc:
+            if tried.get("started"):
+                raise
+            text = vllm_log.read_text(errors="replace")
+            tried.update(started=False, failure=vllm_diagnosis.oom_cause(text)
+                         or str(exc)[-600:])
+            (vllm_log.parent / f"vllm-start-{len(starts)}.log").write_text(text)
+            if not vllm_diagnosis.is_oom(text):
+                raise
+            current = autotune.next_after_oom(current, config, text)
+            log("vLLM ran out of memory at start; ocrvl's next plan: "
+                + (", ".join(f"{k} {current[k]}" for k in autotune.TUNED_KEYS)
+                   if current else "none (nothing left to lower)"))  # fmt: skip
+    raise RuntimeError("vLLM did not start on any plan ocrvl would try: " + "; ".join(
+        f"{s['plan']}: {s.get('failure', '')[-200:]}" for s in starts))
+
+
 @stops_children
 def main(argv: list[str] | None = None) -> int:
     ap = model_dir_parser("python -m bench.gpu.small_card", __doc__)
@@ -203,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     lengths = DEFAULT_LENGTHS
     values = plan.values
     scale = args.card_mib / real.total_mib
-    utilization = float(values[autotune.UTILIZATION])
-    seqs = int(values[autotune.MAX_NUM_SEQS])  # the pages the planned KV cache holds at once
     log(f"ocrvl's plan for {card.name}: " + "; ".join(plan.reasons))
     for warning in plan.warnings:
         log(f"plan warning: {warning}")
@@ -219,19 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         blocks = caught_blocks(settings, book, sample, work / "blocks.jsonl", log_dir, 900)
         lengths = block_lengths(blocks["requests_per_page"], PAGE_TOKENS)
         log(f"blocks: {blocks['requests_per_page']:.1f} sent a page: answers {lengths}")
-    options = ServeOptions(
-        model=args.model_dir, dummy=True, lengths=lengths, port=free_port(),
-        python=args.vllm_python, pythonpath=args.vllm_pythonpath,
-        max_model_len=int(values[autotune.MAX_MODEL_LEN]),
-        gpu_memory_utilization=round(utilization * scale, 4),
-        extra=["--max-num-seqs", str(values[autotune.MAX_NUM_SEQS]),
-               "--max-num-batched-tokens", str(values[autotune.BATCHED_TOKENS])],
-    )  # fmt: skip
+    serve = functools.partial(
+        ServeOptions, model=args.model_dir, dummy=True, lengths=lengths, port=free_port(),
+        python=args.vllm_python, pythonpath=args.vllm_pythonpath)  # fmt: skip
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"), "gpu": gpu_name(), "pages": args.pages,
         "card": asdict(card), "plan": {k: values[k] for k in autotune.TUNED_KEYS},
-        "plan_reasons": plan.reasons, "served_utilization": options.gpu_memory_utilization,
-        "answer_lengths": lengths,
+        "plan_reasons": plan.reasons, "answer_lengths": lengths,
     }  # fmt: skip
     if args.layout:
         res["layout"] = {k: v for k, v in layout.items() if k != "use_layout_detection"}
@@ -239,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     vllm_log = log_dir / "vllm.log"
     memory = CardMemory()
     baseline = real.used_mib
-    log("starting: " + " ".join(options.argv()))
     try:
         memory.start()
-        with started(options, vllm_log) as url:
+        with started_stepping_down(serve, values, config, scale, vllm_log, res) as url:
+            # the pages the KV cache of the plan that started holds at once
+            seqs = int(res["started_plan"][autotune.MAX_NUM_SEQS])
             server_pids = family(url)
             res["vllm"] = version(url)
             res["vllm_memory"] = [ln.split("] ", 1)[-1] for ln in
@@ -304,14 +356,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def plan_lines(res: dict[str, Any]) -> list[str]:
+    """ocrvl's plan, and each smaller one its step-down tried after an out-of-memory start."""
+    lines = []
+    for n, start in enumerate(res["starts"]):
+        head = "ocrvl's plan" if n == 0 else "then, stepped down"
+        outcome = ("started" if start["started"] else
+                   f"did not start: {start['failure'][-300:]}")
+        lines.append(f"{head}: " + ", ".join(f"{k} {v}" for k, v in start["plan"].items())
+                     + f" (served at utilization {start['served_utilization']} of the real "
+                     f"card): {outcome}")  # fmt: skip
+    return lines
+
+
 def layout_report(res: dict[str, Any]) -> str:
     """The layout-on table of record: speed, the card's peak memory, out of memory or not."""
     m = res.get("memory", {})
     lines = [
         f"{res['card']['name']}, vLLM {res.get('vllm')}, {res['pages']} layout pages, "
         f"{res['date']}; layout {res['layout']}",
-        "ocrvl's plan: " + ", ".join(f"{k} {v}" for k, v in res["plan"].items())
-        + f" (served at utilization {res['served_utilization']} of the real card)",
+        *plan_lines(res),
         f"peak on the card: {m.get('peak_card_used_mib')} MiB above what was there before "
         f"vLLM, of a budget of {res['card_budget_mib']} MiB (per process: all "
         f"{m.get('peak_processes_mib')}, vLLM {m.get('peak_server_mib')}, layout workers "
@@ -332,8 +396,7 @@ def report(res: dict[str, Any]) -> str:
     lines = [
         f"{res['card']['name']}, vLLM {res.get('vllm')}, {res['pages']} pages, "
         f"{res['date']}",
-        "ocrvl's plan: " + ", ".join(f"{k} {v}" for k, v in res["plan"].items())
-        + f" (served at utilization {res['served_utilization']} of the real card)",
+        *plan_lines(res),
         *(f"  vLLM: {line}" for line in res.get("vllm_memory", [])),
         "",
         "| run | pages/s | vs best static | preemptions |",
