@@ -681,6 +681,10 @@ def test_the_lease_writes_progress_lines_and_the_benches_commands(tmp_path: Path
     auto = lease.commands("auto-replicas", args, 600)[-1]
     assert auto[2] == "bench.gpu.ray_vs_local" and auto[auto.index("--order") + 1] == "local"
     assert auto[auto.index("--vllm-pythonpath") + 1] == "/tmp/site", "the release measured"
+    assert auto[auto.index("--modes") + 1] == "off,on"
+    args.auto_modes = "on"
+    auto = lease.commands("auto-replicas", args, 600)[-1]
+    assert auto[auto.index("--modes") + 1] == "on", "--auto-modes is not passed on"
 
 
 @pytest.mark.quick

@@ -2,7 +2,7 @@
 
     python3 -m bench.gpu.lease --budget-s 1500 --out DIR [--plan layout-mps,layout,mps,rerun,...]
         [--model-dir /tmp/model] [--vllm-python python3] [--vllm-pythonpath /tmp/site]
-        [--layout-cache /tmp/lm] [--rerun-rounds 2]
+        [--layout-cache /tmp/lm] [--rerun-rounds 2] [--auto-modes off,on]
 
 Steps, in the order `--plan` gives them (its order is their priority):
 
@@ -30,7 +30,8 @@ Steps, in the order `--plan` gives them (its order is their priority):
   auto-replicas
               bench.gpu.ray_vs_local --order local: an `ocrvl run` daemon with its managed
               vLLM on `auto` settings (an 80 GiB card: 2 replicas under MPS), layout off then
-              on (the same stand-in), 3 timed books each: the `auto` figure of a vLLM release
+              on (the same stand-in; --auto-modes), 3 timed books each: the `auto` figure of
+              a vLLM release
   layout-threads
               bench.layout_speed --gpu-footprint --callers 48: the layout model's GPU memory
               from one thread against from 48 threads in turn (torch's per-thread handles)
@@ -334,7 +335,8 @@ def commands(name: str, args: argparse.Namespace, share: float) -> list[list[str
         main = [py, "-m", "bench.gpu.small_card", *vllm, "--layout", *layout, *files]
     elif name == "auto-replicas":
         main = [py, "-m", "bench.gpu.ray_vs_local", *vllm, "--order", "local", "--modes",
-                "off,on", "--rounds", "3", "--layout-cache", str(args.layout_cache), *files]
+                args.auto_modes, "--rounds", "3", "--layout-cache", str(args.layout_cache),
+                *files]  # fmt: skip
     elif name == "layout-threads":
         main = [py, "-m", "bench.layout_speed", "--gpu-footprint", "--batches", "1",
                 "--callers", "48"]
@@ -373,6 +375,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mps-settings", default="x2,x2-sync,x2-api2,x2-batched-8k",
                     help="big_gpu settings of the mps step, in order (vLLM's options: x2-sync, "
                          "x2-api2, x2-batched-8k, x2-graphs-256; bench.gpu.big_gpu lists all)")
+    ap.add_argument("--auto-modes", default="off,on",
+                    help="layout modes of the auto-replicas step, in order (one lease per mode "
+                         "lets two vLLM releases alternate on one machine: off, off, on, on)")
     ap.add_argument("--share", action="append", default=[], metavar="STEP=SECONDS",
                     help="a step's estimate (its share at most) instead of the built-in one")
     ap.add_argument("--grace-s", type=float, default=GRACE_S,
