@@ -88,6 +88,7 @@ def flags_of(version: str | None) -> tuple[VersionedFlag, ...]:
     parsed = _parse_version(version) if version is not None else None
     return tuple(f for f in VERSIONED_FLAGS if parsed is not None and parsed >= f.since)
 
+
 # vLLM >= 0.24's default model runner (V2) needs UVA, and vLLM turns pinned memory off under
 # WSL2, so every default start there dies with "UVA is not available" (vLLM issues 47387,
 # 50239, 54652). The V1 runner does without. vLLM 0.34.0 removed the V1 runner and refuses
