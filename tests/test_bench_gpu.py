@@ -519,6 +519,37 @@ def test_the_small_card_bench_starts_vllm_on_the_plan_ocrvl_steps_down_to(
 
 
 @pytest.mark.quick
+def test_a_failed_first_start_on_the_small_card_is_vllms_not_the_layout_models_or_ocrvls(
+        tmp_path: Path) -> None:  # fmt: skip
+    """vLLM 0.33.0's first start on the 8 GB card ran out of memory and the second served
+    every page: the bench said it did not fit, because it read the failed start's log as
+    ocrvl's and its engine core's memory as the layout model's."""
+    from bench.gpu import small_card
+
+    (tmp_path / "vllm.log").write_text("INFO served\n")
+    (tmp_path / "vllm-start-1.log").write_text(
+        "ValueError: No available memory for the cache blocks.\n")
+    (tmp_path / "blocks.log").write_text("INFO 64 pages\n")
+    (tmp_path / "adaptive.1.log").write_text("INFO 64 pages\n")
+    assert small_card.ocrvl_out_of_memory(tmp_path) == [], \
+        "a start of vLLM that failed was counted as ocrvl running out of memory"
+    (tmp_path / "adaptive.1.log").write_text("torch.OutOfMemoryError: CUDA out of memory\n")
+    assert small_card.ocrvl_out_of_memory(tmp_path) == ["adaptive.1.log"], \
+        "ocrvl's own out of memory was missed"
+
+    memory = small_card.CardMemory()
+    failed_core, core, layout = 9315, 9986, 10632
+    memory.names = {failed_core: "VLLM::EngineCore", core: "VLLM::EngineCore",
+                    layout: "python3 -c from ocrvl_daemon.worker.main import serve"}
+    memory.samples = [(7600, {failed_core: 6908}), (7400, {core: 4616, layout: 1786})]
+    peaks = memory.peaks(700, {core})
+    assert peaks["peak_server_mib"] == 6908, "the failed start's engine core is vLLM's"
+    assert peaks["peak_layout_mib"] == 1786, \
+        "the failed start's engine core was counted as the layout model's memory"
+    assert peaks["peak_card_used_mib"] == 6900
+
+
+@pytest.mark.quick
 def test_vllm_python_is_passed_on_as_an_absolute_executable(tmp_path: Path) -> None:
     """`--vllm-python python3`: ocrvl's managed server refuses a bare name for server.python
     (every replica "failed"), so every bench resolves it on its PATH first."""

@@ -122,10 +122,12 @@ class CardMemory:
     def peaks(self, baseline_mib: int, server_pids: set[int]) -> dict[str, Any]:
         """Peak MiB the benchmark's processes held on the card: the card's reading above
         `baseline_mib` (what was there before vLLM), and from the per-process list, all
-        processes, vLLM's (`server_pids`) and the rest (the layout workers)."""
+        processes, vLLM's (`server_pids`, and an engine core of a start that failed before
+        them, by the name vLLM gives it) and the rest (the layout workers)."""
         if not self.samples:
             return {}
         apps = [a for _, a in self.samples]
+        server_pids = server_pids | {p for p, n in self.names.items() if n.startswith("VLLM::")}
         return {
             "peak_card_used_mib": max(u for u, _ in self.samples) - baseline_mib,
             "peak_processes_mib": max(sum(a.values()) for a in apps),
@@ -138,6 +140,13 @@ class CardMemory:
             "peak_by_process_mib": {f"{pid} {self.names.get(pid, '?')}": max(
                 a.get(pid, 0) for a in apps) for pid in sorted({p for a in apps for p in a})},
         }  # fmt: skip
+
+
+def ocrvl_out_of_memory(log_dir: Path) -> list[str]:
+    """The logs of ocrvl's processes under `log_dir` that say out of memory: not vLLM's
+    (`vllm.log`, and `vllm-start-N.log` of each start that failed, which `starts` reports)."""
+    return sorted(p.name for p in log_dir.glob("*.log") if not p.name.startswith("vllm")
+                  and OUT_OF_MEMORY.search(p.read_text(errors="replace")))
 
 
 def compute_apps() -> dict[int, int]:
@@ -326,9 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             res["server_out_of_memory"] = bool(OUT_OF_MEMORY.search(text))
             if args.layout:
                 res["memory"] = memory.peaks(baseline, server_pids)
-                res["ocrvl_out_of_memory"] = sorted(
-                    p.name for p in log_dir.glob("*.log") if p.name != "vllm.log"
-                    and OUT_OF_MEMORY.search(p.read_text(errors="replace")))
+                res["ocrvl_out_of_memory"] = ocrvl_out_of_memory(log_dir)
                 res["failed"] = failed
             res["results"] = {n: {"pages_per_s": round(r.pages_per_s, 3),
                                   "preemptions": r.preemptions, "timeline": r.timeline,

@@ -30,10 +30,10 @@ KNOWN: dict[str, Release] = {
     "0.33.0": Release("2.14.0", "13.0"),  # the newest pip installs (0.34.0 asks for a
     # flashinfer-python==0.7.3 that PyPI does not have); torch 2.14.0 requires
     # nvidia-cuda-runtime 13.0.96. On an H100 it serves only with --trust-request-mm-kwargs
-    # (launchers.TRUST_MM_KWARGS_FLAG), 16-29% faster than 0.26.0 on one server (25% with
-    # `auto` replicas and layout on), but its start-up peak is 2 GiB above 0.26.0's: on an
-    # 8 GB card beside the layout model, ocrvl's plan (gpu_memory's, 0.26.0's) leaves it no
-    # KV cache until the step-down (RESULTS.md).
+    # (launchers.TRUST_MM_KWARGS_FLAG), 16-29% faster than 0.26.0 on one server (12% and 27%
+    # with `auto` replicas, layout off and on), but its start-up peak is 2 GiB above 0.26.0's:
+    # on an 8 GB card beside the layout model, ocrvl's plan (gpu_memory's, 0.26.0's) leaves
+    # it no KV cache until the step-down, and then it is a third slower (RESULTS.md).
     "0.26.0": Release("2.11.0", "13.0"),  # torch 2.11.0 requires cuda-toolkit 13.0.2
     "0.19.1": Release("2.10.0", "12.8"),  # torch 2.10.0 requires nvidia-cuda-runtime-cu12 12.8
 }
