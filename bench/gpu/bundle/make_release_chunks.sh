@@ -14,13 +14,11 @@
 set -euo pipefail
 VERSION=$1; OUTD=$2; HERE=$(cd "$(dirname "$0")" && pwd); CHUNK_MIB=${CHUNK_MIB:-55}
 TAG=$(echo "$VERSION" | awk -F. '{printf "%d%02d", $1, $2}')
-. "$HERE/py312.sh"
+. "$HERE/gpu_python.sh"
 PY=$(py312) || exit 1
-PLAT=""; for n in $(seq 39 -1 5); do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
-PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64"
 mkdir -p "$OUTD/whl"
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-    --abi cp312 --abi abi3 --abi none $PLAT --platform any -d "$OUTD/whl" "vllm==$VERSION"
+    --abi cp312 --abi abi3 --abi none $PLATFORMS -d "$OUTD/whl" "vllm==$VERSION"
 # What the machine's torch 2.11 cu130 brings (NCCL stays: torch pins its own), then what
 # PaddleOCR-VL's serving never imports.
 mkdir -p "$OUTD/left_out"
